@@ -1,0 +1,93 @@
+"""The ``hybridkv`` command.
+
+Each subsystem registers its own subcommands (``register(subparsers, bench_subparsers)``); this module only
+builds the parser, configures logging for the process (the library itself never does) and maps outcomes to
+exit codes:
+
+- 0: success
+- 1: the command ran and found a problem (an audit violation, a failed check)
+- 2: bad usage or bad input (unknown flag, malformed store URL, missing file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from hybridkv import __version__
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+
+# Modules that contribute subcommands. Each defines
+# ``register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None``
+# and sets ``func`` on its parsers via ``set_defaults(func=...)``; ``func(args) -> int`` returns the exit code.
+_COMMAND_MODULES = (
+    "hybridkv.cli.store_cmds",
+    "hybridkv.cli.lifecycle_cmds",
+    "hybridkv.cli.demo_cmds",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridkv",
+        description=(
+            "hybridkv: an external prefix-cache tier for vLLM that stays correct for hybrid models.\n"
+            "Run `hybridkv demo` to see it work, `hybridkv audit FILE` to check a transition log."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the process log on stderr (default: WARNING)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: JSON + table output, ratios against a baseline measured in the same run",
+        description="Benchmarks. Each writes a JSON report (and a PNG plot when matplotlib is present).",
+    )
+    bench_subparsers = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench.set_defaults(func=lambda _args: _missing_subcommand(bench))
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            # Only a missing command module itself is tolerated; a missing dependency inside it is a bug.
+            if error.name != module_name:
+                raise
+            continue
+        module.register(subparsers, bench_subparsers)
+    return parser
+
+
+def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from hybridkv.cli._logging import configure_process_logging
+
+    configure_process_logging(args.log_level)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

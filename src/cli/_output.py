@@ -1,0 +1,38 @@
+"""Shared output helpers for CLI commands: aligned tables and JSON reports."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """Render ``rows`` as a left-aligned text table with the given column order.
+
+    Floats are shown with 3 significant decimals; missing cells are empty.
+    """
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return str(value)
+
+    text_rows = [[cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(r[i]) for r in text_rows]) for i, column in enumerate(columns)]
+    lines = ["  ".join(column.ljust(widths[i]) for i, column in enumerate(columns))]
+    lines.append("  ".join("-" * width for width in widths))
+    lines.extend("  ".join(r[i].ljust(widths[i]) for i in range(len(columns))) for r in text_rows)
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:
+    """Write ``payload`` as indented JSON, creating parent folders; returns the path written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    return target

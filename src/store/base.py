@@ -1,0 +1,106 @@
+"""The store protocol every backend implements.
+
+Contract (all backends, checked by ``hybridkv.testing.store_fuzz``):
+
+- **Batch-first.** Every data call takes a batch of keys and returns one typed result per key, in order.
+  Per-key outcomes are never exceptions and never bare ints; exceptions are reserved for programming
+  errors (mismatched batch lengths, a closed store, a non-writable destination).
+- **Insert-if-absent.** ``put`` of a key that already exists stores nothing and returns ``OK``: keys are
+  content-derived, so the bytes already stored are the bytes being offered.
+- **Atomic publish.** A key is visible to ``exists``/``get_into`` (in any process) only once its whole
+  value is stored.
+- **Framed values.** Every stored value carries a frame (magic, version, key digest, payload length,
+  checksum). A read whose frame does not match -- truncated, bit-flipped, written under another key, or a
+  payload length different from the destination's -- yields ``CORRUPT`` and the destination's contents are
+  unspecified (callers must not use them).
+- **Pointer-friendly.** A value is one buffer or a sequence of buffers (parts, concatenated in order); a
+  destination is one writable buffer or a sequence of writable buffers (scattered in order). Anything
+  supporting the Python buffer protocol works (``bytes``, ``bytearray``, ``memoryview``, numpy arrays,
+  CPU torch tensors via ``.numpy()``). Backends copy directly between these buffers and their storage.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from typing_extensions import Buffer
+
+#: One value: a single buffer or parts concatenated in order.
+Value: TypeAlias = Buffer | Sequence[Buffer]
+#: One destination: a single writable buffer or parts filled in order.
+Destination: TypeAlias = Buffer | Sequence[Buffer]
+
+
+class Status(enum.Enum):
+    """The outcome of one key in one batch call."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    NO_SPACE = "no_space"
+    TRANSFER_FAILED = "transfer_failed"
+    TIMEOUT = "timeout"
+    CORRUPT = "corrupt"
+
+    @property
+    def is_ok(self) -> bool:
+        return self is Status.OK
+
+
+class StoreError(Exception):
+    """A store could not be opened or used as configured (bad URL, bad parameter, missing dependency)."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A point-in-time summary of a store, for ``hybridkv store stats`` and metrics."""
+
+    url: str
+    num_keys: int | None = None
+    num_bytes: int | None = None
+    capacity_bytes: int | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A key-value byte store with typed per-key results. See the module docstring for the contract."""
+
+    @property
+    def url(self) -> str:
+        """The URL this store was opened from, with secrets (if any) removed."""
+        ...
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        """``OK`` if a complete value is stored under the key, ``NOT_FOUND`` if not, or an error status."""
+        ...
+
+    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+        """Store each value under its key unless the key already exists (then ``OK``, nothing written)."""
+        ...
+
+    def get_into(self, keys: Sequence[str], destinations: Sequence[Destination]) -> list[Status]:
+        """Copy each stored payload into its destination; its total size must equal the payload length."""
+        ...
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        """Delete each key: ``OK`` if removed, ``NOT_FOUND`` if absent, or an error status."""
+        ...
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        """Yield the stored keys that start with ``prefix`` (order unspecified)."""
+        ...
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Delete every key starting with ``prefix``; returns how many were removed."""
+        ...
+
+    def stats(self) -> StoreStats:
+        """Summarize the store."""
+        ...
+
+    def close(self) -> None:
+        """Release every handle and thread. Idempotent. Data in persistent backends survives."""
+        ...

@@ -1,0 +1,37 @@
+"""Test-wide settings: Hypothesis profiles and process logging (the library never configures logging)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import structlog
+from hypothesis import HealthCheck, settings
+
+# `ci` is the default: minutes for the whole suite on 2 cores. `long` is for depth:
+#   make fuzz-long        (or: pytest --hypothesis-profile=long)
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "long",
+    max_examples=2000,
+    stateful_step_count=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("dev", max_examples=15, stateful_step_count=20, deadline=None)
+settings.load_profile(os.environ.get("HYBRIDKV_HYPOTHESIS_PROFILE", "ci"))
+
+logging.basicConfig(level=logging.WARNING)
+structlog.configure(
+    processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+    wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    cache_logger_on_first_use=False,
+)
