@@ -1,0 +1,103 @@
+"""Lifecycle overhead benchmark (``hybridkv bench lifecycle``): microseconds per transition and per full
+request lifecycle, without an audit sink, with an in-memory sink and with the JSON-lines file sink."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink, MemoryAuditSink
+from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, LoadOutcome, Topology
+from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
+
+__all__ = ["TARGET_US_PER_TRANSITION", "run_lifecycle_bench"]
+
+#: Targets from the issue: without a sink / with the JSON sink.
+TARGET_US_PER_TRANSITION = {"none": 20.0, "json": 60.0}
+_TRIGGERS = ("start_lookup", "lookup_hit", "start_load", "load_verified", "evict")
+
+
+def _bench_scheme() -> KeyScheme:
+    # A Qwen3-Next-like layout: full attention (16-token pages) + Mamba (64-token states), TP=2.
+    geometry = Geometry(groups=(GroupSpec.full(16), GroupSpec.mamba(64)), topology=Topology(tp_size=2))
+    return KeyScheme(namespace="bench", model="bench-model", geometry=geometry)
+
+
+def _time(fn: Callable[[], None], iterations: int, repeats: int) -> float:
+    """Best-of-``repeats`` seconds for ``iterations`` calls of ``fn`` (the best run is the least disturbed)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_lifecycle_bench(
+    iterations: int = 5000, repeats: int = 3, prompt_tokens: int = 1024
+) -> dict[str, Any]:
+    """Measure and return a JSON-ready report (rows per sink kind)."""
+    scheme = _bench_scheme()
+    block_hashes = [
+        hashlib.sha256(str(i).encode()).digest() for i in range(prompt_tokens // scheme.geometry.hash_unit)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hybridkv-bench-") as tmp:
+        sinks: dict[str, Callable[[], AuditSink | None]] = {
+            "none": lambda: None,
+            "memory": MemoryAuditSink,
+            "json": lambda: JsonLinesAuditSink(os.path.join(tmp, "audit.jsonl")),
+        }
+        for name, make_sink in sinks.items():
+            sink = make_sink()
+            machine = LifecycleMachine(scheme, sink=sink)
+
+            def transitions_only(machine: LifecycleMachine = machine) -> None:
+                lifecycle = RequestLifecycle(machine, "bench")
+                for trigger in _TRIGGERS:
+                    machine.fire(lifecycle, trigger)
+
+            def full_lifecycle(machine: LifecycleMachine = machine) -> None:
+                lifecycle = machine.new_request("bench")
+                candidates = lifecycle.start_lookup(block_hashes, prompt_tokens + 1, 0)
+                assert candidates is not None
+                result = lifecycle.finish_lookup([True] * len(candidates.keys))
+                lifecycle.start_load()
+                assert result.plan is not None
+                lifecycle.finish_load({entry: LoadOutcome.OK for entry, _ in result.plan.entries})
+                lifecycle.evict()
+
+            seconds = _time(transitions_only, iterations, repeats)
+            us_per_transition = seconds / (iterations * len(_TRIGGERS)) * 1e6
+            lifecycle_seconds = _time(full_lifecycle, max(1, iterations // 5), repeats)
+            us_per_lifecycle = lifecycle_seconds / max(1, iterations // 5) * 1e6
+            if isinstance(sink, MemoryAuditSink):
+                sink.records.clear()
+            if sink is not None:
+                sink.close()
+            target = TARGET_US_PER_TRANSITION.get(name)
+            rows.append(
+                {
+                    "sink": name,
+                    "us_per_transition": us_per_transition,
+                    "target_us_per_transition": target,
+                    "meets_target": None if target is None else us_per_transition <= target,
+                    "us_per_lifecycle": us_per_lifecycle,
+                    "transitions_per_lifecycle": len(_TRIGGERS),
+                }
+            )
+    return {
+        "benchmark": "lifecycle",
+        "iterations": iterations,
+        "repeats": repeats,
+        "prompt_tokens": prompt_tokens,
+        "geometry": scheme.geometry.describe(),
+        "lifecycle": "new_request, start_lookup (keys), finish_lookup (all exist), start_load, "
+        "finish_load (all OK), evict",
+        "rows": rows,
+    }

@@ -1,0 +1,453 @@
+"""The per-request lifecycle: one transition table (data), one shared ``transitions`` machine.
+
+Load side (one per request incarnation; a preempted request that comes back starts again at ``NEW``)::
+
+    NEW -> LOOKUP -> MISS | PARTIAL_HIT -> LOADING -> VERIFIED | TRUNCATED -(one retry)-> LOOKUP ... -> EVICTED
+
+Save side (one per request and save wave)::
+
+    QUEUED -> PUTTING -> STORED | FAILED        QUEUED -> DROPPED (backpressure)
+
+Contracts:
+
+- ``TRANSITIONS`` is the only place transitions are declared; the machine, the audit replay and the
+  diagrams are all built from it.
+- One ``transitions.Machine`` (``auto_transitions=False``, ``send_event=True``, ``queued=True``) serves
+  every model: models are never added to it (``add_model`` is O(models) per call); each trigger is
+  dispatched through the machine's own ``Event`` objects, which run conditions, the state change and
+  ``finalize_event``.
+- An illegal trigger raises ``IllegalTransition`` naming the request, the trigger, the current state
+  and the states the trigger leads to; a refused guard raises ``GuardRejected``.
+- ``finalize_event`` is the single audit hook: exactly one record per transition that happened.
+- Not thread-safe: drive it from the scheduler thread (the connector's scheduler half).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.lifecycle.geometry import (
+    EntryId,
+    KeyScheme,
+    LoadOutcome,
+    LoadResolution,
+    LookupCandidates,
+    LookupResult,
+    SaveBlock,
+    SavePlan,
+    plan_lookup,
+)
+from transitions import EventData, Machine
+
+if TYPE_CHECKING:
+    from hybridkv.lifecycle.audit import AuditSink
+
+__all__ = [
+    "LOAD_INITIAL",
+    "LOAD_TERMINAL",
+    "MAX_LOAD_RETRIES",
+    "SAVE_INITIAL",
+    "SAVE_TERMINAL",
+    "TRANSITIONS",
+    "GuardRejected",
+    "IllegalTransition",
+    "LifecycleMachine",
+    "RequestLifecycle",
+    "SaveWave",
+    "State",
+    "TransitionSpec",
+    "transition_index",
+]
+
+
+class State(enum.Enum):
+    """Every lifecycle state (load side, then save side)."""
+
+    NEW = "NEW"
+    LOOKUP = "LOOKUP"
+    MISS = "MISS"
+    PARTIAL_HIT = "PARTIAL_HIT"
+    LOADING = "LOADING"
+    VERIFIED = "VERIFIED"
+    TRUNCATED = "TRUNCATED"
+    EVICTED = "EVICTED"
+    QUEUED = "QUEUED"
+    PUTTING = "PUTTING"
+    STORED = "STORED"
+    FAILED = "FAILED"
+    DROPPED = "DROPPED"
+
+
+@dataclass(frozen=True)
+class TransitionSpec:
+    """One row of the table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
+
+    trigger: str
+    sources: tuple[State, ...]
+    dest: State
+    #: The audit record's ``event`` (past-tense verb).
+    event: str
+    #: Names of predicate methods on the model (all must be true).
+    conditions: tuple[str, ...] = ()
+
+    def as_transitions_dict(self) -> dict[str, Any]:
+        return {
+            "trigger": self.trigger,
+            "source": [s.name for s in self.sources],
+            "dest": self.dest.name,
+            "conditions": list(self.conditions),
+        }
+
+
+_S = State
+#: Retries of a truncated load (then MISS for the rest of the incarnation).
+MAX_LOAD_RETRIES = 1
+LOAD_INITIAL = State.NEW
+SAVE_INITIAL = State.QUEUED
+LOAD_TERMINAL = frozenset({State.EVICTED})
+SAVE_TERMINAL = frozenset({State.STORED, State.FAILED, State.DROPPED})
+_LOAD_LIVE = (_S.NEW, _S.LOOKUP, _S.MISS, _S.PARTIAL_HIT, _S.LOADING, _S.VERIFIED, _S.TRUNCATED)
+
+# fmt: off
+TRANSITIONS: tuple[TransitionSpec, ...] = (
+    # -- load side ---------------------------------------------------------------------------------
+    TransitionSpec("start_lookup",  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
+    TransitionSpec("start_lookup",  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted", ("lookups_allowed",)),
+    TransitionSpec("lookup_hit",    (_S.LOOKUP,),                 _S.PARTIAL_HIT, "hit_found"),
+    TransitionSpec("lookup_miss",   (_S.LOOKUP,),                 _S.MISS,        "miss_reported"),
+    TransitionSpec("start_load",    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started"),
+    TransitionSpec("decline",       (_S.PARTIAL_HIT,),            _S.MISS,        "hit_declined"),
+    TransitionSpec("load_verified", (_S.LOADING,),                _S.VERIFIED,    "load_verified"),
+    TransitionSpec("load_failed",   (_S.LOADING,),                _S.TRUNCATED,   "load_truncated"),
+    TransitionSpec("retry",         (_S.TRUNCATED,),              _S.LOOKUP,      "retry_started", ("has_retry_budget",)),
+    TransitionSpec("give_up",       (_S.TRUNCATED,),              _S.MISS,        "retries_exhausted"),
+    TransitionSpec("evict",         _LOAD_LIVE,                   _S.EVICTED,     "request_evicted"),
+    # -- save side (per wave) ----------------------------------------------------------------------
+    TransitionSpec("start_put",     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
+    TransitionSpec("put_stored",    (_S.PUTTING,),                _S.STORED,      "put_stored"),
+    TransitionSpec("put_failed",    (_S.PUTTING,),                _S.FAILED,      "put_failed"),
+    TransitionSpec("drop",          (_S.QUEUED,),                 _S.DROPPED,     "save_dropped"),
+)
+# fmt: on
+
+
+def transition_index() -> dict[tuple[str, State], TransitionSpec]:
+    """``(trigger, source) -> row``; the table never has two rows for one pair."""
+    index: dict[tuple[str, State], TransitionSpec] = {}
+    for spec in TRANSITIONS:
+        for source in spec.sources:
+            assert (spec.trigger, source) not in index, (
+                f"TRANSITIONS has two rows for trigger {spec.trigger!r} from {source.name}"
+            )
+            index[(spec.trigger, source)] = spec
+    return index
+
+
+_INDEX = transition_index()
+_TRIGGER_TO_DESTS: dict[str, tuple[str, ...]] = {}
+for _spec in TRANSITIONS:
+    _TRIGGER_TO_DESTS.setdefault(_spec.trigger, ())
+    if _spec.dest.name not in _TRIGGER_TO_DESTS[_spec.trigger]:
+        _TRIGGER_TO_DESTS[_spec.trigger] += (_spec.dest.name,)
+
+
+class IllegalTransition(RuntimeError):
+    """A trigger fired from a state the table does not allow it from."""
+
+    def __init__(self, request_id: str, trigger: str, src: str, dsts: Sequence[str]) -> None:
+        self.request_id, self.trigger, self.src, self.dsts = request_id, trigger, src, tuple(dsts)
+        super().__init__(
+            f"request {request_id!r}: trigger {trigger!r} is illegal in state {src} "
+            f"(it leads to {'/'.join(dsts) or 'nothing'} only from other states). "
+            "This indicates a bug in the connector's use of the lifecycle."
+        )
+
+
+class GuardRejected(RuntimeError):
+    """A legal trigger whose condition refused the transition (e.g. no retry budget left)."""
+
+    def __init__(self, request_id: str, trigger: str, src: str, dst: str, conditions: Sequence[str]) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"request {request_id!r}: {trigger!r} from {src} to {dst} refused by {', '.join(conditions)}"
+        )
+
+
+class LifecycleMachine:
+    """The shared driver: one ``transitions.Machine`` for every request and save wave.
+
+    Args:
+        scheme: the deployment's key scheme (geometry, namespace, fingerprint).
+        sink: where audit records go (None: nowhere; the transition still runs through the hook).
+        max_load_retries: reloads a truncated request gets before it is a MISS.
+    """
+
+    def __init__(
+        self, scheme: KeyScheme, *, sink: AuditSink | None = None, max_load_retries: int = MAX_LOAD_RETRIES
+    ) -> None:
+        self.scheme = scheme
+        self.sink = sink
+        self.max_load_retries = max_load_retries
+        self._machine = Machine(
+            model=None,
+            states=[s.name for s in State],
+            transitions=[t.as_transitions_dict() for t in TRANSITIONS],
+            initial=LOAD_INITIAL.name,
+            auto_transitions=False,
+            send_event=True,
+            queued=True,
+            finalize_event=self._finalize,
+        )
+        # Dispatch through the machine's own Event objects: no per-model trigger binding.
+        self._events = self._machine.events
+        self.num_transitions = 0
+
+    # -- models ------------------------------------------------------------------------------------
+
+    def new_request(self, request_id: str) -> RequestLifecycle:
+        """A fresh load-side lifecycle in ``NEW`` (cheap: no machine graph is built)."""
+        return RequestLifecycle(self, request_id)
+
+    def new_save_wave(self, request_id: str, wave: int, plan: SavePlan) -> SaveWave:
+        """A fresh save wave in ``QUEUED`` for the entries of ``plan``."""
+        return SaveWave(self, request_id, wave, plan)
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def fire(self, model: _Model, trigger: str, **detail: Any) -> None:
+        """Run ``trigger`` on ``model`` through the transitions machine; raise if it did not happen."""
+        src = model.state
+        spec = _INDEX.get((trigger, State[src]))
+        if spec is None:
+            raise IllegalTransition(model.request_id, trigger, src, _TRIGGER_TO_DESTS.get(trigger, ()))
+        model.detail = detail or None
+        self._events[trigger].trigger(model)
+        if model.state == src:
+            raise GuardRejected(model.request_id, trigger, src, spec.dest.name, spec.conditions)
+
+    def _finalize(self, event_data: EventData) -> None:
+        # The single audit choke point: runs after every trigger, successful or not.
+        if not event_data.result:
+            return
+        self.num_transitions += 1
+        sink = self.sink
+        if sink is None:
+            return
+        model: _Model = event_data.model  # type: ignore[assignment]
+        transition = event_data.transition
+        assert transition is not None, "a successful trigger always has a transition"
+        trigger = event_data.event.name
+        spec = _INDEX[(trigger, State[transition.source])]
+        sink.emit(
+            spec.event,
+            request_id=model.request_id,
+            wave=model.wave,
+            src=transition.source,
+            dst=transition.dest,
+            trigger=trigger,
+            boundary=model.boundary,
+            num_computed_tokens=model.num_computed_tokens,
+            groups=model.group_detail,
+            detail=model.detail,
+            monotonic=time.monotonic(),
+        )
+
+
+class _Model:
+    """Fields every audited model has (read by the audit hook)."""
+
+    __slots__ = (
+        "_machine",
+        "boundary",
+        "detail",
+        "group_detail",
+        "num_computed_tokens",
+        "request_id",
+        "state",
+        "wave",
+    )
+
+    def __init__(self, machine: LifecycleMachine, request_id: str, wave: int | None, initial: State) -> None:
+        self._machine = machine
+        self.state = initial.name
+        self.request_id = request_id
+        self.wave = wave
+        self.boundary = 0
+        self.num_computed_tokens = 0
+        self.group_detail: list[dict[str, int]] | None = None
+        self.detail: dict[str, Any] | None = None
+
+    @property
+    def current(self) -> State:
+        return State[self.state]
+
+
+class RequestLifecycle(_Model):
+    """The load side of one request incarnation. Methods map onto the connector's scheduler hooks:
+
+    - ``get_num_new_matched_tokens``: ``start_lookup`` (one ``store.exists(candidates.keys)``), then
+      ``finish_lookup`` (or ``lookup_unavailable`` when the store is down).
+    - ``update_state_after_alloc``: ``start_load`` when vLLM took the external tokens, else ``decline``.
+    - ``update_connector_output`` (all ranks reported): ``finish_load``.
+    - request finished / aborted / preempted: ``evict``.
+    """
+
+    __slots__ = ("candidates", "exhausted", "lookup", "max_boundary", "num_retries", "resolution")
+
+    def __init__(self, machine: LifecycleMachine, request_id: str) -> None:
+        super().__init__(machine, request_id, None, LOAD_INITIAL)
+        self.lookup: LookupResult | None = None
+        self.candidates: LookupCandidates | None = None
+        self.resolution: LoadResolution | None = None
+        self.num_retries = 0
+        #: After a truncation: the most a later lookup may return.
+        self.max_boundary: int | None = None
+        self.exhausted = False
+
+    # Guards named in TRANSITIONS.
+    def lookups_allowed(self, _event: EventData) -> bool:
+        return not self.exhausted
+
+    def has_retry_budget(self, _event: EventData) -> bool:
+        return self.num_retries < self._machine.max_load_retries
+
+    # -- scheduler hooks ---------------------------------------------------------------------------
+
+    def start_lookup(
+        self, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
+    ) -> LookupCandidates | None:
+        """Enter ``LOOKUP`` and list the keys to check, or return None when this incarnation may not
+        hit any more (retries exhausted: the state is ``MISS`` and the answer is 0 tokens)."""
+        state = self.current
+        if state is State.TRUNCATED:
+            if self.num_retries < self._machine.max_load_retries:
+                self._machine.fire(self, "retry", max_boundary=self.max_boundary)
+                self.num_retries += 1
+            else:
+                self.exhausted = True
+                self._machine.fire(self, "give_up")
+                return None
+        elif state in (State.MISS, State.PARTIAL_HIT):
+            if self.exhausted:
+                return None
+            self._machine.fire(self, "start_lookup")
+        elif state is State.LOOKUP:
+            pass  # asked again while the existence check is pending
+        else:
+            self._machine.fire(self, "start_lookup")
+        self.num_computed_tokens = num_computed_tokens
+        self.candidates = plan_lookup(
+            self._machine.scheme,
+            block_hashes,
+            num_tokens,
+            num_computed_tokens,
+            max_boundary=self.max_boundary,
+        )
+        return self.candidates
+
+    def finish_lookup(self, exists: Sequence[bool]) -> LookupResult:
+        """Resolve the existence results: ``PARTIAL_HIT`` with a plan, or ``MISS``."""
+        assert self.candidates is not None, f"request {self.request_id!r}: finish_lookup without start_lookup"
+        result = self.candidates.resolve(exists)
+        self.lookup = result
+        self.boundary = result.boundary
+        plan_blocks = result.plan.group_num_blocks() if result.plan else (0,) * len(result.group_hit_tokens)
+        self.group_detail = [
+            {"group": g, "hit_tokens": hit, "blocks": blocks}
+            for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks))
+        ]
+        self._machine.fire(self, "lookup_hit" if result.is_hit else "lookup_miss")
+        return result
+
+    def lookup_unavailable(self, reason: str) -> None:
+        """The store could not answer in time (circuit open, timeout): ``MISS``."""
+        if self.current is not State.LOOKUP:
+            self._machine.fire(self, "start_lookup")
+        self.boundary = 0
+        self._machine.fire(self, "lookup_miss", reason=reason)
+
+    def start_load(self) -> None:
+        """vLLM allocated the external tokens: the async load is in flight on every rank."""
+        self._machine.fire(self, "start_load")
+
+    def decline(self) -> None:
+        """vLLM did not take the external tokens (e.g. its local hit won)."""
+        self._machine.fire(self, "decline")
+
+    def finish_load(self, outcomes: Mapping[EntryId, LoadOutcome]) -> LoadResolution:
+        """Every rank reported: ``VERIFIED`` or ``TRUNCATED`` (with the safe boundary and keys to remove).
+
+        A truncated request must be reported through ``failed_recving`` on hybrid models; its next
+        lookup returns at most the safe boundary, once.
+        """
+        assert self.lookup is not None and self.lookup.plan is not None, (
+            f"request {self.request_id!r}: finish_load without a planned hit"
+        )
+        resolution = self.lookup.plan.resolve_outcomes(outcomes)
+        self.resolution = resolution
+        if resolution.verified:
+            self._machine.fire(self, "load_verified")
+        else:
+            self.boundary = resolution.safe_boundary
+            self.max_boundary = resolution.safe_boundary
+            self._machine.fire(
+                self,
+                "load_failed",
+                planned_boundary=resolution.planned_boundary,
+                num_failed_entries=len(resolution.failed_entries),
+                num_invalid_keys=len(resolution.invalid_keys),
+                failed_groups=sorted({e.group_index for e in resolution.failed_entries}),
+            )
+        return resolution
+
+    def evict(self, reason: str = "finished") -> None:
+        """Terminal: finished, aborted or preempted. Pins and plans are released."""
+        self._machine.fire(self, "evict", reason=reason)
+        self.candidates = None
+        self.lookup = None
+
+    @property
+    def num_external_tokens(self) -> int:
+        """What ``get_num_new_matched_tokens`` reports in the current state."""
+        if self.current is State.PARTIAL_HIT and self.lookup is not None:
+            return int(self.lookup.num_external_tokens)
+        return 0
+
+
+class SaveWave(_Model):
+    """One save wave of one request (all ranks): ``QUEUED -> PUTTING -> STORED | FAILED``, or dropped."""
+
+    __slots__ = ("plan", "stored")
+
+    def __init__(self, machine: LifecycleMachine, request_id: str, wave: int, plan: SavePlan) -> None:
+        super().__init__(machine, request_id, wave, SAVE_INITIAL)
+        self.plan = plan
+        self.stored: tuple[SaveBlock, ...] = ()
+        self.boundary = max((b.key_boundary for b in plan.blocks), default=0)
+        counts: dict[int, int] = {}
+        for block in plan.blocks:
+            counts[block.group_index] = counts.get(block.group_index, 0) + 1
+        self.group_detail = [{"group": g, "blocks": n} for g, n in sorted(counts.items())]
+
+    def start_put(self) -> None:
+        self._machine.fire(self, "start_put")
+
+    def finish_put(self, outcomes: Mapping[EntryId, bool]) -> tuple[SaveBlock, ...]:
+        """Every rank reported. Returns the blocks to publish ``BlockStored`` for: all blocks if the
+        whole wave is stored on every rank (``STORED``), otherwise none (``FAILED``)."""
+        stored = self.plan.stored_blocks(outcomes)
+        if len(stored) == len(self.plan.blocks):
+            self.stored = stored
+            self._machine.fire(self, "put_stored")
+            return tuple(stored)
+        self._machine.fire(
+            self, "put_failed", num_stored_blocks=len(stored), num_blocks=len(self.plan.blocks)
+        )
+        return ()
+
+    def drop(self, reason: str = "backpressure") -> None:
+        self._machine.fire(self, "drop", reason=reason)

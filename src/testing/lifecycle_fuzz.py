@@ -1,0 +1,468 @@
+"""Stateful fuzzing of the lifecycle: random geometries x random stores x random failure interleavings.
+
+``LifecycleFuzzMachine`` is a Hypothesis ``RuleBasedStateMachine``. Each run draws one geometry (full /
+sliding-window / Mamba mixes, DCP 1-8 with TP a multiple of it, interleave, hash units, block sizes;
+no sliding window under DCP, as in vLLM), a model store (a set of keys), and then interleaves: saves
+(whole or partial, per rank), save waves that fail part-way, lookups with local hits, loads failing
+per (rank, group, block) or split loads stopping early, evictions of store entries, preemptions and
+finishes. The hard rules are checked where they apply and as invariants:
+
+- a reported hit is restorable by every group on every rank (plan coverage + every key exists);
+- every planned key is derived from the request's own hashes (never mixed-prefix state);
+- the truncated boundary is restorable from local + verified blocks by every group and rank, and the
+  failed / unattempted-past-boundary entries are invalidated;
+- retries are bounded, every lifecycle terminates, the audit log replays clean;
+- ``BlockStored`` events name only entries stored on every rank.
+
+Use it as ``run_state_machine_as_test(LifecycleFuzzMachine)`` or via ``TestLifecycleFuzz`` (pytest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
+from hybridkv.lifecycle.geometry import (
+    EntryId,
+    Geometry,
+    GroupKind,
+    GroupSpec,
+    KeyScheme,
+    LoadOutcome,
+    LoadPlan,
+    Topology,
+    cdiv,
+    plan_save,
+)
+from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
+from hypothesis import event, note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+__all__ = ["LifecycleFuzzMachine", "TestLifecycleFuzz", "family_hashes", "geometries"]
+
+
+@st.composite
+def geometries(draw: st.DrawFn, *, max_groups: int = 3) -> Geometry:
+    """Geometries vLLM accepts: spans divisible by the hash unit, no sliding window under DCP."""
+    dcp = draw(st.sampled_from([1, 1, 1, 2, 4, 8]))
+    tp = dcp * draw(st.sampled_from([1, 1, 2]))
+    unit = draw(st.sampled_from([2, 4, 8]))
+    num_groups = draw(st.integers(1, max_groups))
+    kinds = [GroupKind.FULL, GroupKind.MAMBA] + ([GroupKind.SLIDING_WINDOW] if dcp == 1 else [])
+    groups = []
+    for _ in range(num_groups):
+        kind = draw(st.sampled_from(kinds))
+        block_size = unit * draw(st.sampled_from([1, 1, 2, 3, 4]))
+        if kind is GroupKind.FULL:
+            groups.append(GroupSpec.full(block_size, layout=draw(st.sampled_from(["mha", "mla"]))))
+        elif kind is GroupKind.MAMBA:
+            groups.append(GroupSpec.mamba(block_size))
+        else:
+            window = draw(st.integers(1, 4 * block_size))
+            groups.append(GroupSpec.sliding_window_group(block_size, window))
+    sharded_sizes = [g.block_size for g in groups if g.dcp_sharded]
+    interleave = 1
+    if dcp > 1 and sharded_sizes:
+        base = math.gcd(*sharded_sizes)
+        interleave = draw(st.sampled_from([d for d in range(1, base + 1) if base % d == 0]))
+    topology = Topology(tp_size=tp, dcp_size=dcp, interleave=interleave)
+    spans = [g.block_size * (dcp if g.dcp_sharded else 1) for g in groups]
+    prefix_match_unit = None
+    if len(groups) > 1 and draw(st.booleans()):
+        base = math.gcd(*spans)
+        prefix_match_unit = draw(st.sampled_from([d for d in range(1, base + 1) if base % d == 0]))
+    return Geometry(groups=tuple(groups), topology=topology, prefix_match_unit=prefix_match_unit)
+
+
+def family_hashes(family: int, num_units: int) -> list[bytes]:
+    """Chained-looking hashes: requests of one family share every prefix, families share nothing."""
+    return [hashlib.blake2b(f"{family}:{i}".encode(), digest_size=8).digest() for i in range(num_units)]
+
+
+@dataclass
+class _Req:
+    lifecycle: RequestLifecycle
+    family: int
+    num_tokens: int
+    hashes: list[bytes]
+    num_computed_tokens: int = 0
+    #: Tightest cap any truncation imposed on this incarnation.
+    cap: int | None = None
+    num_loads: int = 0
+    num_truncations: int = 0
+    #: Per entry: was it loaded OK on its rank (last load).
+    history: list[str] = field(default_factory=list)
+
+
+class LifecycleFuzzMachine(RuleBasedStateMachine):
+    """Drives ``LifecycleMachine`` + geometry against a set-of-keys model store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[str, _Req] = {}
+        self.store: set[str] = set()
+        self.events_published: list[tuple[str, ...]] = []
+        self.num_requests = 0
+        self.num_waves = 0
+        self.live_waves: list = []
+
+    @initialize(geometry=geometries())
+    def setup(self, geometry: Geometry) -> None:
+        note(f"geometry: {json.dumps(geometry.describe())}")
+        self.geometry = geometry
+        self.scheme = KeyScheme(namespace="fuzz", model="fuzz-model", geometry=geometry)
+        self.sink = MemoryAuditSink()
+        self.machine = LifecycleMachine(self.scheme, sink=self.sink)
+        self.max_tokens = 10 * max(geometry.spans) + 3
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _keys(self, group: int, boundary: int, hashes: list[bytes]) -> list[str]:
+        block_hash = hashes[boundary // self.geometry.hash_unit - 1]
+        return [self.scheme.key(group, r.tp_rank, block_hash) for r in self.geometry.topology.ranks]
+
+    def _draw_boundaries(self, data: st.DataObject, group: int, num_tokens: int) -> list[int]:
+        geometry = self.geometry
+        unit = geometry.hash_unit
+        span = geometry.spans[group]
+        kind = geometry.groups[group].kind
+        max_units = num_tokens // unit
+        if max_units == 0:
+            return []
+        if kind is GroupKind.FULL:
+            # Whole blocks from the left, maybe a prompt tail at its last hash boundary.
+            end = data.draw(st.integers(0, max_units)) * unit
+            boundaries = list(range(span, end - end % span + 1, span)) if end >= span else []
+            if end % span and data.draw(st.booleans()):
+                boundaries.append(end)
+            return boundaries
+        if kind is GroupKind.SLIDING_WINDOW:
+            candidates = list(range(span, max_units * unit + 1, span))
+            return data.draw(st.lists(st.sampled_from(candidates), unique=True)) if candidates else []
+        candidates = list(range(unit, max_units * unit + 1, unit))
+        return data.draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4))
+
+    # -- store-side rules ----------------------------------------------------------------------------
+
+    @rule(data=st.data(), family=st.integers(0, 2))
+    def previous_request_saved(self, data: st.DataObject, family: int) -> None:
+        """Entries some earlier request stored: per group a boundary set, per rank maybe missing."""
+        num_tokens = data.draw(st.integers(1, self.max_tokens), label="saved_tokens")
+        hashes = family_hashes(family, num_tokens // self.geometry.hash_unit)
+        partial = data.draw(st.booleans(), label="some_ranks_missing")
+        for group in range(self.geometry.num_groups):
+            for boundary in self._draw_boundaries(data, group, num_tokens):
+                for key in self._keys(group, boundary, hashes):
+                    if not partial or data.draw(st.booleans()):
+                        self.store.add(key)
+
+    @rule(data=st.data(), family=st.integers(0, 1))
+    def previous_request_saved_everything(self, data: st.DataObject, family: int) -> None:
+        """A complete save of an earlier prompt: every group's every boundary on every rank."""
+        num_tokens = data.draw(st.integers(1, self.max_tokens), label="saved_tokens")
+        unit = self.geometry.hash_unit
+        hashes = family_hashes(family, num_tokens // unit)
+        for group in range(self.geometry.num_groups):
+            for boundary in range(unit, len(hashes) * unit + 1, unit):
+                kind = self.geometry.groups[group].kind
+                if (
+                    kind is not GroupKind.MAMBA
+                    and boundary % self.geometry.spans[group]
+                    and boundary != len(hashes) * unit
+                ):
+                    continue  # attention groups store whole blocks and the prompt tail only
+                self.store.update(self._keys(group, boundary, hashes))
+
+    @precondition(lambda self: bool(self.store))
+    @rule(data=st.data())
+    def store_evicts(self, data: st.DataObject) -> None:
+        victims = data.draw(st.lists(st.sampled_from(sorted(self.store)), max_size=6, unique=True))
+        self.store.difference_update(victims)
+
+    # -- save waves -----------------------------------------------------------------------------------
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(data=st.data())
+    def save_wave(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.requests)))
+        req = self.requests[request_id]
+        group_to_boundaries = {
+            g: self._draw_boundaries(data, g, req.num_tokens) for g in range(self.geometry.num_groups)
+        }
+        plan = plan_save(self.scheme, req.hashes, group_to_boundaries)
+        self.num_waves += 1
+        wave = self.machine.new_save_wave(request_id, self.num_waves, plan)
+        if data.draw(st.integers(0, 4)) == 0:
+            wave.drop()
+            return
+        wave.start_put()
+        outcomes = {}
+        for entry, key in plan.entries:
+            ok = data.draw(st.integers(0, 5)) > 0
+            outcomes[entry] = ok
+            if ok:
+                self.store.add(key)
+        events = wave.finish_put(outcomes)
+        event(f"save wave: {wave.state}")
+        for block in events:
+            keys = [
+                self.scheme.key(block.group_index, r.tp_rank, block.block_hash)
+                for r in self.geometry.topology.ranks
+            ]
+            assert all(key in self.store for key in keys), (
+                f"BlockStored published for group {block.group_index} block {block.block_index} "
+                "but not every rank's entry is stored"
+            )
+            self.events_published.append(tuple(keys))
+        assert wave.current in (State.STORED, State.FAILED), f"wave ended in {wave.state}"
+
+    # -- request rules ---------------------------------------------------------------------------------
+
+    @rule(data=st.data(), family=st.integers(0, 1))
+    def new_request(self, data: st.DataObject, family: int) -> None:
+        num_tokens = data.draw(st.integers(1, self.max_tokens), label="num_tokens")
+        request_id = f"req-{self.num_requests}"
+        self.num_requests += 1
+        hashes = family_hashes(family, num_tokens // self.geometry.hash_unit)
+        self.requests[request_id] = _Req(self.machine.new_request(request_id), family, num_tokens, hashes)
+
+    def _live(self, *states: State) -> list[str]:
+        return sorted(r for r, req in self.requests.items() if req.lifecycle.current in states)
+
+    @precondition(lambda self: bool(self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED)))
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        request_id = data.draw(
+            st.sampled_from(self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED))
+        )
+        req = self.requests[request_id]
+        block = self.geometry.scheduler_block_size
+        local = data.draw(st.integers(0, max(0, req.num_tokens - 1) // block), label="local_blocks") * block
+        req.num_computed_tokens = local
+        was_truncated = req.lifecycle.current is State.TRUNCATED
+        candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
+        if candidates is None:
+            assert was_truncated or req.lifecycle.exhausted, "a lookup was refused without a reason"
+            assert req.lifecycle.current is State.MISS
+            return
+        if data.draw(st.integers(0, 9)) == 0:
+            req.lifecycle.lookup_unavailable("timeout")
+            assert req.lifecycle.num_external_tokens == 0
+            return
+        result = req.lifecycle.finish_lookup([key in self.store for key in candidates.keys])
+        geometry = self.geometry
+        assert result.boundary % geometry.hit_alignment == 0, f"boundary {result.boundary} is not aligned"
+        assert result.boundary <= max(0, req.num_tokens - 1), "the hit leaves no token to recompute"
+        if req.cap is not None:
+            assert result.boundary <= max(req.cap, 0) or not result.is_hit, (
+                f"lookup after truncation returned {result.boundary} > truncated boundary {req.cap}"
+            )
+        event("lookup: hit" if result.is_hit else "lookup: miss")
+        if result.is_hit:
+            assert result.plan is not None and result.boundary > local
+            self._check_plan_restorable(req, result.plan, local)
+        else:
+            assert req.lifecycle.num_external_tokens == 0
+
+    def _check_plan_restorable(self, req: _Req, plan: LoadPlan, local: int) -> None:
+        """Hard rule 1: every group on every rank can restore the boundary from local + plan."""
+        geometry = self.geometry
+        boundary = plan.boundary
+        unit = geometry.hash_unit
+        planned = {(load.group_index, load.block_index): load for load in plan.loads}
+        for load in plan.loads:
+            assert load.block_hash == req.hashes[load.key_boundary // unit - 1], (
+                f"group {load.group_index} block {load.block_index}: key from another prefix (mixed-prefix state)"
+            )
+            for key in self._keys(load.group_index, load.key_boundary, req.hashes):
+                assert key in self.store, f"planned key {key} does not exist: a hit some rank cannot restore"
+        for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+            if group.kind is GroupKind.FULL:
+                for i in range(cdiv(boundary, span)):
+                    if (i + 1) * span <= local:
+                        continue
+                    load = planned.get((g, i))
+                    assert load is not None, (
+                        f"full group {g}: block {i} of a {boundary}-token hit is not planned"
+                    )
+                    assert i * span < load.key_boundary <= (i + 1) * span, (
+                        f"group {g}: entry {load} not in block {i}"
+                    )
+                    assert load.key_boundary >= min((i + 1) * span, boundary), (
+                        f"group {g}: block {i} entry ends at {load.key_boundary} < hit {boundary}"
+                    )
+            elif group.kind is GroupKind.SLIDING_WINDOW:
+                assert group.sliding_window is not None and boundary % span == 0
+                needed = max(1, cdiv(group.sliding_window - 1, span))
+                for i in range(max(0, boundary // span - needed), boundary // span):
+                    assert (i + 1) * span <= local or (g, i) in planned, (
+                        f"swa group {g}: window block {i} missing"
+                    )
+            else:
+                load = planned.get((g, cdiv(boundary, span) - 1))
+                assert load is not None and load.key_boundary == boundary, (
+                    f"mamba group {g}: no state exactly at {boundary} in block {cdiv(boundary, span) - 1}"
+                )
+
+    @precondition(lambda self: bool(self._live(State.PARTIAL_HIT)))
+    @rule(data=st.data())
+    def scheduler_takes_hit(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(self._live(State.PARTIAL_HIT)))
+        req = self.requests[request_id]
+        if data.draw(st.integers(0, 5)) == 0:
+            req.lifecycle.decline()
+            return
+        req.lifecycle.start_load()
+        req.num_loads += 1
+        assert req.num_loads <= 1 + MAX_LOAD_RETRIES, (
+            f"{request_id}: load #{req.num_loads}: retries unbounded"
+        )
+
+    @precondition(lambda self: bool(self._live(State.LOADING)))
+    @rule(data=st.data())
+    def load_finishes(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(self._live(State.LOADING)))
+        req = self.requests[request_id]
+        lookup = req.lifecycle.lookup
+        assert lookup is not None and lookup.plan is not None
+        plan = lookup.plan
+        mode = data.draw(st.sampled_from(["ok", "ok", "random", "split"]), label="load_mode")
+        outcomes: dict[EntryId, LoadOutcome] = {}
+        for tp_rank in range(self.geometry.topology.tp_size):
+            failed_early = False
+            cut = data.draw(st.integers(0, len(plan.loads) + 2)) if mode == "split" else None
+            for position, (load, key) in enumerate(plan.loads_for_rank(tp_rank)):
+                entry = EntryId(tp_rank, load.group_index, load.block_index, load.key_boundary)
+                if failed_early:
+                    continue  # not attempted
+                if key not in self.store:
+                    outcome = LoadOutcome.FAILED  # evicted between lookup and load
+                elif mode == "random":
+                    outcome = LoadOutcome.FAILED if data.draw(st.integers(0, 4)) == 0 else LoadOutcome.OK
+                elif mode == "split" and position == cut:
+                    outcome = LoadOutcome.FAILED
+                else:
+                    outcome = LoadOutcome.OK
+                outcomes[entry] = outcome
+                if mode == "split" and outcome is LoadOutcome.FAILED:
+                    failed_early = True
+        resolution = req.lifecycle.finish_load(outcomes)
+        all_ok = all(outcomes.get(entry) is LoadOutcome.OK for entry, _ in plan.entries)
+        assert resolution.verified == all_ok
+        event(
+            "load: verified"
+            if resolution.verified
+            else f"load: truncated (safe>local: {resolution.safe_boundary > req.num_computed_tokens})"
+        )
+        if resolution.verified:
+            assert req.lifecycle.current is State.VERIFIED
+            return
+        assert req.lifecycle.current is State.TRUNCATED
+        req.num_truncations += 1
+        safe = resolution.safe_boundary
+        local = req.num_computed_tokens - req.num_computed_tokens % self.geometry.scheduler_block_size
+        assert local <= safe <= plan.boundary and safe % self.geometry.hit_alignment == 0, (
+            f"truncated boundary {safe} outside [{local}, {plan.boundary}] or unaligned"
+        )
+        self._check_truncation_restorable(plan, outcomes, safe, local)
+        invalid = set(resolution.invalid_keys)
+        key_of = dict(plan.entries)
+        load_of = {(load.group_index, load.block_index): load for load in plan.loads}
+        for entry, key in plan.entries:
+            outcome = outcomes.get(entry, LoadOutcome.NOT_ATTEMPTED)
+            if outcome is LoadOutcome.FAILED:
+                assert key in invalid, f"failed entry {entry} was not invalidated"
+            if (
+                outcome is LoadOutcome.NOT_ATTEMPTED
+                and load_of[(entry.group_index, entry.block_index)].key_boundary > safe
+            ):
+                assert key in invalid, f"unattempted entry {entry} past the safe boundary was not invalidated"
+        assert invalid <= set(key_of.values()), "invalidated a key outside the plan"
+        self.store.difference_update(invalid)
+        req.cap = safe if req.cap is None else min(req.cap, safe)
+
+    def _check_truncation_restorable(
+        self, plan: LoadPlan, outcomes: dict[EntryId, LoadOutcome], safe: int, local: int
+    ) -> None:
+        if safe == local:
+            return  # the local hit is always agreed
+        geometry = self.geometry
+        ranks = geometry.topology.ranks
+        ok_blocks = {
+            (load.group_index, load.block_index): load
+            for load in plan.loads
+            if all(
+                outcomes.get(EntryId(r.tp_rank, load.group_index, load.block_index, load.key_boundary))
+                is LoadOutcome.OK
+                for r in ranks
+            )
+        }
+        for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+            if group.kind is GroupKind.FULL:
+                for i in range(cdiv(safe, span)):
+                    if (i + 1) * span <= local:
+                        continue
+                    load = ok_blocks.get((g, i))
+                    assert load is not None and load.key_boundary >= min((i + 1) * span, safe), (
+                        f"truncated to {safe}, but full group {g} block {i} did not load on every rank"
+                    )
+            elif group.kind is GroupKind.SLIDING_WINDOW:
+                assert group.sliding_window is not None
+                needed = max(1, cdiv(group.sliding_window - 1, span))
+                for i in range(max(0, safe // span - needed), safe // span):
+                    assert (i + 1) * span <= local or (g, i) in ok_blocks, (
+                        f"truncated to {safe}, but swa group {g} window block {i} did not load"
+                    )
+            else:
+                load = ok_blocks.get((g, cdiv(safe, span) - 1))
+                assert load is not None and load.key_boundary == safe, (
+                    f"truncated to {safe}, but mamba group {g} has no verified state there"
+                )
+
+    @precondition(lambda self: bool(self._live(*(s for s in State if s not in (State.EVICTED,)))))
+    @rule(data=st.data(), reason=st.sampled_from(["finished", "aborted", "preempted"]))
+    def request_leaves(self, data: st.DataObject, reason: str) -> None:
+        live = self._live(*(s for s in State if s is not State.EVICTED))
+        request_id = data.draw(st.sampled_from(live))
+        req = self.requests.pop(request_id)
+        req.lifecycle.evict(reason)
+        if reason == "preempted":
+            # The scheduler will see it again: a fresh incarnation under the same id.
+            self.requests[request_id] = _Req(
+                self.machine.new_request(request_id), req.family, req.num_tokens, req.hashes
+            )
+
+    # -- invariants --------------------------------------------------------------------------------------
+
+    @invariant()
+    def one_record_per_transition(self) -> None:
+        if hasattr(self, "sink"):
+            assert len(self.sink.records) == self.machine.num_transitions, (
+                f"{self.machine.num_transitions} transitions but {len(self.sink.records)} audit records"
+            )
+
+    @invariant()
+    def retries_bounded(self) -> None:
+        for request_id, req in self.requests.items():
+            assert req.lifecycle.num_retries <= MAX_LOAD_RETRIES, (
+                f"{request_id}: {req.lifecycle.num_retries} retries"
+            )
+            assert req.num_truncations <= 1 + MAX_LOAD_RETRIES, (
+                f"{request_id}: {req.num_truncations} truncations"
+            )
+
+    def teardown(self) -> None:
+        if not hasattr(self, "machine"):
+            return
+        for req in self.requests.values():
+            req.lifecycle.evict("shutdown")
+        report = replay_records(json.dumps(record) for record in self.sink.records)
+        assert report.ok, f"audit replay found violations: {report.violations[:5]}"
+        assert report.num_terminated == report.num_lifecycles, "some lifecycle never terminated"
+
+
+TestLifecycleFuzz = LifecycleFuzzMachine.TestCase
