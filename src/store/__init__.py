@@ -1,1 +1,25 @@
-"""hybridkv.store."""
+"""hybridkv.store: byte storage behind one protocol (``base.Store``), selected by URL.
+
+``open_store("file:///dev/shm/hybridkv?capacity=8GiB")`` returns a ``Store``; see ``hybridkv.store.url``
+for every scheme and parameter, ``hybridkv.store.base`` for the contract all backends share.
+"""
+
+from __future__ import annotations
+
+from hybridkv.store.base import Destination, Status, Store, StoreError, StoreStats, Value
+from hybridkv.store.framed import FramedStore
+from hybridkv.store.params import format_size, parse_size
+from hybridkv.store.url import open_store
+
+__all__ = [
+    "Destination",
+    "FramedStore",
+    "Status",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "Value",
+    "format_size",
+    "open_store",
+    "parse_size",
+]

@@ -1,0 +1,188 @@
+"""``hybridkv store ls|stats|clear URL`` and ``hybridkv bench store``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hybridkv.cli._output import format_table, write_json
+from hybridkv.store import StoreError, open_store
+from hybridkv.store.bench import (
+    DEFAULT_BYTES_PER_ROUND,
+    DEFAULT_VALUE_SIZES,
+    default_store_urls,
+    run_store_bench,
+)
+from hybridkv.store.params import format_size, parse_size
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``store ls|stats|clear`` to ``subparsers`` and ``store`` to ``bench_subparsers``."""
+    store = subparsers.add_parser("store", help="inspect or clear a store by URL")
+    store.set_defaults(func=lambda _args: _usage(store))
+    store_subparsers = store.add_subparsers(dest="store_command", metavar="ACTION")
+    for name, handler, help_text in (
+        ("ls", handle_ls, "list keys (optionally under a prefix)"),
+        ("stats", handle_stats, "show keys, bytes, capacity and backend details"),
+        ("clear", handle_clear, "remove every key (or every key under --prefix)"),
+    ):
+        action = store_subparsers.add_parser(name, help=help_text)
+        action.add_argument("url", metavar="URL", help="store URL, e.g. file:///dev/shm/hybridkv")
+        if name != "stats":
+            action.add_argument("--prefix", default="", help="only keys starting with this")
+        action.add_argument("--json", action="store_true", help="print JSON instead of text")
+        action.set_defaults(func=handler)
+
+    bench = bench_subparsers.add_parser(
+        "store",
+        help="put/get throughput per backend vs memcpy, exists latency",
+        description="Put/get throughput of each store for several value sizes, next to a memcpy of the same "
+        "bytes measured in the same run; p50/p99 latency of a one-key exists.",
+    )
+    bench.add_argument(
+        "--store",
+        dest="stores",
+        action="append",
+        metavar="URL",
+        help="store URL to measure (repeatable; default: memory:// and file:// in a temp dir)",
+    )
+    bench.add_argument(
+        "--sizes",
+        default=",".join(format_size(size) for size in DEFAULT_VALUE_SIZES),
+        help="comma-separated value sizes (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--bytes-per-round", default=format_size(DEFAULT_BYTES_PER_ROUND), help="bytes moved per round (%(default)s)"
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="rounds per measurement; best is kept (%(default)s)")
+    bench.add_argument("--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)")
+    bench.add_argument("--out", default="bench-results/store.json", help="JSON report path (%(default)s)")
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    bench.set_defaults(func=handle_bench)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def handle_ls(args: argparse.Namespace) -> int:
+    try:
+        with open_store(args.url) as store:
+            keys = sorted(store.iter_keys(args.prefix))
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps({"url": args.url, "prefix": args.prefix, "keys": keys}, indent=2))
+    else:
+        print("\n".join(keys) if keys else f"(no keys under {args.prefix!r})")
+    return EXIT_OK
+
+
+def handle_stats(args: argparse.Namespace) -> int:
+    try:
+        with open_store(args.url) as store:
+            stats = store.stats()
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    payload = dataclasses.asdict(stats)
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    else:
+        extra = payload.pop("extra")
+        rows = [{"field": name, "value": value} for name, value in {**payload, **extra}.items()]
+        print(format_table(rows, ["field", "value"]))
+    return EXIT_OK
+
+
+def handle_clear(args: argparse.Namespace) -> int:
+    try:
+        with open_store(args.url) as store:
+            num_removed = store.remove_prefix(args.prefix)
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps({"url": args.url, "prefix": args.prefix, "num_removed": num_removed}))
+    else:
+        print(f"removed {num_removed} keys")
+    return EXIT_OK
+
+
+_TABLE_COLUMNS = [
+    "store",
+    "value_size_text",
+    "num_values",
+    "put_gbps",
+    "get_gbps",
+    "memcpy_gbps",
+    "put_ratio",
+    "get_ratio",
+    "exists_p50_us",
+    "exists_p99_us",
+]
+
+
+def handle_bench(args: argparse.Namespace) -> int:
+    try:
+        sizes = [parse_size(text, what="value size") for text in args.sizes.split(",") if text.strip()]
+        bytes_per_round = parse_size(args.bytes_per_round, what="--bytes-per-round")
+        if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
+            raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
+        urls = args.stores or default_store_urls(bytes_per_round)
+        report = run_store_bench(
+            urls,
+            value_sizes=sizes,
+            bytes_per_round=bytes_per_round,
+            repeats=args.repeats,
+            num_exists_calls=args.exists_calls,
+        )
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except AssertionError as error:  # a store returned a failure or wrong bytes during the bench
+        print(f"problem: {error}", file=sys.stderr)
+        return EXIT_PROBLEM
+    print(format_table(report["rows"], _TABLE_COLUMNS))
+    out = write_json(args.out, report)
+    print(f"wrote {out}")
+    if not args.no_plot:
+        plot = _plot(report, out.with_suffix(".png"))
+        if plot is not None:
+            print(f"wrote {plot}")
+    return EXIT_OK
+
+
+def _plot(report: dict[str, Any], path: Path) -> Path | None:
+    """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = report["rows"]
+    labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
+    positions = range(len(rows))
+    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
+    axes.bar([p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy")
+    axes.bar([p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy")
+    axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
+    axes.set_xticks(list(positions), labels, fontsize=7)
+    axes.set_ylabel("throughput / memcpy")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

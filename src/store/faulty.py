@@ -1,0 +1,178 @@
+"""``faulty+URL?get_fail=P&put_fail=P&exists_fail=P&corrupt=P&delay_ms=N&seed=S``: a chaos wrapper.
+
+A product feature, meant for staging: it wraps the backend of any other URL and, per key, with the given
+probabilities,
+
+- ``exists_fail`` / ``get_fail`` / ``put_fail``: answers ``TRANSFER_FAILED`` without calling the inner
+  backend (a failed put stores nothing);
+- ``corrupt``: damages real frame bytes -- on ``put`` the stored copy (one flipped bit, or a truncated
+  tail), on ``get`` the bytes just read (one flipped bit) -- so the frame check above must report
+  ``CORRUPT``. (With ``checksum=none`` only header damage is detectable; a payload flip is then returned as
+  ``OK`` -- that is what ``none`` means.)
+- ``delay_ms``: sleeps before each batch call.
+
+Decisions come from one ``random.Random(seed)`` drawn in call order, so a single-threaded run with a given
+seed injects the same faults every time. The caller's buffers are never modified on ``put``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from hybridkv.store.base import Status, StoreStats
+from hybridkv.store.framed import Backend, FrameParts
+
+FAULTY_PARAMS = ("get_fail", "put_fail", "exists_fail", "corrupt", "delay_ms", "seed")
+
+
+class FaultyBackend:
+    """Injects failures, corruption and delay around an inner backend (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        inner: Backend,
+        *,
+        get_fail: float = 0.0,
+        put_fail: float = 0.0,
+        exists_fail: float = 0.0,
+        corrupt: float = 0.0,
+        delay_ms: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        for name, probability in (
+            ("get_fail", get_fail),
+            ("put_fail", put_fail),
+            ("exists_fail", exists_fail),
+            ("corrupt", corrupt),
+        ):
+            assert 0.0 <= probability <= 1.0, f"faulty {name}={probability} outside [0, 1]"
+        self.url = url
+        self.inner: Backend = inner
+        self.get_fail = get_fail
+        self.put_fail = put_fail
+        self.exists_fail = exists_fail
+        self.corrupt = corrupt
+        self.delay_ms = delay_ms
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        self.num_injected: dict[str, int] = {
+            "exists_fail": 0,
+            "get_fail": 0,
+            "put_fail": 0,
+            "corrupt_put": 0,
+            "corrupt_get": 0,
+        }
+
+    def _draw(self, probability: float) -> bool:
+        if probability <= 0.0:
+            return False
+        with self._lock:
+            return self._random.random() < probability
+
+    def _randint(self, low: int, high: int) -> int:
+        with self._lock:
+            return self._random.randint(low, high)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.num_injected[what] += 1
+
+    def _delay(self) -> None:
+        if self.delay_ms > 0:
+            time.sleep(self.delay_ms / 1000.0)
+
+    def _split(self, keys: Sequence[str], probability: float, what: str) -> tuple[list[int], list[Status | None]]:
+        """Indices that pass through, and a result list pre-filled with injected failures."""
+        results: list[Status | None] = [None] * len(keys)
+        passing: list[int] = []
+        for index in range(len(keys)):
+            if self._draw(probability):
+                results[index] = Status.TRANSFER_FAILED
+                self._count(what)
+            else:
+                passing.append(index)
+        return passing, results
+
+    @staticmethod
+    def _merge(results: list[Status | None], passing: list[int], inner: list[Status]) -> list[Status]:
+        for index, status in zip(passing, inner):
+            results[index] = status
+        assert all(status is not None for status in results), "faulty: a key got no result"
+        return [status for status in results if status is not None]
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        self._delay()
+        passing, results = self._split(keys, self.exists_fail, "exists_fail")
+        inner = self.inner.exists([keys[i] for i in passing]) if passing else []
+        return self._merge(results, passing, inner)
+
+    def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        self._delay()
+        passing, results = self._split(keys, self.put_fail, "put_fail")
+        inner_frames: list[FrameParts] = []
+        for index in passing:
+            frame = frames[index]
+            if self._draw(self.corrupt):
+                self._count("corrupt_put")
+                frame = self._damaged_copy(frame)
+            inner_frames.append(frame)
+        inner = self.inner.put_frames([keys[i] for i in passing], inner_frames) if passing else []
+        return self._merge(results, passing, inner)
+
+    def _damaged_copy(self, frame: FrameParts) -> FrameParts:
+        data = bytearray(b"".join(frame))
+        if len(data) > 1 and self._draw(0.25):
+            del data[self._randint(1, len(data) - 1) :]  # a torn write: the tail is missing
+        else:
+            bit = self._randint(0, len(data) * 8 - 1)
+            data[bit // 8] ^= 1 << (bit % 8)
+        return [memoryview(data)]
+
+    def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        self._delay()
+        passing, results = self._split(keys, self.get_fail, "get_fail")
+        inner = self.inner.get_frames_into([keys[i] for i in passing], [frames[i] for i in passing]) if passing else []
+        for index, status in zip(passing, inner):
+            if status is Status.OK and self._draw(self.corrupt):
+                self._count("corrupt_get")
+                frame = frames[index]
+                total_bits = sum(part.nbytes for part in frame) * 8
+                bit = self._randint(0, total_bits - 1)
+                byte = bit // 8
+                for part in frame:  # find the part holding that byte
+                    if byte < part.nbytes:
+                        part[byte] ^= 1 << (bit % 8)
+                        break
+                    byte -= part.nbytes
+        return self._merge(results, passing, inner)
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        self._delay()
+        return self.inner.remove(keys)
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.iter_keys(prefix)
+
+    def remove_prefix(self, prefix: str) -> int:
+        return self.inner.remove_prefix(prefix)
+
+    def stats(self) -> StoreStats:
+        inner = self.inner.stats()
+        extra = dict(inner.extra)
+        extra["inner_url"] = inner.url
+        with self._lock:
+            extra.update({f"injected_{name}": count for name, count in self.num_injected.items()})
+        return StoreStats(
+            url=self.url,
+            num_keys=inner.num_keys,
+            num_bytes=inner.num_bytes,
+            capacity_bytes=inner.capacity_bytes,
+            extra=extra,
+        )
+
+    def close(self) -> None:
+        self.inner.close()

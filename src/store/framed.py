@@ -1,0 +1,200 @@
+"""The framing layer shared by every backend, and the ``Backend`` protocol it drives.
+
+``open_store`` builds every store as ``FramedStore(backend)``: the backend moves whole frames (header part
++ payload parts) and knows nothing about their content; ``FramedStore`` builds headers on ``put`` and checks
+them on ``get_into``. Keeping the check above the backend means one implementation of hard rule 7, and lets
+the chaos wrapper (``faulty+``) damage real frame bytes between the two, where the check must catch it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import structlog
+from hybridkv.store.base import Destination, Status, StoreError, StoreStats, Value
+from hybridkv.store.frame import ChecksumAlgo, check_frame, encode_header, header_size
+
+log = structlog.get_logger(__name__)
+
+#: One frame on its way to or from a backend: the header part first, then the payload parts.
+FrameParts = list[memoryview]
+
+
+class Backend(Protocol):
+    """Moves whole frames; implemented by the memory, file and mooncake backends and the chaos wrapper.
+
+    Contract:
+    - ``put_frames`` is insert-if-absent and atomic per key (a key is visible only with its whole frame).
+    - ``get_frames_into`` fills the parts of each destination in order; it returns ``OK`` only when the
+      stored frame is exactly as long as the destination parts together, ``CORRUPT`` when the lengths
+      differ, ``NOT_FOUND`` when absent. It does not look inside the frame.
+    """
+
+    url: str
+
+    def exists(self, keys: Sequence[str]) -> list[Status]: ...
+
+    def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]: ...
+
+    def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]: ...
+
+    def remove(self, keys: Sequence[str]) -> list[Status]: ...
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]: ...
+
+    def remove_prefix(self, prefix: str) -> int: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
+
+
+def value_to_parts(value: Value) -> list[memoryview]:
+    """Byte views of one value: a single buffer, or a sequence of buffers concatenated in order."""
+    try:
+        view = memoryview(value)
+    except TypeError:
+        return [_byte_view(part) for part in value]
+    return [_flat(view)]
+
+
+def destination_to_parts(destination: Destination) -> list[memoryview]:
+    """Writable byte views of one destination; ``ValueError`` names a read-only part."""
+    parts = value_to_parts(destination)
+    for index, part in enumerate(parts):
+        if part.readonly:
+            raise ValueError(f"destination part {index} is read-only ({type(destination).__name__})")
+    return parts
+
+
+def _byte_view(buffer: object) -> memoryview:
+    try:
+        return _flat(memoryview(buffer))  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"value part of type {type(buffer).__name__} does not support the buffer protocol") from None
+
+
+def _flat(view: memoryview) -> memoryview:
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise ValueError("buffers must be C-contiguous (got a strided view)")
+    return view.cast("B")
+
+
+class FramedStore:
+    """A ``Store`` over a ``Backend``: frames values on ``put``, verifies frames on ``get_into``."""
+
+    def __init__(self, backend: Backend, *, checksum: ChecksumAlgo) -> None:
+        self._backend = backend
+        self._checksum = checksum
+        self._closed = False
+        self._lock = threading.Lock()
+        self._num_corrupt = 0
+
+    @property
+    def url(self) -> str:
+        return self._backend.url
+
+    @property
+    def backend(self) -> Backend:
+        """The frame-moving backend (for tests and tools that need backend-specific calls)."""
+        return self._backend
+
+    @property
+    def checksum(self) -> ChecksumAlgo:
+        return self._checksum
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"store {self.url} is closed")
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        self._check_open()
+        if not keys:
+            return []
+        return self._checked_results("exists", keys, self._backend.exists(keys))
+
+    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+        self._check_open()
+        if len(keys) != len(values):
+            raise ValueError(f"put: {len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        frames: list[FrameParts] = []
+        for key, value in zip(keys, values):
+            payload = value_to_parts(value)
+            frames.append([memoryview(encode_header(key, self._checksum, payload)), *payload])
+        return self._checked_results("put", keys, self._backend.put_frames(keys, frames))
+
+    def get_into(self, keys: Sequence[str], destinations: Sequence[Destination]) -> list[Status]:
+        self._check_open()
+        if len(keys) != len(destinations):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(destinations)} destinations")
+        if not keys:
+            return []
+        frames: list[FrameParts] = []
+        for key, destination in zip(keys, destinations):
+            frames.append([memoryview(bytearray(header_size(key))), *destination_to_parts(destination)])
+        results = self._checked_results("get_into", keys, self._backend.get_frames_into(keys, frames))
+        for index, (key, frame) in enumerate(zip(keys, frames)):
+            if results[index] is not Status.OK:
+                continue
+            problem = check_frame(key, frame[0], frame[1:], required=self._checksum)
+            if problem is not None:
+                results[index] = Status.CORRUPT
+                with self._lock:
+                    self._num_corrupt += 1
+                log.warning("store.corrupt_value", url=self.url, key=key, problem=problem)
+        return results
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        self._check_open()
+        if not keys:
+            return []
+        return self._checked_results("remove", keys, self._backend.remove(keys))
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        self._check_open()
+        return self._backend.iter_keys(prefix)
+
+    def remove_prefix(self, prefix: str) -> int:
+        self._check_open()
+        return self._backend.remove_prefix(prefix)
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        stats = self._backend.stats()
+        extra = dict(stats.extra)
+        extra["checksum"] = self._checksum.url_name
+        extra["num_corrupt_reads"] = self._num_corrupt
+        return StoreStats(
+            url=stats.url,
+            num_keys=stats.num_keys,
+            num_bytes=stats.num_bytes,
+            capacity_bytes=stats.capacity_bytes,
+            extra=extra,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._backend.close()
+
+    def __enter__(self) -> FramedStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FramedStore({self.url!r})"
+
+    def _checked_results(self, op: str, keys: Sequence[str], results: list[Status]) -> list[Status]:
+        assert len(results) == len(keys), (
+            f"backend {type(self._backend).__name__}.{op} returned {len(results)} results for {len(keys)} keys"
+        )
+        return results

@@ -1,0 +1,313 @@
+"""``mooncake://HOST:PORT?...``: Mooncake Store through ``MooncakeDistributedStore``'s pointer APIs.
+
+One backend = one Mooncake client that mounts ``segment`` bytes of this process's DRAM into the pool
+(embedded mode). Puts prefer this process's own segment (``preferred_segment=local``, the default):
+placement on another client's segment goes over TCP and was measured ~10x slower; it also matches the
+single-node ownership model where each rank owns the entries it saved.
+
+Frames travel as scatter-gather lists (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``):
+the small header part and the caller's payload buffers, without joining them.
+
+Every call runs through a ``CircuitBreaker`` and, when ``timeout_ms > 0``, a ``DeadlineRunner``: a dead
+master (each call ~4.3 s, then -900) or a hung one (each call blocks until ``MC_RPC_TIMEOUT_MS``) costs at
+most ``timeout_ms`` once; then calls fail fast with ``TRANSFER_FAILED`` without touching Mooncake until
+``breaker_reset_s`` has passed, when one probe call (preceded by the instant ``health_check``) may close it.
+
+Caveat: a call abandoned at its deadline keeps running inside Mooncake. For ``get_into`` that means the
+destination may still be written after ``TIMEOUT`` was returned, until Mooncake's own timeout
+(``MC_RPC_TIMEOUT_MS``, set to ``timeout_ms`` when unset) ends it. The backend keeps the buffers referenced
+until then; ``stats().extra["num_abandoned_calls"]`` counts such calls.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+from hybridkv.store.base import Status, StoreError, StoreStats
+from hybridkv.store.breaker import Admission, CircuitBreaker, DeadlineExceeded, DeadlineRunner
+from hybridkv.store.framed import FrameParts
+
+log = structlog.get_logger(__name__)
+
+#: Mooncake ``ErrorCode`` values this backend interprets (mooncake-store/include/types.h).
+MOONCAKE_ERROR_NAMES: dict[int, str] = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -200: "NO_AVAILABLE_HANDLE",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -801: "CHECKSUM_MISMATCH",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+}
+#: Codes that mean "the master is unreachable": they count against the circuit breaker.
+_MASTER_DOWN_CODES = frozenset({-900, -901})
+
+_env_lock = threading.Lock()
+
+
+def mooncake_error_name(code: int) -> str:
+    return MOONCAKE_ERROR_NAMES.get(code, f"ERROR_{code}")
+
+
+def status_of_code(code: int, op: str) -> Status:
+    """Map one negative Mooncake code to a ``Status`` for operation ``op`` (put, get, exists, remove)."""
+    if code in (-704, -703):
+        # -703: a put of this key is still in flight; the key is not published yet (atomic publish).
+        return Status.NOT_FOUND
+    if code == -705:
+        return Status.OK  # insert-if-absent: already stored
+    if code == -200:
+        return Status.NO_SPACE
+    if code == -901:
+        return Status.TIMEOUT
+    if code == -801:
+        return Status.CORRUPT
+    if code == -600 and op == "get":
+        # After a good setup, get_into's INVALID_PARAMS means "destination smaller than the object":
+        # the stored frame is not the size the reader expects.
+        return Status.CORRUPT
+    return Status.TRANSFER_FAILED
+
+
+def _address(part: memoryview) -> int:
+    return int(np.frombuffer(part, dtype=np.uint8).ctypes.data)
+
+
+class MooncakeBackend:
+    """Frames in Mooncake Store; see the module docstring for placement, breaker and timeouts."""
+
+    def __init__(
+        self,
+        url: str,
+        master_address: str,
+        *,
+        metadata_server: str,
+        local_hostname: str,
+        segment_bytes: int,
+        local_buffer_bytes: int,
+        protocol: str,
+        device: str,
+        timeout_ms: int,
+        breaker_failures: int,
+        breaker_reset_s: float,
+        preferred_segment: str,
+    ) -> None:
+        self.url = url
+        self.master_address = master_address
+        self.timeout_ms = timeout_ms
+        with _env_lock:
+            # Mooncake reads MC_RPC_TIMEOUT_MS once per process; the first store opened sets it.
+            current = os.environ.get("MC_RPC_TIMEOUT_MS")
+            if current is None and timeout_ms > 0:
+                os.environ["MC_RPC_TIMEOUT_MS"] = str(timeout_ms)
+            elif current is not None and timeout_ms > 0 and current != str(timeout_ms):
+                log.warning("store.mooncake.rpc_timeout_env_differs", env=current, timeout_ms=timeout_ms)
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as error:  # includes a missing libibverbs.so.1
+            raise StoreError(
+                f"mooncake:// needs the Mooncake wheel (mooncake-transfer-engine-non-cuda on CPU hosts) and "
+                f"libibverbs1: {error}"
+            ) from None
+        self._store: Any = MooncakeDistributedStore()
+        code = self._store.setup(
+            local_hostname,
+            metadata_server,
+            segment_bytes,
+            local_buffer_bytes,
+            protocol,
+            device,
+            master_address,
+        )
+        if code != 0:
+            raise StoreError(
+                f"mooncake store {url!r}: setup against master {master_address} failed with {code} "
+                f"({mooncake_error_name(code)})"
+            )
+        self.hostname = str(self._store.get_hostname())
+        self._config: Any = ReplicateConfig()
+        if preferred_segment == "local":
+            self._config.preferred_segment = self.hostname
+        elif preferred_segment != "none":
+            self._config.preferred_segment = preferred_segment
+        self.preferred_segment = str(self._config.preferred_segment)
+        self._breaker = CircuitBreaker(num_failures_to_open=breaker_failures, reset_s=breaker_reset_s)
+        self._runner = DeadlineRunner(name="hybridkv-mooncake")
+        self._closed = False
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._breaker
+
+    def _guarded(self, op: str, num_keys: int, call: Callable[[], list[int]]) -> list[int] | list[Status]:
+        """Run ``call`` under the breaker and deadline. Returns raw codes, or final statuses on failure."""
+        admission = self._breaker.before_call()
+        if admission is Admission.REJECT:
+            return [Status.TRANSFER_FAILED] * num_keys
+        if admission is Admission.PROBE:
+            # The probe: a dead master shows in health_check instantly (a hung one does not).
+            if self._store.health_check() == 2:
+                self._breaker.on_failure()
+                return [Status.TRANSFER_FAILED] * num_keys
+        try:
+            if self.timeout_ms > 0:
+                codes = self._runner.run(call, self.timeout_ms / 1000.0)
+            else:
+                codes = call()
+        except DeadlineExceeded:
+            self._breaker.on_failure()
+            log.warning("store.mooncake.deadline", url=self.url, op=op, timeout_ms=self.timeout_ms)
+            return [Status.TIMEOUT] * num_keys
+        except BaseException:
+            self._breaker.on_failure()  # never leave a half-open probe slot taken
+            raise
+        codes = [int(code) for code in codes]
+        assert len(codes) == num_keys, f"mooncake {op} returned {len(codes)} codes for {num_keys} keys"
+        down = [code for code in codes if code in _MASTER_DOWN_CODES]
+        if down:
+            self._breaker.on_failure()
+            log.warning("store.mooncake.master_down", url=self.url, op=op, code=mooncake_error_name(down[0]))
+        else:
+            self._breaker.on_success()
+        return codes
+
+    def _log_unexpected(self, op: str, key: str, code: int) -> None:
+        if code not in (-704, -703, -200) and code not in _MASTER_DOWN_CODES:
+            log.warning("store.mooncake.error", url=self.url, op=op, key=key, code=mooncake_error_name(code))
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        key_list = list(keys)
+        codes = self._guarded("exists", len(key_list), lambda: self._store.batch_is_exist(key_list))
+        results: list[Status] = []
+        for key, code in zip(key_list, codes):
+            if isinstance(code, Status):
+                results.append(code)
+            elif code == 1:
+                results.append(Status.OK)
+            elif code == 0:
+                results.append(Status.NOT_FOUND)
+            else:
+                self._log_unexpected("exists", key, code)
+                results.append(status_of_code(code, "exists"))
+        return results
+
+    def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        key_list = list(keys)
+        nonempty = [[part for part in frame if part.nbytes] for frame in frames]
+        addresses = [[_address(part) for part in frame] for frame in nonempty]
+        sizes = [[part.nbytes for part in frame] for frame in nonempty]
+        codes = self._guarded(
+            "put",
+            len(key_list),
+            lambda: self._store.batch_put_from_multi_buffers(key_list, addresses, sizes, self._config),
+        )
+        results: list[Status] = []
+        for key, code in zip(key_list, codes):
+            if isinstance(code, Status):
+                results.append(code)
+            elif code >= 0:
+                results.append(Status.OK)
+            else:
+                self._log_unexpected("put", key, code)
+                results.append(status_of_code(code, "put"))
+        # `frames` stays referenced until here; an abandoned call's closure keeps it alive beyond.
+        return results
+
+    def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        key_list = list(keys)
+        nonempty = [[part for part in frame if part.nbytes] for frame in frames]
+        addresses = [[_address(part) for part in frame] for frame in nonempty]
+        sizes = [[part.nbytes for part in frame] for frame in nonempty]
+        codes = self._guarded(
+            "get",
+            len(key_list),
+            lambda: (nonempty, self._store.batch_get_into_multi_buffers(key_list, addresses, sizes))[1],
+        )
+        results: list[Status] = []
+        for key, code, frame_sizes in zip(key_list, codes, sizes):
+            if isinstance(code, Status):
+                results.append(code)
+            elif code == sum(frame_sizes):
+                results.append(Status.OK)
+            elif code >= 0:
+                results.append(Status.CORRUPT)  # stored object shorter than the destination
+            elif code == -800 and self._stored_size_differs(key, sum(frame_sizes)):
+                # Mooncake reports a destination *larger* than the object as a transfer failure.
+                results.append(Status.CORRUPT)
+            else:
+                self._log_unexpected("get", key, code)
+                results.append(status_of_code(code, "get"))
+        return results
+
+    def _stored_size_differs(self, key: str, expected: int) -> bool:
+        """Whether ``key`` is stored with a size other than ``expected`` (one extra RPC, failure path only)."""
+        codes = self._guarded("get_size", 1, lambda: [self._store.get_size(key)])
+        size = codes[0]
+        return not isinstance(size, Status) and size >= 0 and size != expected
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        key_list = list(keys)
+        # force=True: removal is invalidation (a corrupt or stale entry); it must not wait for read leases.
+        codes = self._guarded("remove", len(key_list), lambda: self._store.batch_remove(key_list, True))
+        results: list[Status] = []
+        for key, code in zip(key_list, codes):
+            if isinstance(code, Status):
+                results.append(code)
+            elif code >= 0:
+                results.append(Status.OK)
+            else:
+                self._log_unexpected("remove", key, code)
+                results.append(status_of_code(code, "remove"))
+        return results
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        raise StoreError(f"{self.url}: Mooncake Store cannot list keys (remove_prefix and stats still work)")
+
+    def remove_prefix(self, prefix: str) -> int:
+        pattern = "^" + re.escape(prefix)
+        codes = self._guarded("remove_prefix", 1, lambda: [self._store.remove_by_regex(pattern, True)])
+        code = codes[0]
+        if isinstance(code, Status):
+            raise StoreError(f"{self.url}: remove_prefix failed: {code.value} (circuit breaker or deadline)")
+        if code < 0:
+            raise StoreError(f"{self.url}: remove_prefix failed with {code} ({mooncake_error_name(code)})")
+        return code
+
+    def stats(self) -> StoreStats:
+        extra: dict[str, object] = {
+            "master": self.master_address,
+            "hostname": self.hostname,
+            "preferred_segment": self.preferred_segment,
+            "timeout_ms": self.timeout_ms,
+            "num_abandoned_calls": self._runner.num_abandoned,
+        }
+        extra.update(self._breaker.snapshot())
+        if not self._closed:
+            extra["health_check"] = int(self._store.health_check())
+        return StoreStats(url=self.url, extra=extra)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            # close() unmounts this client's segment (~1 s); bounded in case the master is gone.
+            self._runner.run(self._store.close, max(self.timeout_ms / 1000.0, 1.0) + 2.0)
+        except DeadlineExceeded:
+            log.warning("store.mooncake.close_timeout", url=self.url)
+        self._runner.shutdown()

@@ -1,0 +1,145 @@
+"""``open_store(url)``: the one way to get a ``Store``.
+
+=====================================================  =======================================================
+URL                                                    parameters (all optional)
+=====================================================  =======================================================
+``memory://NAME``                                      ``capacity`` (LRU bound; default unbounded)
+``file:///ABS/DIR``                                    ``capacity`` (default 4GiB)
+``mooncake://HOST:PORT``                               ``metadata`` (``P2PHANDSHAKE``), ``local_hostname``
+                                                       (127.0.0.1), ``segment`` (1GiB), ``local_buffer``
+                                                       (64MiB), ``protocol`` (tcp), ``device`` (""),
+                                                       ``timeout_ms`` (2000; 0 = no deadline thread),
+                                                       ``breaker_failures`` (1), ``breaker_reset_s`` (5),
+                                                       ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
+``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``
+                                                       (probabilities), ``delay_ms``, ``seed``
+=====================================================  =======================================================
+
+Every scheme also takes ``checksum=xxh3|crc32|none|auto`` (default ``auto``: xxh3 when ``xxhash`` is
+installed, else crc32). Sizes accept ``4096``, ``64KiB``, ``2GB``. Anything else -- an unknown scheme or
+parameter, a bad size, a probability outside [0, 1], a missing directory or host -- raises one
+``StoreError`` that names the offending part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlencode
+
+from hybridkv.store.base import Store, StoreError
+from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
+from hybridkv.store.file import FileBackend
+from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
+from hybridkv.store.framed import Backend, FramedStore
+from hybridkv.store.memory import MemoryBackend
+from hybridkv.store.params import Params, ParsedUrl, split_url
+
+SCHEMES = ("memory", "file", "mooncake", "faulty+<scheme>")
+DEFAULT_FILE_CAPACITY = 4 << 30
+
+
+def open_store(url: str) -> FramedStore:
+    """Open the store ``url`` names (see the module docstring). Raises ``StoreError`` on any bad part."""
+    if not isinstance(url, str) or not url:
+        raise StoreError(f"store URL must be a non-empty string, got {url!r}")
+    backend, checksum = open_backend(url)
+    return FramedStore(backend, checksum=checksum)
+
+
+def open_backend(url: str) -> tuple[Backend, ChecksumAlgo]:
+    """The frame-moving backend for ``url`` and the checksum its frames use (``open_store`` minus framing)."""
+    if url.startswith("faulty+"):
+        return _open_faulty(url)
+    parsed = split_url(url)
+    params = Params(url, parsed.scheme, parsed.params)
+    checksum = _checksum_param(params)
+    backend: Backend
+    if parsed.scheme == "memory":
+        backend = _open_memory(parsed, params)
+    elif parsed.scheme == "file":
+        backend = _open_file(parsed, params)
+    elif parsed.scheme == "mooncake":
+        backend = _open_mooncake(parsed, params)
+    else:
+        raise StoreError(f"store URL {url!r}: unknown scheme {parsed.scheme!r} (known: {', '.join(SCHEMES)})")
+    return backend, checksum
+
+
+def _checksum_param(params: Params) -> ChecksumAlgo:
+    name = params.text("checksum", "auto")
+    try:
+        return checksum_from_name(name)
+    except ValueError as error:
+        raise params.fail("checksum", name, str(error)) from None
+
+
+def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
+    inner_url_with_params = url[len("faulty+") :]
+    parsed = split_url(inner_url_with_params)
+    faulty_values = {name: parsed.params.pop(name) for name in FAULTY_PARAMS if name in parsed.params}
+    base = inner_url_with_params.split("?", 1)[0]
+    inner_url = f"{base}?{urlencode(parsed.params)}" if parsed.params else base
+    params = Params(url, "faulty+", faulty_values)
+    options = {
+        "get_fail": params.probability("get_fail"),
+        "put_fail": params.probability("put_fail"),
+        "exists_fail": params.probability("exists_fail"),
+        "corrupt": params.probability("corrupt"),
+        "delay_ms": params.number("delay_ms", 0.0),
+        "seed": params.integer("seed", 0, minimum=-(1 << 63)),
+    }
+    params.finish()
+    inner, checksum = open_backend(inner_url)
+    return FaultyBackend(url, inner, **options), checksum
+
+
+def _open_memory(parsed: ParsedUrl, params: Params) -> Backend:
+    if not parsed.netloc:
+        raise StoreError(f"store URL {parsed.url!r}: memory:// needs a name (memory://NAME)")
+    if parsed.path not in ("", "/"):
+        raise StoreError(f"store URL {parsed.url!r}: memory:// takes a name, not a path ({parsed.path!r})")
+    capacity = params.size("capacity", -1)
+    params.finish()
+    return MemoryBackend(parsed.url, parsed.netloc, capacity_bytes=None if capacity < 0 else capacity)
+
+
+def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
+    if parsed.netloc not in ("", "localhost"):
+        raise StoreError(
+            f"store URL {parsed.url!r}: file URLs need an absolute directory (file:///DIR), "
+            f"got host {parsed.netloc!r}"
+        )
+    if not parsed.path or parsed.path == "/":
+        raise StoreError(f"store URL {parsed.url!r}: missing directory (file:///DIR)")
+    capacity = params.size("capacity", DEFAULT_FILE_CAPACITY)
+    if capacity <= 0:
+        raise StoreError(f"store URL {parsed.url!r}: parameter capacity must be > 0")
+    params.finish()
+    return FileBackend(parsed.url, Path(parsed.path), capacity_bytes=capacity)
+
+
+def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
+    host, _, port_text = parsed.netloc.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise StoreError(f"store URL {parsed.url!r}: mooncake:// needs the master as HOST:PORT")
+    options = {
+        "metadata_server": params.text("metadata", "P2PHANDSHAKE"),
+        "local_hostname": params.text("local_hostname", "127.0.0.1"),
+        "segment_bytes": params.size("segment", 1 << 30),
+        "local_buffer_bytes": params.size("local_buffer", 64 << 20),
+        "protocol": params.choice("protocol", "tcp", ("tcp", "rdma")),
+        "device": params.text("device", ""),
+        "timeout_ms": params.integer("timeout_ms", 2000),
+        "breaker_failures": params.integer("breaker_failures", 1, minimum=1),
+        "breaker_reset_s": params.number("breaker_reset_s", 5.0),
+        "preferred_segment": params.text("preferred_segment", "local"),
+    }
+    params.finish()
+    from hybridkv.store.mooncake import MooncakeBackend  # lazy: other schemes work without Mooncake
+
+    return MooncakeBackend(parsed.url, parsed.netloc, **options)
+
+
+def is_store(candidate: object) -> bool:
+    """``True`` if ``candidate`` implements the ``Store`` protocol (structurally)."""
+    return isinstance(candidate, Store)

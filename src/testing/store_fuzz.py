@@ -1,0 +1,264 @@
+"""Store conformance as a Hypothesis ``RuleBasedStateMachine``: check any ``Store`` against a dict model.
+
+Usage (pytest)::
+
+    from hybridkv.store import open_store
+    from hybridkv.testing.store_fuzz import make_store_machine
+
+    TestMyStore = make_store_machine(lambda: open_store("file:///tmp/x?capacity=64KiB"),
+                                     allows_eviction=True).TestCase
+
+Each example calls ``factory()`` for a fresh, empty store and ``close()``s it at the end. A chaos store
+(``faulty+``) should use a fixed ``seed`` so that Hypothesis can replay a failing example. The machine puts,
+gets, checks existence, removes (by key and prefix), lists, writes one key from several threads at once,
+and reads with wrong-size destinations. The model tracks, per key, every value that may legally be stored
+and whether the key is certainly present. The properties:
+
+- A read that returns ``OK`` returns exactly one of the values put under that key -- never other bytes,
+  never a removed key's bytes. This holds under eviction, injected failures and injected corruption.
+- Insert-if-absent: once a key is certainly present, a put of other bytes does not change what is read.
+- Without eviction, a key certainly present is never ``NOT_FOUND``; with eviction it may vanish.
+- ``CORRUPT`` only where corruption is allowed or the destination size is wrong; ``TRANSFER_FAILED`` and
+  ``TIMEOUT`` only where failures are allowed. A read into a destination of the wrong size is never ``OK``.
+- ``stats()``: when both are known, bytes stay within capacity (plus the values written concurrently).
+
+Every key has a fixed value size (derived from the key), so a size mismatch is never the model's doing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from hybridkv.store.base import Status, Store
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+_FAILURES = frozenset({Status.TRANSFER_FAILED, Status.TIMEOUT})
+
+
+def key_pool(max_value_size: int) -> list[tuple[str, int]]:
+    """The keys the machine uses, each with its fixed value size; prefixes exercise ``remove_prefix``."""
+    sizes = sorted({0, 1, 33, min(1000, max_value_size), max_value_size})
+    return [(f"{prefix}{index}-{size}", size) for prefix in ("a/", "b/", "ключ/") for index, size in enumerate(sizes)]
+
+
+def make_store_machine(
+    factory: Callable[[], Store],
+    *,
+    allows_eviction: bool,
+    allows_corruption: bool = False,
+    allows_failures: bool = False,
+    supports_listing: bool = True,
+    max_value_size: int = 4096,
+    num_writer_threads: int = 3,
+) -> type[RuleBasedStateMachine]:
+    """Build a conformance state machine for the stores ``factory`` returns.
+
+    Args:
+        factory: returns a fresh, empty store per example (the machine closes it).
+        allows_eviction: entries may vanish on their own (a capacity-bounded store).
+        allows_corruption: reads may return ``CORRUPT`` (e.g. ``faulty+...?corrupt=P``).
+        allows_failures: calls may return ``TRANSFER_FAILED`` / ``TIMEOUT`` (e.g. ``faulty+...?get_fail=P``).
+        supports_listing: ``iter_keys`` works (Mooncake cannot list keys).
+        max_value_size: the largest value size in the key pool.
+        num_writer_threads: writers of one key at once in the concurrency rule.
+    """
+    pool = key_pool(max_value_size)
+    key_to_size = dict(pool)
+    keys = st.sampled_from([key for key, _size in pool])
+
+    def value_for(draw_data: st.DataObject, key: str) -> bytes:
+        size = key_to_size[key]
+        return draw_data.draw(st.binary(min_size=size, max_size=size), label=f"value of {key}")
+
+    class StoreMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.store: Store = factory()
+            # key -> every byte string that a read of the key may legally return
+            self.possible: dict[str, set[bytes]] = {}
+            # keys a put returned OK for and nothing removed since (meaningful without eviction)
+            self.certain: set[str] = set()
+
+        def teardown(self) -> None:
+            self.store.close()
+
+        @initialize()
+        def store_starts_empty(self) -> None:
+            found = self.store.exists([key for key, _size in pool])
+            stored = [key for (key, _size), status in zip(pool, found) if status is Status.OK]
+            assert not stored, f"factory gave a non-empty store: {stored}"
+            for (key, _size), status in zip(pool, found):
+                if status is not Status.NOT_FOUND:
+                    self._check_failure_allowed("exists", key, status)
+
+        # -- helpers -------------------------------------------------------------------------------------
+
+        def _check_failure_allowed(self, op: str, key: str, status: Status) -> None:
+            assert status in _FAILURES and allows_failures, f"{op}({key!r}) returned {status} unexpectedly"
+
+        def _record_put(self, key: str, value: bytes, status: Status) -> None:
+            if status is Status.OK:
+                if key in self.certain and not allows_eviction:
+                    # Insert-if-absent: the old value stays. If the store were to overwrite, the next
+                    # read returns bytes not in `possible` and fails.
+                    if value not in self.possible[key]:
+                        return
+                self.possible.setdefault(key, set()).add(value)
+                self.certain.add(key)
+            elif status is Status.NO_SPACE:
+                assert allows_eviction or allows_failures, f"put({key!r}) returned NO_SPACE without a capacity"
+            else:
+                self._check_failure_allowed("put", key, status)
+                self.possible.setdefault(key, set()).add(value)  # it may have landed
+
+        def _check_read(self, key: str, status: Status, data: bytes | None) -> None:
+            if status is Status.OK:
+                assert key in self.possible, f"{key!r} read OK but was never put (or was removed)"
+                assert data in self.possible[key], (
+                    f"{key!r} read OK with bytes that were never put under it "
+                    f"({len(data or b'')} bytes, expected one of {len(self.possible[key])} values)"
+                )
+            elif status is Status.NOT_FOUND:
+                assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
+            elif status is Status.CORRUPT:
+                assert allows_corruption, f"{key!r} read CORRUPT without corruption injected"
+            else:
+                self._check_failure_allowed("get_into", key, status)
+
+        # -- rules ---------------------------------------------------------------------------------------
+
+        @rule(data=st.data(), batch=st.lists(keys, min_size=1, max_size=4), split=st.booleans())
+        def put(self, data: st.DataObject, batch: list[str], split: bool) -> None:
+            values = [value_for(data, key) for key in batch]
+            # A split value is passed as two parts (scatter-gather), concatenated by the store.
+            offered: list[bytes | list[memoryview | bytearray]] = [
+                [memoryview(v)[: len(v) // 2], bytearray(v[len(v) // 2 :])] if split else v for v in values
+            ]
+            statuses = self.store.put(batch, offered)
+            assert len(statuses) == len(batch), f"put returned {len(statuses)} results for {len(batch)} keys"
+            for key, value, status in zip(batch, values, statuses):
+                self._record_put(key, value, status)
+
+        @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), split=st.booleans())
+        def get_into(self, batch: list[str], split: bool) -> None:
+            destinations: list[bytearray | list[bytearray]] = []
+            for key in batch:
+                size = key_to_size[key]
+                destinations.append([bytearray(size // 3), bytearray(size - size // 3)] if split else bytearray(size))
+            statuses = self.store.get_into(batch, destinations)
+            assert len(statuses) == len(batch), f"get_into returned {len(statuses)} results for {len(batch)} keys"
+            for key, destination, status in zip(batch, destinations, statuses):
+                data = b"".join(destination) if isinstance(destination, list) else bytes(destination)
+                self._check_read(key, status, data)
+
+        @rule(key=keys, delta=st.sampled_from([-1, 1, 17]))
+        def get_into_wrong_size(self, key: str, delta: int) -> None:
+            size = key_to_size[key] + delta
+            if size < 0:
+                return
+            [status] = self.store.get_into([key], [bytearray(size)])
+            assert status is not Status.OK, f"{key!r} read OK into a destination of the wrong size {size}"
+            if status not in (Status.NOT_FOUND, Status.CORRUPT):
+                self._check_failure_allowed("get_into(wrong size)", key, status)
+            if status is Status.NOT_FOUND:
+                assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
+
+        @rule(batch=st.lists(keys, min_size=1, max_size=6))
+        def exists(self, batch: list[str]) -> None:
+            statuses = self.store.exists(batch)
+            assert len(statuses) == len(batch), f"exists returned {len(statuses)} results for {len(batch)} keys"
+            for key, status in zip(batch, statuses):
+                if status is Status.OK:
+                    assert key in self.possible, f"exists({key!r}) is OK but the key was never put or was removed"
+                elif status is Status.NOT_FOUND:
+                    assert allows_eviction or key not in self.certain, f"exists({key!r}) NOT_FOUND but it is stored"
+                else:
+                    self._check_failure_allowed("exists", key, status)
+
+        @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
+        def remove(self, batch: list[str]) -> None:
+            statuses = self.store.remove(batch)
+            assert len(statuses) == len(batch), f"remove returned {len(statuses)} results for {len(batch)} keys"
+            for key, status in zip(batch, statuses):
+                if status is Status.OK:
+                    assert key in self.possible, f"remove({key!r}) is OK but the key was never put or was removed"
+                elif status is Status.NOT_FOUND:
+                    assert allows_eviction or key not in self.certain, f"remove({key!r}) NOT_FOUND but it is stored"
+                else:
+                    self._check_failure_allowed("remove", key, status)
+                    self.certain.discard(key)
+                    continue  # may or may not be gone
+                self.possible.pop(key, None)
+                self.certain.discard(key)
+
+        @rule(prefix=st.sampled_from(["a/", "b/", "ключ/", "a/0"]))
+        def remove_prefix(self, prefix: str) -> None:
+            num_removed = self.store.remove_prefix(prefix)
+            matching_possible = {key for key in self.possible if key.startswith(prefix)}
+            matching_certain = {key for key in self.certain if key.startswith(prefix)}
+            assert num_removed <= len(matching_possible), (
+                f"remove_prefix({prefix!r}) removed {num_removed} keys, at most {len(matching_possible)} exist"
+            )
+            assert allows_eviction or num_removed >= len(matching_certain), (
+                f"remove_prefix({prefix!r}) removed {num_removed} keys, but {len(matching_certain)} are stored"
+            )
+            for key in matching_possible:
+                self.possible.pop(key)
+                self.certain.discard(key)
+
+        @precondition(lambda self: supports_listing)
+        @rule(prefix=st.sampled_from(["", "a/", "ключ/"]))
+        def iter_keys(self, prefix: str) -> None:
+            listed = list(self.store.iter_keys(prefix))
+            assert len(listed) == len(set(listed)), f"iter_keys({prefix!r}) repeats keys: {sorted(listed)}"
+            assert all(key.startswith(prefix) for key in listed), f"iter_keys({prefix!r}) -> {sorted(listed)}"
+            unknown = set(listed) - set(self.possible)
+            assert not unknown, f"iter_keys({prefix!r}) lists keys never put or removed: {sorted(unknown)}"
+            if not allows_eviction:
+                missing = {key for key in self.certain if key.startswith(prefix)} - set(listed)
+                assert not missing, f"iter_keys({prefix!r}) misses stored keys {sorted(missing)}"
+
+        @rule(data=st.data(), key=keys)
+        def concurrent_writers_of_one_key(self, data: st.DataObject, key: str) -> None:
+            values = [value_for(data, key) for _ in range(num_writer_threads)]
+            barrier = threading.Barrier(num_writer_threads)
+            thread_statuses: list[Status | None] = [None] * num_writer_threads
+
+            def write(index: int) -> None:
+                barrier.wait()
+                [thread_statuses[index]] = self.store.put([key], [values[index]])
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(num_writer_threads)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            landed = [v for v, s in zip(values, thread_statuses) if s is Status.OK]
+            if key in self.certain and not allows_eviction:
+                pass  # insert-if-absent: nothing new may land
+            elif landed:
+                self.possible.setdefault(key, set()).update(landed)
+                self.certain.add(key)
+            for value, status in zip(values, thread_statuses):
+                assert status is not None, f"a writer of {key!r} returned no status"
+                if status is not Status.OK:
+                    self._record_put(key, value, status)
+            destination = bytearray(key_to_size[key])
+            [status] = self.store.get_into([key], [destination])
+            self._check_read(key, status, bytes(destination))
+
+        @invariant()
+        def bytes_within_capacity(self) -> None:
+            stats = self.store.stats()
+            if stats.capacity_bytes is None or stats.num_bytes is None:
+                return
+            # Concurrent writers may each pass the capacity check before any of them publishes.
+            slack = num_writer_threads * (max_value_size + 256)
+            assert stats.num_bytes <= stats.capacity_bytes + slack, (
+                f"{stats.url}: {stats.num_bytes} bytes stored, capacity {stats.capacity_bytes} (+{slack} slack)"
+            )
+
+    StoreMachine.__name__ = StoreMachine.__qualname__ = "StoreMachine"
+    return StoreMachine

@@ -1,0 +1,82 @@
+"""``hybridkv store ...`` and ``hybridkv bench store`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+from hybridkv.cli import main
+from hybridkv.store import Status, open_store
+from hybridkv.store.bench import measure_put_get, run_store_bench
+
+from .conftest import MooncakeMaster
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging_config() -> Iterator[None]:
+    """``main()`` configures process logging onto the (captured, soon closed) stderr; undo it afterwards."""
+    config = structlog.get_config()
+    yield
+    structlog.configure(**config)
+
+
+TINY = ["--sizes", "4KiB,16KiB", "--bytes-per-round", "64KiB", "--repeats", "1", "--exists-calls", "20", "--no-plot"]
+
+
+def test_bench_cli_writes_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench" / "store.json"
+    assert main(["bench", "store", *TINY, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {row["store"].split(":")[0] for row in rows} == {"memory", "file"}
+    assert len(rows) == 4
+    for row in rows:
+        assert row["put_ratio"] == pytest.approx(row["put_gbps"] / row["memcpy_gbps"])
+        assert row["get_ratio"] > 0 and row["exists_p50_us"] <= row["exists_p99_us"]
+    assert "put_ratio" in capsys.readouterr().out
+
+
+def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "store", "--sizes", "big", "--out", str(tmp_path / "x.json")]) == 2
+    assert "value size" in capsys.readouterr().err
+    assert main(["bench", "store", "--store", "nosuch://x", *TINY, "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_store_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/s?capacity=1MiB"
+    store = open_store(url)
+    assert store.put(["a/1", "a/2", "b/1"], [b"x", b"y", b"z"]) == [Status.OK] * 3
+    store.close()
+    capsys.readouterr()
+    assert main(["store", "ls", url, "--prefix", "a/", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["keys"] == ["a/1", "a/2"]
+    assert main(["store", "stats", url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["num_keys"] == 3 and stats["capacity_bytes"] == 1 << 20
+    assert main(["store", "clear", url, "--prefix", "a/"]) == 0
+    assert "removed 2 keys" in capsys.readouterr().out
+    assert main(["store", "ls", url]) == 0
+    assert capsys.readouterr().out.split() == ["b/1"]
+    assert main(["store", "stats", "file://"]) == 2
+    assert "missing directory" in capsys.readouterr().err
+
+
+def test_bench_functions_with_tiny_sizes(memory_url: str) -> None:
+    store = open_store(memory_url)
+    result = measure_put_get(store, 1024, 8, repeats=1)
+    assert result["put_gbps"] > 0 and result["get_gbps"] > 0
+    assert store.stats().num_keys == 0, "the bench must remove its keys"
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+def test_bench_runs_against_mooncake(mooncake_master: MooncakeMaster) -> None:
+    report = run_store_bench(
+        [mooncake_master.url()], value_sizes=[64 << 10, 1 << 20], bytes_per_round=4 << 20, repeats=1, num_exists_calls=50
+    )
+    assert [row["value_size"] for row in report["rows"]] == [64 << 10, 1 << 20]
+    assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in report["rows"])
+    assert report["rows"][0]["exists_p50_us"] < 10_000

@@ -1,0 +1,66 @@
+"""The store conformance machine (hybridkv.testing.store_fuzz) against every backend."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+
+import pytest
+from hybridkv.store import open_store
+from hybridkv.store.framed import FramedStore
+from hybridkv.testing.store_fuzz import make_store_machine
+
+
+def _memory(params: str = "") -> FramedStore:
+    return open_store(f"memory://fuzz-{uuid.uuid4().hex}{params}")
+
+
+def _file(params: str = "capacity=64MiB") -> FramedStore:
+    directory = tempfile.mkdtemp(prefix="hybridkv-fuzz-")
+    return open_store(f"file://{directory}/store?{params}")
+
+
+TestMemoryStore = make_store_machine(_memory, allows_eviction=False).TestCase
+TestMemoryStoreUnderCapacity = make_store_machine(lambda: _memory("?capacity=12KiB"), allows_eviction=True).TestCase
+TestFileStore = make_store_machine(_file, allows_eviction=False).TestCase
+TestFileStoreUnderCapacity = make_store_machine(lambda: _file("capacity=12KiB"), allows_eviction=True).TestCase
+TestFileStoreCrc32 = make_store_machine(lambda: _file("capacity=64MiB&checksum=crc32"), allows_eviction=False).TestCase
+TestFaultyMemoryStore = make_store_machine(
+    lambda: open_store(
+        f"faulty+memory://fuzz-{uuid.uuid4().hex}?corrupt=0.2&get_fail=0.1&put_fail=0.1&exists_fail=0.1"
+        "&seed=7"
+    ),
+    allows_eviction=False,
+    allows_corruption=True,
+    allows_failures=True,
+).TestCase
+TestFaultyFileStore = make_store_machine(
+    lambda: open_store(
+        f"faulty+file://{tempfile.mkdtemp(prefix='hybridkv-fuzz-')}/s?capacity=16KiB&corrupt=0.3&seed=11"
+    ),
+    allows_eviction=True,
+    allows_corruption=True,
+).TestCase
+
+
+class _KeepOpen:
+    """Forwards to a shared store but does not close it (one Mooncake client serves all examples)."""
+
+    def __init__(self, store: FramedStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_conforms(shared_mooncake_store: FramedStore) -> None:
+    def factory() -> _KeepOpen:
+        shared_mooncake_store.remove_prefix("")
+        return _KeepOpen(shared_mooncake_store)
+
+    machine = make_store_machine(factory, allows_eviction=False, supports_listing=False)  # type: ignore[arg-type]
+    machine.TestCase().runTest()
