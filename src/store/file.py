@@ -18,6 +18,12 @@ it, under an flock; when a put would exceed ``capacity`` the putter takes ``evic
 objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usage`` with the real total
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
+
+Speed (``hybridkv bench store``, /dev/shm): values move with one ``writev``/``readv`` straight from/to the
+caller's buffers, and the frame checksum runs per value right before the write / right after the read
+(``JustInTimeBackend``), while the bytes are in cache. A put is bounded by tmpfs allocating a fresh 4 KiB
+page per 4 KiB written: a plain ``write`` of 1 MiB into a new /dev/shm file runs at ~0.3x memcpy on the dev
+VM (overwriting existing pages ~0.6x; on a tmpfs mounted ``huge=always`` a new file takes ~0.6x).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import overload
 import structlog
 from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
-from hybridkv.store.framed import FrameParts
+from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 
 log = structlog.get_logger(__name__)
 
@@ -190,6 +196,12 @@ class FileBackend:
         return results
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        return self.put_frames_sealed(keys, frames, None)
+
+    def put_frames_sealed(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook | None
+    ) -> list[Status]:
+        """``put_frames``, sealing each frame (computing its checksum) right before writing it."""
         results: list[Status] = []
         paths: list[str | None] = []
         num_new_bytes = 0
@@ -217,6 +229,8 @@ class FileBackend:
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
             if new_path is None:
                 continue
+            if seal is not None:
+                seal(index)
             results[index], published = self._publish(key, frame, new_path)
             if not published:
                 num_unpublished_bytes += sum(part.nbytes for part in frame)
@@ -247,9 +261,15 @@ class FileBackend:
                 pass
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        return self.get_frames_verified(keys, frames, None)
+
+    def get_frames_verified(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook | None
+    ) -> list[Status]:
+        """``get_frames_into``, verifying each frame right after reading it (while its bytes are cached)."""
         results: list[Status] = []
         now = time.time()
-        for key, frame in zip(keys, frames):
+        for index, (key, frame) in enumerate(zip(keys, frames)):
             path = self._path(key)
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -266,7 +286,7 @@ class FileBackend:
                     results.append(Status.CORRUPT)
                     log.warning("store.file.size_mismatch", key=key, size=info.st_size, expected=expected)
                     continue
-                if _read_all(fd, frame) != expected:
+                if _read_all(fd, frame) != expected or (verify is not None and not verify(index)):
                     results.append(Status.CORRUPT)
                     continue
                 self._touch(path, fd, info.st_mtime, now)

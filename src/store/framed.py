@@ -9,7 +9,7 @@ the chaos wrapper (``faulty+``) damage real frame bytes between the two, where t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import structlog
@@ -49,6 +49,44 @@ class Backend(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+
+#: ``seal(index)``: fill frame ``index``'s header part in place (this computes the payload checksum).
+SealHook = Callable[[int], None]
+#: ``verify(index)``: check frame ``index`` just filled; ``False`` means the backend must answer ``CORRUPT``.
+VerifyHook = Callable[[int], bool]
+
+
+class JustInTimeBackend(Backend, Protocol):
+    """Optional: a backend that runs the framing next to each value's copy (``FramedStore`` detects it).
+
+    Hashing a whole batch before writing it (or after reading it) streams every byte through the CPU cache
+    once more; calling the hook right before (after) each value's copy hashes bytes that are still cached
+    (dev VM, 1 MiB values, 64 MiB batch: tmpfs read + per-value hash is ~15 % faster than read all, then
+    hash all). It also skips the checksum of values that insert-if-absent does not write.
+
+    - ``put_frames_sealed``: each frame's header part is a zeroed placeholder of the header's exact length;
+      the backend calls ``seal(index)`` before it copies frame ``index`` anywhere and never stores a frame it
+      has not sealed. Otherwise as ``put_frames``.
+    - ``get_frames_verified``: for every frame it would answer ``OK``, right after filling it, the backend
+      calls ``verify(index)`` and answers ``CORRUPT`` if that returns ``False``. Otherwise as
+      ``get_frames_into``. (``FramedStore`` still checks every ``OK`` frame that was not verified, so a
+      backend that forgets cannot skip the check.)
+
+    Wrappers that alter bytes between the backend and the check (``faulty+``) must not offer these.
+    """
+
+    def put_frames_sealed(self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook) -> list[Status]: ...
+
+    def get_frames_verified(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook
+    ) -> list[Status]: ...
+
+
+def _is_just_in_time(backend: object) -> bool:
+    return callable(getattr(backend, "put_frames_sealed", None)) and callable(
+        getattr(backend, "get_frames_verified", None)
+    )
 
 
 def value_to_parts(value: Value) -> list[memoryview]:
@@ -123,11 +161,24 @@ class FramedStore:
             raise ValueError(f"put: {len(keys)} keys but {len(values)} values")
         if not keys:
             return []
-        frames: list[FrameParts] = []
+        backend = self._backend
+        checksum = self._checksum
+        if _is_just_in_time(backend):
+            # Header placeholders; the backend seals each frame right before copying it (see JustInTimeBackend).
+            frames = [
+                [memoryview(bytearray(header_size(key))), *value_to_parts(value)] for key, value in zip(keys, values)
+            ]
+
+            def seal(index: int) -> None:
+                frame = frames[index]
+                frame[0][:] = encode_header(keys[index], checksum, frame[1:])
+
+            return self._checked_results("put", keys, backend.put_frames_sealed(keys, frames, seal))  # type: ignore[attr-defined]
+        frames = []
         for key, value in zip(keys, values):
             payload = value_to_parts(value)
-            frames.append([memoryview(encode_header(key, self._checksum, payload)), *payload])
-        return self._checked_results("put", keys, self._backend.put_frames(keys, frames))
+            frames.append([memoryview(encode_header(key, checksum, payload)), *payload])
+        return self._checked_results("put", keys, backend.put_frames(keys, frames))
 
     def get_into(self, keys: Sequence[str], destinations: Sequence[Destination]) -> list[Status]:
         self._check_open()
@@ -138,17 +189,33 @@ class FramedStore:
         frames: list[FrameParts] = []
         for key, destination in zip(keys, destinations):
             frames.append([memoryview(bytearray(header_size(key))), *destination_to_parts(destination)])
-        results = self._checked_results("get_into", keys, self._backend.get_frames_into(keys, frames))
+        backend = self._backend
+        verified = [False] * len(keys)
+        if _is_just_in_time(backend):
+
+            def verify(index: int) -> bool:
+                verified[index] = True
+                return self._frame_ok(keys[index], frames[index])
+
+            results = self._checked_results(
+                "get_into", keys, backend.get_frames_verified(keys, frames, verify)  # type: ignore[attr-defined]
+            )
+        else:
+            results = self._checked_results("get_into", keys, backend.get_frames_into(keys, frames))
+        # Every OK frame the backend did not verify (all of them for a plain backend) is checked here.
         for index, (key, frame) in enumerate(zip(keys, frames)):
-            if results[index] is not Status.OK:
-                continue
-            problem = check_frame(key, frame[0], frame[1:], required=self._checksum)
-            if problem is not None:
+            if results[index] is Status.OK and not verified[index] and not self._frame_ok(key, frame):
                 results[index] = Status.CORRUPT
-                with self._lock:
-                    self._num_corrupt += 1
-                log.warning("store.corrupt_value", url=self.url, key=key, problem=problem)
         return results
+
+    def _frame_ok(self, key: str, frame: FrameParts) -> bool:
+        problem = check_frame(key, frame[0], frame[1:], required=self._checksum)
+        if problem is None:
+            return True
+        with self._lock:
+            self._num_corrupt += 1
+        log.warning("store.corrupt_value", url=self.url, key=key, problem=problem)
+        return False
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         self._check_open()

@@ -3,6 +3,13 @@
 All stores opened with the same NAME in one process share one table; ``close()`` closes the handle only.
 An optional ``capacity`` bounds the framed bytes held, evicting least-recently-used entries (a read or an
 ``exists`` counts as a use).
+
+Frames of 256 KiB or more live in buffers rounded up to whole pages; when such a frame is removed or evicted
+its buffer is kept as a spare (at most ``_SPARE_BYTES`` per table, within ``capacity``) for a later put of
+the same rounded size: otherwise buffers that big often get fresh pages from malloc (a new ``mmap``, or
+heap memory trimmed and faulted back), and faulting + zeroing new pages costs about as much as the copy
+itself (dev VM, 64 MiB batches: 16 MiB values put at 0.38x memcpy without reuse, 0.74x with it). A buffer is reused only when no reader is copying out of it (readers pin the frame while they
+copy outside the lock).
 """
 
 from __future__ import annotations
@@ -13,13 +20,33 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 from hybridkv.store.base import Status, StoreError, StoreStats
-from hybridkv.store.framed import FrameParts
+from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
+
+#: Frames at least this big are recycled on remove/evict (malloc reuses smaller ones well enough).
+_SPARE_MIN_FRAME = 256 << 10
+#: Upper bound on the spare bytes one table keeps.
+_SPARE_BYTES = 128 << 20
+_PAGE = 4096
 
 
-def _join(frame: FrameParts, size: int) -> np.ndarray:
-    """One contiguous copy of the frame. numpy, not ``bytes``: for multi-MiB values numpy's allocator
-    (huge-page advice) faults fresh pages in ~2x faster than ``bytes(...)`` on the dev VM."""
-    data = np.empty(size, dtype=np.uint8)
+def _buffer_size(size: int) -> int:
+    """Bytes of the buffer holding a frame of ``size`` bytes (spares are matched on this)."""
+    return size if size < _SPARE_MIN_FRAME else -(-size // _PAGE) * _PAGE
+
+
+def _buffer_of(data: np.ndarray) -> np.ndarray:
+    """The whole buffer behind a stored frame (a frame is a prefix view of its buffer when rounded up)."""
+    return data if data.base is None else data.base
+
+
+def _join(frame: FrameParts, size: int, data: np.ndarray | None = None) -> np.ndarray:
+    """One contiguous copy of the frame (into ``data`` when given: a spare buffer of exactly ``size`` bytes).
+    numpy, not ``bytes``: for multi-MiB values numpy's allocator (huge-page advice) faults fresh pages in
+    ~2x faster than ``bytes(...)`` on the dev VM."""
+    if data is None:
+        data = np.empty(_buffer_size(size), dtype=np.uint8)
+    if data.nbytes != size:
+        data = data[:size]
     view = memoryview(data)  # type: ignore[arg-type]  # numpy arrays are buffers
     offset = 0
     for part in frame:
@@ -37,6 +64,44 @@ class _MemoryTable:
         self.num_bytes = 0
         self.capacity_bytes = capacity_bytes
         self.num_evicted = 0
+        #: id(frame) -> readers copying out of it right now (they copy outside the lock).
+        self.pins: dict[int, int] = {}
+        #: frame size -> spare buffers of exactly that size, for puts to reuse (see the module docstring).
+        self.spare: dict[int, list[np.ndarray]] = {}
+        self.spare_bytes = 0
+
+    # All methods below are called with ``lock`` held.
+
+    def retire(self, data: np.ndarray) -> None:
+        """Frame ``data`` left the table: keep its buffer as a spare if big, unpinned, and there is room."""
+        if data.nbytes < _SPARE_MIN_FRAME or id(data) in self.pins:
+            return
+        data = _buffer_of(data)
+        size = data.nbytes
+        limit = _SPARE_BYTES
+        if self.capacity_bytes is not None:
+            limit = min(limit, self.capacity_bytes - self.num_bytes)
+        if self.spare_bytes + size > limit:
+            return
+        self.spare.setdefault(size, []).append(data)
+        self.spare_bytes += size
+
+    def take_spare(self, size: int) -> np.ndarray | None:
+        buffers = self.spare.get(size)
+        if not buffers:
+            return None
+        data = buffers.pop()
+        if not buffers:
+            del self.spare[size]
+        self.spare_bytes -= size
+        return data
+
+    def drop_spares(self, num_bytes: int) -> None:
+        """Free spare buffers until ``num_bytes`` more fit under capacity next to the table's frames."""
+        assert self.capacity_bytes is not None
+        while self.spare and self.num_bytes + self.spare_bytes + num_bytes > self.capacity_bytes:
+            size = next(iter(self.spare))
+            self.take_spare(size)
 
 
 _name_to_table: dict[str, _MemoryTable] = {}
@@ -77,53 +142,81 @@ class MemoryBackend:
         return results
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        return self.put_frames_sealed(keys, frames, None)
+
+    def put_frames_sealed(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook | None
+    ) -> list[Status]:
+        """``put_frames``, sealing each frame (computing its checksum) right before copying it."""
         table = self._table
         results: list[Status] = []
-        for key, frame in zip(keys, frames):
+        for index, (key, frame) in enumerate(zip(keys, frames)):
             with table.lock:
                 if key in table.key_to_frame:  # insert-if-absent
                     table.key_to_frame.move_to_end(key)
                     results.append(Status.OK)
                     continue
-            size = sum(part.nbytes for part in frame)
+                size = sum(part.nbytes for part in frame)
+                spare = table.take_spare(_buffer_size(size)) if size >= _SPARE_MIN_FRAME else None
             if table.capacity_bytes is not None and size > table.capacity_bytes:
                 results.append(Status.NO_SPACE)
                 continue
-            data = _join(frame, size)  # the one copy, outside the lock
+            if seal is not None:
+                seal(index)
+            data = _join(frame, size, spare)  # the one copy, outside the lock
             with table.lock:
                 if key in table.key_to_frame:  # another thread won the race: first writer wins
+                    table.retire(data)
                     results.append(Status.OK)
                     continue
                 if table.capacity_bytes is not None:
+                    table.drop_spares(size)
                     while table.num_bytes + size > table.capacity_bytes:
                         _evicted_key, evicted = table.key_to_frame.popitem(last=False)
                         table.num_bytes -= evicted.nbytes
                         table.num_evicted += 1
+                        table.retire(evicted)
                 table.key_to_frame[key] = data
                 table.num_bytes += size
+                if table.capacity_bytes is not None:
+                    table.drop_spares(0)  # spares retired by the evictions above must fit too
             results.append(Status.OK)
         return results
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
+        return self.get_frames_verified(keys, frames, None)
+
+    def get_frames_verified(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook | None
+    ) -> list[Status]:
+        """``get_frames_into``, verifying each frame right after copying it (while its bytes are cached)."""
         table = self._table
+        pins = table.pins
         results: list[Status] = []
-        for key, frame in zip(keys, frames):
+        for index, (key, frame) in enumerate(zip(keys, frames)):
             with table.lock:
                 data = table.key_to_frame.get(key)
-                if data is not None:
-                    table.key_to_frame.move_to_end(key)
-            if data is None:
-                results.append(Status.NOT_FOUND)
-                continue
-            if data.nbytes != sum(part.nbytes for part in frame):
-                results.append(Status.CORRUPT)
-                continue
-            source = memoryview(data)  # type: ignore[arg-type] # never written after publication: safe to copy outside the lock
-            offset = 0
-            for part in frame:
-                part[:] = source[offset : offset + part.nbytes]
-                offset += part.nbytes
-            results.append(Status.OK)
+                if data is None:
+                    results.append(Status.NOT_FOUND)
+                    continue
+                table.key_to_frame.move_to_end(key)
+                if data.nbytes != sum(part.nbytes for part in frame):
+                    results.append(Status.CORRUPT)
+                    continue
+                pins[id(data)] = pins.get(id(data), 0) + 1  # not recycled while we copy outside the lock
+            try:
+                source = memoryview(data)  # type: ignore[arg-type] # never written while published or pinned
+                offset = 0
+                for part in frame:
+                    part[:] = source[offset : offset + part.nbytes]
+                    offset += part.nbytes
+                del source
+            finally:
+                with table.lock:
+                    count = pins.pop(id(data)) - 1
+                    if count:
+                        pins[id(data)] = count
+            results.append(Status.OK if verify is None or verify(index) else Status.CORRUPT)
         return results
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
@@ -136,6 +229,7 @@ class MemoryBackend:
                     results.append(Status.NOT_FOUND)
                 else:
                     table.num_bytes -= data.nbytes
+                    table.retire(data)
                     results.append(Status.OK)
         return results
 
@@ -156,7 +250,7 @@ class MemoryBackend:
                 num_keys=len(table.key_to_frame),
                 num_bytes=table.num_bytes,
                 capacity_bytes=table.capacity_bytes,
-                extra={"name": self.name, "num_evicted": table.num_evicted},
+                extra={"name": self.name, "num_evicted": table.num_evicted, "spare_bytes": table.spare_bytes},
             )
 
     def close(self) -> None:
