@@ -14,6 +14,7 @@ from hybridkv.store import StoreError, open_store
 from hybridkv.store.bench import (
     DEFAULT_BYTES_PER_ROUND,
     DEFAULT_VALUE_SIZES,
+    bench_scratch_dir,
     default_store_urls,
     run_store_bench,
 )
@@ -139,14 +140,15 @@ def handle_bench(args: argparse.Namespace) -> int:
         bytes_per_round = parse_size(args.bytes_per_round, what="--bytes-per-round")
         if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
             raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
-        urls = args.stores or default_store_urls(bytes_per_round)
-        report = run_store_bench(
-            urls,
-            value_sizes=sizes,
-            bytes_per_round=bytes_per_round,
-            repeats=args.repeats,
-            num_exists_calls=args.exists_calls,
-        )
+        with bench_scratch_dir() as scratch:
+            urls = args.stores or default_store_urls(bytes_per_round, scratch)
+            report = run_store_bench(
+                urls,
+                value_sizes=sizes,
+                bytes_per_round=bytes_per_round,
+                repeats=args.repeats,
+                num_exists_calls=args.exists_calls,
+            )
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

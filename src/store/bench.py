@@ -99,12 +99,16 @@ def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, 
     }
 
 
-def default_store_urls(bytes_per_round: int) -> list[str]:
-    """``memory://`` and a ``file://`` store in a fresh temporary directory (in ``/dev/shm`` when present,
-    the recommended production location) big enough for one round."""
+def bench_scratch_dir() -> tempfile.TemporaryDirectory[str]:
+    """A scratch directory for the default file store: in ``/dev/shm`` when present (the recommended
+    production location), else the system temp dir. The caller removes it (it is a context manager)."""
     shm = "/dev/shm"
     parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    directory = tempfile.mkdtemp(prefix="hybridkv-bench-", dir=parent)
+    return tempfile.TemporaryDirectory(prefix="hybridkv-bench-", dir=parent)
+
+
+def default_store_urls(bytes_per_round: int, directory: str) -> list[str]:
+    """``memory://`` and a ``file://`` store under ``directory``, big enough for one round."""
     capacity = 4 * bytes_per_round + (64 << 20)
     return [f"memory://bench-{uuid.uuid4().hex}", f"file://{directory}/store?capacity={capacity}"]
 

@@ -15,9 +15,16 @@ def _memory(params: str = "") -> FramedStore:
     return open_store(f"memory://fuzz-{uuid.uuid4().hex}{params}")
 
 
+# One scratch root for the whole module, removed at interpreter exit; each example gets a fresh subfolder.
+_SCRATCH = tempfile.TemporaryDirectory(prefix="hybridkv-fuzz-")
+
+
+def _fresh_dir() -> str:
+    return tempfile.mkdtemp(dir=_SCRATCH.name)
+
+
 def _file(params: str = "capacity=64MiB") -> FramedStore:
-    directory = tempfile.mkdtemp(prefix="hybridkv-fuzz-")
-    return open_store(f"file://{directory}/store?{params}")
+    return open_store(f"file://{_fresh_dir()}/store?{params}")
 
 
 TestMemoryStore = make_store_machine(_memory, allows_eviction=False).TestCase
@@ -36,7 +43,7 @@ TestFaultyMemoryStore = make_store_machine(
 ).TestCase
 TestFaultyFileStore = make_store_machine(
     lambda: open_store(
-        f"faulty+file://{tempfile.mkdtemp(prefix='hybridkv-fuzz-')}/s?capacity=16KiB&corrupt=0.3&seed=11"
+        f"faulty+file://{_fresh_dir()}/s?capacity=16KiB&corrupt=0.3&seed=11"
     ),
     allows_eviction=True,
     allows_corruption=True,

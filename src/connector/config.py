@@ -1,0 +1,156 @@
+"""``kv_connector_extra_config`` of ``HybridStoreConnector``: parsed and validated once, at engine start.
+
+Keys (all optional):
+
+==================  =====================================================================================
+``store``           store URL (``file://``, ``memory://``, ``mooncake://``, ``faulty+...``). Default: the
+                    embedded file store under ``$XDG_CACHE_HOME/hybridkv/store`` (``~/.cache`` when unset).
+``namespace``       key namespace; default derived from the model (its folder name). Letters, digits and
+                    ``._-`` only, at most 64 characters.
+``audit_log``       path of a JSON-lines audit file for state transitions, or ``null`` (no file).
+``put_wave_bytes``  per-rank bytes in flight for one PUT wave (int, or a string like ``"64MiB"``); > 0.
+``lookup_budget_ms``  the longest the scheduler waits on one existence check; > 0.
+``verify_checksums``  verify value checksums on load (bool).
+==================  =====================================================================================
+
+An unknown key or a bad value raises ``ValueError`` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CAPACITY = "8GiB"
+DEFAULT_PUT_WAVE_BYTES = 64 << 20
+DEFAULT_LOOKUP_BUDGET_MS = 50.0
+
+KNOWN_KEYS: tuple[str, ...] = (
+    "store",
+    "namespace",
+    "audit_log",
+    "put_wave_bytes",
+    "lookup_budget_ms",
+    "verify_checksums",
+)
+
+_STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def default_store_url() -> str:
+    """The embedded file store in the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return f"file://{Path(base) / 'hybridkv' / 'store'}?capacity={DEFAULT_CAPACITY}"
+
+
+def default_namespace(model: str) -> str:
+    """A namespace from the model name or path: its last component, sanitized."""
+    base = model.rstrip("/").split("/")[-1] or "model"
+    ns = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:64]
+    return ns or "model"
+
+
+def parse_size(key: str, value: object) -> int:
+    """Bytes from an int or a string like ``"64MiB"``/``"64m"``; raises ``ValueError`` naming ``key``."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config[{key!r}]: expected a byte size, got {value!r}")  # noqa: TRY004
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "").lower()[:1]
+        n = int(m.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]: expected a byte size, got {value!r}")
+    if n <= 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The validated connector configuration (identical on the scheduler and every worker)."""
+
+    store: str
+    namespace: str
+    audit_log: str | None
+    put_wave_bytes: int
+    lookup_budget_ms: float
+    verify_checksums: bool
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, model: str) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``; ``model`` names the default namespace."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KNOWN_KEYS))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {unknown} (value(s) "
+                f"{[extra[k] for k in unknown]!r}); known keys: {list(KNOWN_KEYS)}"
+            )
+
+        store = extra.get("store", None)
+        if store is None:
+            store = default_store_url()
+        if not isinstance(store, str) or not store.startswith(_STORE_SCHEMES):
+            raise ValueError(
+                f"kv_connector_extra_config['store']: expected a URL starting with one of "
+                f"{list(_STORE_SCHEMES)}, got {store!r}"
+            )
+
+        namespace = extra.get("namespace", None)
+        if namespace is None:
+            namespace = default_namespace(model)
+        if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+            raise ValueError(
+                "kv_connector_extra_config['namespace']: expected 1-64 characters of [A-Za-z0-9._-], "
+                f"got {namespace!r}"
+            )
+
+        audit_log = extra.get("audit_log", None)
+        if audit_log is not None and (not isinstance(audit_log, (str, os.PathLike)) or not str(audit_log)):
+            raise ValueError(
+                f"kv_connector_extra_config['audit_log']: expected a path or null, got {audit_log!r}"
+            )
+        if audit_log is not None:
+            parent = Path(audit_log).expanduser().parent
+            if not parent.is_dir():
+                raise ValueError(
+                    f"kv_connector_extra_config['audit_log']: directory of {audit_log!r} does not exist"
+                )
+            audit_log = str(Path(audit_log).expanduser())
+
+        put_wave_bytes = parse_size("put_wave_bytes", extra.get("put_wave_bytes", DEFAULT_PUT_WAVE_BYTES))
+
+        budget = extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS)
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not budget > 0
+            or math.isnan(budget)
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config['lookup_budget_ms']: expected a number > 0, got {budget!r}"
+            )
+
+        verify = extra.get("verify_checksums", True)
+        if not isinstance(verify, bool):
+            raise ValueError(  # noqa: TRY004 -- the brief: bad config values are ValueError
+                f"kv_connector_extra_config['verify_checksums']: expected true or false, got {verify!r}"
+            )
+
+        return cls(
+            store=store,
+            namespace=namespace,
+            audit_log=audit_log,
+            put_wave_bytes=put_wave_bytes,
+            lookup_budget_ms=float(budget),
+            verify_checksums=verify,
+        )

@@ -1,0 +1,201 @@
+"""``HybridStoreConnector``: vLLM's KV-connector interface as a thin facade over the two halves.
+
+Configure with ``kv_connector="HybridStoreConnector"``, ``kv_connector_module_path="hybridkv.connector"``
+(or the ``hybridkv`` general plugin), ``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``; see
+:mod:`hybridkv.connector.config` for ``kv_connector_extra_config``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.metadata import HybridStoreMetadata
+from hybridkv.connector.stats import HybridStoreStats, build_stats
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from hybridkv.connector.scheduler import SchedulerSide
+    from hybridkv.connector.worker import WorkerSide
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = structlog.get_logger(__name__)
+
+
+class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """External prefix cache that stays exact for hybrid models (full / sliding window / Mamba groups)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(
+            tc.kv_connector_extra_config, model=str(vllm_config.model_config.model)
+        )
+        if tc.kv_load_failure_policy != "recompute":
+            log.warning(
+                "hybridkv: kv_load_failure_policy is not 'recompute'; a failed load will fail its request",
+                policy=tc.kv_load_failure_policy,
+            )
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from hybridkv.connector.scheduler import SchedulerSide
+
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self.config)
+        else:
+            from hybridkv.connector.worker import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, kv_cache_config, self.config)
+        self._source = (
+            CacheHitSource.DISK
+            if self.config.store.startswith(("file:", "faulty+file:"))
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a preempted request just recomputes
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._sched is not None, "scheduler-side call on a worker-role HybridStoreConnector"
+        return self._sched
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler-role HybridStoreConnector"
+        return self._worker
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HybridStoreMetadata), f"unexpected metadata {type(meta).__name__}"
+        self.worker_side.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are async: a loading request is not scheduled until it finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # saves are whole blocks, enqueued in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HybridStoreMetadata), f"unexpected metadata {type(meta).__name__}"
+        self.worker_side.enqueue_saves(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self.worker_side.transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failures are request-level (failed_recving): legal on hybrid models too
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta: KVConnectorWorkerMetadata | None = self.worker_side.worker_meta()
+        return meta
+
+    def get_kv_connector_stats(self) -> HybridStoreStats | None:
+        side = self._sched if self._sched is not None else self._worker
+        return side.stats.take() if side is not None else None
+
+    # ------------------------------------------------------------------ scheduler role
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.scheduler_side.bind_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.track(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        answer: tuple[int | None, bool] = self.scheduler_side.lookup(request, num_computed_tokens)
+        return answer
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        return {self._source: num_external_tokens} if num_external_tokens else {}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta: KVConnectorMetadata = self.scheduler_side.build_meta(scheduler_output)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.on_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler_side.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler_side.request_finished(request)
+        return False, None
+
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        self.scheduler_side.finished_partial_tail(request, partial_tail_offloads)
+        return False  # the save job pins its own blocks
+
+    def take_events(self) -> list[Any]:
+        events: list[Any] = self.scheduler_side.take_events()
+        return events
+
+    def has_pending_push_work(self) -> bool:
+        pending: bool = self.scheduler_side.has_pending_push_work()
+        return pending
+
+    def reset_cache(self) -> bool | None:
+        done: bool = self.scheduler_side.reset_cache()
+        return done
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridStoreStats | None:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        from hybridkv.connector.stats import build_prom
+
+        return build_prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()

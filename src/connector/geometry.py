@@ -1,0 +1,191 @@
+"""vLLM config -> the lifecycle's geometry and key scheme, resolved once per process.
+
+The lifecycle (``hybridkv.lifecycle.geometry``) owns the arithmetic: spans, hash unit, hit alignment,
+keys, the agreed boundary, load plans, truncation. This module only reads vLLM's objects and adds what
+the worker needs to find bytes (each store group's ``kv_cache_groups`` index and layer names).
+
+Invariant (checked at startup): the lifecycle's hash unit and hit alignment equal what vLLM resolved for
+this deployment (``kv_cache_config.hash_block_size`` / ``cache_hit_alignment_tokens``). If they differed,
+keys would name the wrong hashes or hits would land off vLLM's grid, so startup fails instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.lifecycle.geometry import Geometry, GroupKind, GroupSpec, KeyScheme, Topology
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """Where a store group's bytes live: ``sgid`` = lifecycle group index, ``gid`` = vLLM group index."""
+
+    sgid: int
+    gid: int
+    kind: GroupKind
+    spec_name: str
+    span: int
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ConnectorGeometry:
+    scheme: KeyScheme
+    groups: tuple[GroupInfo, ...]
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.scheme.geometry
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r.tp_rank for r in self.geometry.topology.ranks)
+
+    def describe(self) -> dict[str, Any]:
+        g = self.geometry
+        return {
+            "namespace": self.scheme.namespace,
+            "fingerprint": self.scheme.fingerprint,
+            "key_prefix": self.scheme.geometry_prefix,
+            "hash_unit": g.hash_unit,
+            "hit_alignment": g.hit_alignment,
+            "scheduler_block": g.scheduler_block_size,
+            "tp": g.topology.tp_size,
+            "dcp": g.topology.dcp_size,
+            "groups": [
+                f"{x.sgid}:{x.kind.value}/{x.spec_name} span={x.span} layers={len(x.layer_names)}"
+                for x in self.groups
+            ],
+        }
+
+
+def _layout(spec: Any) -> str:
+    """What the bytes of one block look like (enters the fingerprint)."""
+    fields = []
+    for name in (
+        "num_kv_heads",
+        "head_size",
+        "head_size_v",
+        "dtype",
+        "shapes",
+        "dtypes",
+        "mamba_type",
+        "page_size_bytes",
+    ):
+        value = getattr(spec, name, None)
+        if value is not None:
+            fields.append(f"{name}={value}")
+    return f"{type(spec).__name__}(" + ",".join(fields) + ")"
+
+
+def resolve_geometry(
+    vllm_config: Any, kv_cache_config: Any, namespace: str, *, check_vllm_sizes: bool
+) -> ConnectorGeometry:
+    """Build the key scheme; raise ``ValueError`` naming any group or size this connector cannot serve.
+
+    ``check_vllm_sizes``: compare with vLLM's resolved hash unit / alignment (the scheduler's config has
+    them; a worker's copy may not).
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    par = vllm_config.parallel_config
+    dcp = int(par.decode_context_parallel_size)
+    tp = int(par.tensor_parallel_size)
+    if int(getattr(par, "pipeline_parallel_size", 1)) != 1:
+        raise ValueError(
+            f"HybridStoreConnector does not support pipeline parallelism (pp={par.pipeline_parallel_size})"
+        )
+    if int(getattr(par, "prefill_context_parallel_size", 1)) != 1:
+        raise ValueError(
+            f"HybridStoreConnector does not support prefill context parallelism (pcp={par.prefill_context_parallel_size})"
+        )
+    interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
+
+    cacheable = tuple(kv_cache_config.prefix_cacheable_group_ids)
+    specs: list[GroupSpec] = []
+    infos: list[GroupInfo] = []
+    for sgid, gid in enumerate(cacheable):
+        group = kv_cache_config.kv_cache_groups[gid]
+        spec = group.kv_cache_spec
+        inner = spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            inner_specs = list(spec.kv_cache_specs.values())
+            assert inner_specs and all(type(s) is type(inner_specs[0]) for s in inner_specs), (
+                f"group {gid}: mixed per-layer specs {sorted({type(s).__name__ for s in inner_specs})}"
+            )
+            inner = inner_specs[0]
+        name = type(inner).__name__
+        if isinstance(inner, MambaSpec):
+            if getattr(inner, "mamba_cache_mode", "align") != "align":
+                raise ValueError(
+                    f"group {gid} ({name}): Mamba prefix caching needs mamba_cache_mode 'align', got {inner.mamba_cache_mode!r}"
+                )
+            gs = GroupSpec.mamba(int(spec.block_size), layout=_layout(inner))
+        elif isinstance(inner, SlidingWindowSpec):
+            if dcp > 1:
+                raise ValueError(
+                    f"group {gid}: {name} (sliding window) cannot run under decode context parallelism (dcp={dcp})"
+                )
+            gs = GroupSpec.sliding_window_group(
+                int(spec.block_size), int(inner.sliding_window), layout=_layout(inner)
+            )
+        elif isinstance(inner, FullAttentionSpec):
+            # Includes MLA, and sliding/chunked windows treated as full when HMA is off: storing every
+            # block of those is still exact.
+            gs = GroupSpec.full(
+                int(spec.block_size), dcp_sharded=bool(spec.dcp_sharded), layout=_layout(inner)
+            )
+        else:
+            raise ValueError(f"group {gid}: KV-cache spec {name} is not supported by HybridStoreConnector")  # noqa: TRY004
+        if dcp > 1 and gs.kind not in (GroupKind.FULL, GroupKind.MAMBA):
+            raise ValueError(
+                f"group {gid}: {name} ({gs.kind.value}) cannot run under decode context parallelism (dcp={dcp})"
+            )
+        specs.append(gs)
+        span = int(resolve_dcp_kv_block_size(spec, dcp))
+        infos.append(GroupInfo(sgid, gid, gs.kind, name, span, tuple(group.layer_names)))
+    if not specs:
+        raise ValueError("HybridStoreConnector: the model has no prefix-cacheable KV-cache group")
+
+    other_spans = tuple(
+        int(resolve_dcp_kv_block_size(g.kv_cache_spec, dcp))
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if i not in cacheable
+    )
+    cc = vllm_config.cache_config
+    geometry = Geometry(
+        groups=tuple(specs),
+        topology=Topology(tp_size=tp, dcp_size=dcp, interleave=interleave),
+        prefix_match_unit=getattr(cc, "prefix_match_unit", None) if len(specs) > 1 or other_spans else None,
+        other_group_spans=other_spans,
+    )
+    for info, span in zip(infos, geometry.spans, strict=True):
+        assert info.span == span, f"group {info.gid}: vLLM span {info.span} != lifecycle span {span}"
+    if check_vllm_sizes:
+        vh = kv_cache_config.hash_block_size
+        va = kv_cache_config.cache_hit_alignment_tokens
+        if vh is not None and vh != geometry.hash_unit:
+            raise ValueError(
+                f"HybridStoreConnector: vLLM hashes every {vh} tokens but the geometry says {geometry.hash_unit}"
+            )
+        if va is not None and va != geometry.hit_alignment:
+            raise ValueError(
+                f"HybridStoreConnector: vLLM aligns hits to {va} tokens but the geometry says {geometry.hit_alignment}"
+            )
+    mc = vllm_config.model_config
+    scheme = KeyScheme(
+        namespace=namespace,
+        model=str(mc.model).rstrip("/").split("/")[-1],
+        geometry=geometry,
+        kv_cache_dtype=f"{cc.cache_dtype}/{mc.dtype}",
+        kv_cache_layout=str(kv_cache_config.kv_cache_layout or ""),
+        hash_algorithm=str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+    )
+    return ConnectorGeometry(scheme=scheme, groups=tuple(infos))

@@ -1,0 +1,440 @@
+"""The scheduler half of ``HybridStoreConnector``: lookups, load plans, save plans, pins, verdicts.
+
+The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, safe boundary,
+invalid keys, the state machine and its audit); this half drives it from vLLM's hooks and moves the
+results between vLLM, the store and the workers.
+
+Contracts (``DESIGN.md`` hard rules):
+
+- ``lookup`` reports only tokens every prefix-cacheable group can restore from entries present on every
+  TP/DCP rank, found by ONE batched ``exists`` bounded by ``lookup_budget_ms``; a slow or failing store is
+  a miss and opens a short circuit breaker. Repeated asks with unchanged inputs reuse the answer.
+- Loads are async (``(n, True)``); the per-group plan is bound to the request's real block table in
+  ``update_state_after_alloc``.
+- Saves: full attention and SWA positionally from the current tables as prompt blocks complete; Mamba only
+  from ``boundary_state_offloads`` and ``register_finished_partial_tail``. Source blocks are pinned
+  (``touch``) until every rank reports the wave, then freed.
+- A failed load truncates: invalid entries are removed from the store, vLLM recomputes (``failed_recving``
+  from the workers), and the next lookup may reach at most the safe boundary, once.
+- ``BlockStored`` events only for waves every rank stored.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
+from hybridkv.connector.metadata import (
+    BlockRef,
+    HybridStoreMetadata,
+    HybridStoreWorkerMetadata,
+    LoadJob,
+    SaveJob,
+)
+from hybridkv.connector.stats import StatsBox
+from hybridkv.connector.stores import open_connector_store
+from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
+from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, plan_save
+from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = structlog.get_logger(__name__)
+
+_BREAKER_OPEN_S = 5.0
+
+
+@dataclass
+class _Req:
+    request: Request
+    lc: RequestLifecycle
+    #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
+    memo: tuple[tuple[int, int, int | None], int] | None = None
+    load: LoadJob | None = None
+    load_results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+    load_ranks: set[int] = field(default_factory=set)
+    #: next block index to save, per store group (full / SWA); set on the first scheduled step
+    saved_upto: dict[int, int] | None = None
+    #: tokens restored from this store, so saves skip them
+    loaded_boundary: int = 0
+
+
+@dataclass
+class _Job:
+    job: SaveJob
+    wave: SaveWave
+    pinned: list[Any]
+    request: Request
+    ranks_done: set[int] = field(default_factory=set)
+    results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Scheduler-role state. One per engine core; driven from the scheduler thread only."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self.geo: ConnectorGeometry = resolve_geometry(
+            vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=True
+        )
+        self.scheme = self.geo.scheme
+        self.store = open_connector_store(cfg)
+        self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
+        self.machine = LifecycleMachine(self.scheme, sink=self.audit)
+        self.stats = StatsBox()
+        self._by_gid = {g.gid: g for g in self.geo.groups}
+        self._reqs: dict[str, _Req] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._pending_saves: list[SaveJob] = []
+        self._jobs: dict[int, _Job] = {}
+        self._next_job = 1
+        self._events: list[Any] = []
+        self._pool: Any = None
+        self._breaker_until = 0.0
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
+        # kv_role: a producer saves, a consumer loads, kv_both does both.
+        tc = vllm_config.kv_transfer_config
+        self.can_save = bool(tc.is_kv_producer)
+        self.can_load = bool(tc.is_kv_consumer)
+        log.info(
+            "hybridkv scheduler geometry",
+            store=self.store.url,
+            saves=self.can_save,
+            loads=self.can_load,
+            **self.geo.describe(),
+        )
+        if (
+            cfg.store.split("?")[0].removeprefix("faulty+").startswith("memory://")
+            and len(self.geo.ranks) > 1
+        ):
+            log.warning(
+                "hybridkv: memory:// is process-local; with several worker processes use file:// or mooncake://"
+            )
+
+    def bind_block_pool(self, pool: Any) -> None:
+        self._pool = pool
+
+    def track(self, request: Request) -> None:
+        """Start following a request (``on_new_request``): its prompt blocks may be saved."""
+        self._track(request)
+
+    def _track(self, request: Request) -> _Req:
+        r = self._reqs.get(request.request_id)
+        if r is None:
+            r = _Req(request=request, lc=self.machine.new_request(request.request_id))
+            self._reqs[request.request_id] = r
+        return r
+
+    # ------------------------------------------------------------------ lookup
+    def _exists(self, keys: tuple[str, ...]) -> list[bool] | None:
+        """One batched existence check within the budget; None when the store failed or was too slow."""
+        if time.monotonic() < self._breaker_until:
+            return None
+        fut = self._executor.submit(self.store.exists, list(keys))
+        try:
+            statuses = fut.result(timeout=self.cfg.lookup_budget_ms / 1000.0)
+        except Exception as exc:  # noqa: BLE001 -- timeout or store error: a miss, never an engine error
+            self._breaker_until = time.monotonic() + _BREAKER_OPEN_S
+            self.stats.add("lookup_errors")
+            log.warning("hybridkv lookup failed; circuit open", error=repr(exc), seconds=_BREAKER_OPEN_S)
+            return None
+        return [s.is_ok for s in statuses]
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        r = self._track(request)
+        if not self.can_load:
+            return 0, False
+        if r.lc.current in (State.VERIFIED, State.LOADING):
+            # VERIFIED: the request was preempted after its load and is back. LOADING: vLLM gave up on the
+            # load before every rank reported (nothing to judge). Either way: a new incarnation.
+            if r.lc.current is State.LOADING:
+                log.warning("hybridkv: lookup while loading; load abandoned", request_id=request.request_id)
+            r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
+            r.lc = self.machine.new_request(request.request_id)
+            r.memo, r.load = None, None
+        lc = r.lc
+        memo_key = (request.num_tokens, num_computed_tokens, lc.max_boundary)
+        if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
+            boundary = r.memo[1]
+        else:
+            candidates = lc.start_lookup(list(request.block_hashes), request.num_tokens, num_computed_tokens)
+            if candidates is None:
+                boundary = 0  # retries exhausted: MISS for the rest of this incarnation
+            elif not candidates.keys:
+                boundary = lc.finish_lookup([]).boundary
+            else:
+                exists = self._exists(candidates.keys)
+                if exists is None:
+                    lc.lookup_unavailable("store unavailable or over lookup budget")
+                    boundary = 0
+                else:
+                    boundary = lc.finish_lookup(exists).boundary
+            self.stats.add("lookups")
+            r.memo = (memo_key, boundary)
+            if lc.current is State.PARTIAL_HIT:
+                self.stats.add("lookup_hits")
+        ext = boundary - num_computed_tokens
+        if ext <= 0 or lc.current is not State.PARTIAL_HIT:
+            return 0, False
+        return ext, True
+
+    # ------------------------------------------------------------------ allocation
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        r = self._reqs.get(request.request_id)
+        if r is None:
+            return
+        lc = r.lc
+        if num_external_tokens == 0:
+            if lc.current is State.PARTIAL_HIT:
+                lc.decline()
+            return
+        assert lc.current is State.PARTIAL_HIT and lc.lookup is not None and lc.lookup.plan is not None, (
+            f"request {request.request_id}: {num_external_tokens} external tokens in state {lc.state} without a plan"
+        )
+        plan = lc.lookup.plan
+        assert plan.boundary - plan.num_computed_tokens == num_external_tokens, (
+            f"request {request.request_id}: vLLM took {num_external_tokens} external tokens, the plan has "
+            f"{plan.boundary - plan.num_computed_tokens} (boundary {plan.boundary}, local {plan.num_computed_tokens})"
+        )
+        table = blocks.get_block_ids()
+        refs: list[BlockRef] = []
+        for load in plan.loads:
+            info = self.geo.groups[load.group_index]
+            bid = table[info.gid][load.block_index]
+            assert bid != 0, (
+                f"request {request.request_id}: group {info.gid} ({info.kind.value}) block {load.block_index} "
+                f"is the null block in the load plan for boundary {plan.boundary}"
+            )
+            refs.append(
+                BlockRef(info.sgid, info.gid, load.block_index, bid, load.block_hash, load.key_boundary)
+            )
+        job = LoadJob(request.request_id, plan.boundary, tuple(refs))
+        r.load, r.load_results, r.load_ranks = job, [], set()
+        self._pending_loads.append(job)
+        lc.start_load()
+        self.stats.add("hit_tokens", num_external_tokens)
+        for g in self.geo.groups:
+            self.stats.add(f"hit_tokens.g{g.sgid}", num_external_tokens)
+
+    # ------------------------------------------------------------------ per step
+    def build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
+        meta = HybridStoreMetadata(scheme=self.scheme, loads=self._pending_loads, saves=self._pending_saves)
+        self._pending_loads, self._pending_saves = [], []
+        bs = so.kv_connector_block_state
+        if bs is None or not self.can_save:
+            return meta
+        progress: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            progress[rid] = cr.num_computed_tokens[i]
+        for rid in sorted(set(progress) | set(bs.boundary_state_offloads)):
+            r = self._reqs.get(rid)
+            if r is None:
+                continue
+            done = progress.get(rid, 0) + so.num_scheduled_tokens.get(rid, 0)
+            refs = self._positional_saves(r, done, bs) + self._boundary_saves(
+                r, bs.boundary_state_offloads.get(rid, [])
+            )
+            if refs:
+                meta.saves.append(self._new_job(r, refs))
+        return meta
+
+    def _positional_saves(self, r: _Req, done: int, bs: Any) -> list[tuple[int, int, int]]:
+        """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
+        req = r.request
+        unit = self.scheme.geometry.hash_unit
+        upto = min(done, req.num_prompt_tokens, len(req.block_hashes) * unit)
+        if r.saved_upto is None:
+            # Blocks before the first scheduled position came from the device cache or from this store.
+            first = max(req.num_computed_tokens, r.loaded_boundary)
+            r.saved_upto = {g.sgid: first // g.span for g in self.geo.groups}
+        table = None
+        out: list[tuple[int, int, int]] = []
+        for g in self.geo.groups:
+            if g.kind is GroupKind.MAMBA:
+                continue
+            start, stop = r.saved_upto[g.sgid], upto // g.span
+            if stop <= start:
+                continue
+            if table is None:
+                table = bs.get_block_ids(req.request_id)
+                if table is None:
+                    return out
+            for idx in range(start, stop):
+                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                if bid != 0:  # SWA: 0 = already slid out of the window and freed
+                    out.append((g.sgid, (idx + 1) * g.span, bid))
+            r.saved_upto[g.sgid] = stop
+        return out
+
+    def _boundary_saves(self, r: _Req, offloads: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(sgid, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
+        req = r.request
+        geometry = self.scheme.geometry
+        limit = min(req.num_prompt_tokens, len(req.block_hashes) * geometry.hash_unit)
+        out = []
+        for gid, bid, boundary in offloads:
+            g = self._by_gid.get(gid)
+            if g is None or g.kind is not GroupKind.MAMBA or bid == 0:
+                continue
+            if boundary % geometry.hit_alignment or boundary > limit:
+                continue  # no lookup can ask for it
+            if boundary <= max(r.loaded_boundary, r.load.boundary if r.load else 0):
+                continue  # came from this store
+            out.append((g.sgid, boundary, bid))
+        return out
+
+    def _new_job(self, r: _Req, items: list[tuple[int, int, int]]) -> SaveJob:
+        by_group: dict[int, list[int]] = {}
+        for sgid, boundary, _ in items:
+            by_group.setdefault(sgid, []).append(boundary)
+        plan = plan_save(self.scheme, list(r.request.block_hashes), by_group)
+        bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
+        refs = tuple(
+            BlockRef(
+                b.group_index,
+                self.geo.groups[b.group_index].gid,
+                b.block_index,
+                bid_of[(b.group_index, b.key_boundary)],
+                b.block_hash,
+                b.key_boundary,
+            )
+            for b in plan.blocks
+        )
+        job = SaveJob(self._next_job, r.request.request_id, refs)
+        self._next_job += 1
+        wave = self.machine.new_save_wave(r.request.request_id, job.job_id, plan)
+        pinned: list[Any] = []
+        if self._pool is not None:
+            pinned = [self._pool.blocks[ref.block_id] for ref in refs]
+            self._pool.touch(pinned)
+        self._jobs[job.job_id] = _Job(job, wave, pinned, r.request)
+        wave.start_put()
+        return job
+
+    def finished_partial_tail(self, request: Request, tails: list[tuple[int, int, int]]) -> None:
+        r = self._reqs.get(request.request_id)
+        if r is None or not self.can_save:
+            return
+        items = self._boundary_saves(r, tails)
+        if items:
+            self._pending_saves.append(self._new_job(r, items))
+
+    # ------------------------------------------------------------------ worker results
+    def on_output(self, out: KVConnectorOutput) -> None:
+        wm = out.kv_connector_worker_meta
+        if not isinstance(wm, HybridStoreWorkerMetadata):
+            return
+        ranks = set(self.geo.ranks)
+        for rid, results in wm.loads.items():
+            r = self._reqs.get(rid)
+            if r is None or r.load is None:
+                continue
+            r.load_results.extend(results)
+            r.load_ranks.update(res[0] for res in results)
+            if r.load_ranks >= ranks:
+                self._judge_load(r)
+        for job_id, results in wm.saves.items():
+            if (j := self._jobs.get(job_id)) is not None:
+                j.results.extend(results)
+        for job_id, done_ranks in wm.saves_done.items():
+            if (j := self._jobs.get(job_id)) is not None:
+                j.ranks_done.update(done_ranks)
+                if j.ranks_done >= ranks:
+                    self._finish_job(j)
+
+    def _judge_load(self, r: _Req) -> None:
+        job = r.load
+        assert job is not None
+        outcomes = {
+            EntryId(rank, sgid, idx, end): LoadOutcome.OK if st == "ok" else LoadOutcome.FAILED
+            for rank, sgid, idx, end, st in r.load_results
+        }
+        self.stats.add("load_calls")
+        resolution = r.lc.finish_load(outcomes)
+        r.load = None
+        r.memo = None
+        if resolution.verified:
+            r.loaded_boundary = job.boundary
+            return
+        removed = 0
+        if resolution.invalid_keys:
+            try:
+                removed = sum(1 for s in self.store.remove(list(resolution.invalid_keys)) if s.is_ok)
+            except Exception as exc:  # noqa: BLE001 -- invalidation is best effort; the frame check still guards reads
+                log.warning("hybridkv invalidation failed", error=repr(exc))
+        self.stats.add("truncations")
+        self.stats.add("invalidated_entries", removed)
+        log.warning(
+            "hybridkv load failed; request recomputes",
+            request_id=r.request.request_id,
+            boundary=job.boundary,
+            safe_boundary=resolution.safe_boundary,
+            failed=len(resolution.failed_entries),
+            invalidated=removed,
+        )
+
+    def _finish_job(self, j: _Job) -> None:
+        del self._jobs[j.job.job_id]
+        if self._pool is not None and j.pinned:
+            self._pool.free_blocks(list(reversed(j.pinned)))
+        outcomes = {EntryId(rank, sgid, idx, end): st == "ok" for rank, sgid, idx, end, st in j.results}
+        stored = j.wave.finish_put(outcomes)
+        for block in stored:
+            self._events.append(
+                self._stored_event(block.group_index, block.key_boundary, block.block_hash, j.request)
+            )
+
+    def _stored_event(self, sgid: int, end: int, block_hash: bytes, request: Request) -> Any:
+        from vllm.distributed.kv_events import BlockStored
+
+        g = self.geo.groups[sgid]
+        start = max(0, end - g.span)
+        tokens = list(request.all_token_ids[start:end])
+        return BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=g.span,
+            lora_id=None,
+            medium="STORAGE",
+            lora_name=None,
+            group_idx=g.gid,
+        )
+
+    def take_events(self) -> list[Any]:
+        ev, self._events = self._events, []
+        return ev
+
+    # ------------------------------------------------------------------ lifetime
+    def request_finished(self, request: Request) -> None:
+        r = self._reqs.pop(request.request_id, None)
+        if r is not None and r.lc.current is not State.EVICTED:
+            r.lc.evict("finished")
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._jobs) or bool(self._pending_saves)
+
+    def reset_cache(self) -> bool:
+        n = self.store.remove_prefix(self.scheme.prefix)
+        log.info("hybridkv reset_cache", prefix=self.scheme.prefix, removed=n)
+        return True
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            for j in self._jobs.values():
+                self._pool.free_blocks(list(reversed(j.pinned)))
+        self._jobs.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.audit is not None:
+            self.audit.close()
+        self.store.close()

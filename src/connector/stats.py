@@ -1,0 +1,139 @@
+"""Connector counters, carried through vLLM's ``KVConnectorStats`` (rebuildable from a plain dict).
+
+All values are counters since the previous collection; ``aggregate`` sums them (scheduler + every worker).
+Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit_tokens.g<N>`` (per store
+group), ``truncations``, ``invalidated_entries``, ``load_calls``, ``load_keys``, ``load_bytes``,
+``load_failed_keys``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
+``save_skipped_keys`` (already stored), ``put_wave_drops``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class HybridStoreStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, name: str, n: float = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + n
+
+    def aggregate(self, other: KVConnectorStats) -> HybridStoreStats:
+        for k, v in other.data.items():
+            if isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in sorted(self.data.items()) if isinstance(v, (int, float))}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsBox:
+    """Thread-safe accumulator; ``take()`` hands out the counters since the last take (or None)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cur = HybridStoreStats()
+        self.totals: dict[str, int | float] = {}
+
+    def add(self, name: str, n: float = 1) -> None:
+        if not n:
+            return
+        with self._lock:
+            self._cur.add(name, n)
+            self.totals[name] = self.totals.get(name, 0) + n
+
+    def take(self) -> HybridStoreStats | None:
+        with self._lock:
+            if self._cur.is_empty():
+                return None
+            out, self._cur = self._cur, HybridStoreStats()
+            return out
+
+
+def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
+    return HybridStoreStats(data=dict(data or {}))
+
+
+#: counter name in the stats dict -> (Prometheus metric name, help)
+PROM_COUNTERS: dict[str, tuple[str, str]] = {
+    "lookups": ("vllm:hybridkv_lookups", "External-cache lookups (one batched existence check each)."),
+    "lookup_hits": (
+        "vllm:hybridkv_lookup_hits",
+        "Lookups that found an agreed boundary beyond the local hit.",
+    ),
+    "lookup_errors": (
+        "vllm:hybridkv_lookup_errors",
+        "Lookups the store failed or ran over budget (circuit opened).",
+    ),
+    "truncations": (
+        "vllm:hybridkv_truncations",
+        "Loads that failed and were truncated (request recomputed).",
+    ),
+    "invalidated_entries": ("vllm:hybridkv_invalidated_entries", "Store entries removed after failed loads."),
+    "load_calls": ("vllm:hybridkv_load_calls", "Async loads judged (all ranks reported)."),
+    "load_keys": ("vllm:hybridkv_load_keys", "Keys read from the store."),
+    "load_bytes": ("vllm:hybridkv_load_bytes", "Bytes read from the store into the KV cache."),
+    "load_failed_keys": ("vllm:hybridkv_load_failed_keys", "Keys whose read failed or was corrupt."),
+    "save_calls": ("vllm:hybridkv_save_calls", "PUT waves sent."),
+    "save_keys": ("vllm:hybridkv_save_keys", "Keys written to the store."),
+    "save_bytes": ("vllm:hybridkv_save_bytes", "Bytes written to the store."),
+    "save_failed_keys": ("vllm:hybridkv_save_failed_keys", "Keys whose write failed."),
+    "save_skipped_keys": ("vllm:hybridkv_save_skipped_keys", "Keys already stored (not rewritten)."),
+    "put_wave_drops": ("vllm:hybridkv_put_wave_drops", "PUT waves dropped by backpressure or a full store."),
+}
+
+
+def build_prom(
+    vllm_config: Any,
+    metric_types: dict[Any, Any],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> Any:
+    """A ``KVConnectorPromMetrics`` exporting every counter above plus per-group hit tokens."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    class HybridStorePromMetrics(KVConnectorPromMetrics):
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters: dict[str, dict[int, Any]] = {
+                name: {
+                    idx: self._counter_cls(name=prom, documentation=doc, labelnames=labelnames).labels(
+                        *values
+                    )
+                    for idx, values in per_engine_labelvalues.items()
+                }
+                for name, (prom, doc) in PROM_COUNTERS.items()
+            }
+            hit: Any = self._counter_cls(
+                name="vllm:hybridkv_hit_tokens",
+                documentation="External-hit tokens, per store group (each group restores the same tokens).",
+                labelnames=[*labelnames, "group"],
+            )
+            self._hit = hit
+            self._hit_children: dict[tuple[int, str], Any] = {}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for key, value in transfer_stats_data.items():
+                if not isinstance(value, (int, float)) or value <= 0:
+                    continue
+                if key in self._counters:
+                    self._counters[key][engine_idx].inc(value)
+                elif key.startswith("hit_tokens.g"):
+                    group = key.removeprefix("hit_tokens.g")
+                    child = self._hit_children.get((engine_idx, group))
+                    if child is None:
+                        child = self._hit.labels(*self.per_engine_labelvalues[engine_idx], group)
+                        self._hit_children[(engine_idx, group)] = child
+                    child.inc(value)
+
+    return HybridStorePromMetrics()

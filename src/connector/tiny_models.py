@@ -1,0 +1,148 @@
+"""Tiny random-weight models for end-to-end tests on CPU (no download, no tokenizer).
+
+Contract: ``build_tiny_model(family, out_dir)`` returns a folder that vLLM (CPU build) can load with
+``skip_tokenizer_init=True``. Weights are random with a fixed seed, stored in bfloat16. The folder name
+carries a digest of the config (and builder version), so a repeat call with the same arguments returns the
+existing folder at once; a folder is published by atomic rename, so a crashed build is never reused.
+
+Families and the KV-cache groups vLLM makes of them (facts from ``docs/vllm-cpu-e2e.md``):
+
+- ``llama``       -- 1 group, full attention.
+- ``gemma3``      -- 2 groups, sliding window (64) + full attention.
+- ``qwen3_next``  -- 2 groups, GDN linear attention (Mamba spec) + full attention, block 128.
+- ``lfm2``        -- 2 groups, short convolution (Mamba spec) + full attention, block 128.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FAMILIES: tuple[str, ...] = ("llama", "gemma3", "qwen3_next", "lfm2")
+
+#: Bump when the builder changes the produced files for an unchanged config.
+_BUILDER_VERSION = 1
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "num_attention_heads": 4,
+}
+
+
+def tiny_config_kwargs(family: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """The transformers config class name and kwargs of a family (overrides win)."""
+    if family == "llama":
+        cls = "LlamaConfig"
+        kw: dict[str, Any] = {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 32}
+    elif family == "gemma3":
+        cls = "Gemma3TextConfig"
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "sliding_window": 64,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "tie_word_embeddings": True,
+        }
+    elif family == "qwen3_next":
+        cls = "Qwen3NextConfig"
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4,
+            # The CPU GDN kernel rejects head dim 32; 128 works. 4 kv heads x 128 keeps the block at 128.
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+        }
+    elif family == "lfm2":
+        cls = "Lfm2Config"
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "num_key_value_heads": 2,
+            "conv_L_cache": 3,
+            "block_multiple_of": 64,
+            "block_auto_adjust_ff_dim": False,
+            # vLLM's lfm2.py reads these; HF's Lfm2Config lacks them.
+            "conv_dim": 128,
+            "block_dim": 128,
+            "tie_word_embeddings": True,
+        }
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+    merged = {**_COMMON, **kw, **overrides}
+    return cls, merged
+
+
+def _digest(family: str, cls_name: str, kwargs: dict[str, Any], seed: int) -> str:
+    blob = json.dumps(
+        {"family": family, "cls": cls_name, "kwargs": kwargs, "seed": seed, "v": _BUILDER_VERSION},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tiny_model(family: str, out_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Build (or reuse) a tiny random-weight model of ``family`` under ``out_dir``; return its folder."""
+    cls_name, kwargs = tiny_config_kwargs(family, **overrides)
+    out_dir = Path(out_dir)
+    target = out_dir / f"{family}-{_digest(family, cls_name, kwargs, seed)}"
+    if (target / "config.json").is_file():
+        return target
+
+    import torch
+    import transformers
+
+    config = getattr(transformers, cls_name)(**kwargs)
+    arch = {
+        "llama": "LlamaForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
+        "qwen3_next": "Qwen3NextForCausalLM",
+        "lfm2": "Lfm2ForCausalLM",
+    }[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.bfloat16)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp)
+        # save_pretrained may drop keys transformers does not know; vLLM needs them.
+        cfg_path = tmp / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        for key in ("conv_dim", "block_dim"):
+            if key in kwargs:
+                cfg[key] = kwargs[key]
+        cfg["torch_dtype"] = "bfloat16"
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process published the same digest first: its files are equivalent.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,603 @@
+"""The seed scenario, end to end, on a real vLLM engine: ``hybridkv demo``.
+
+``run_demo(options)`` builds a tiny random-weight model (no download), starts vLLM (CPU build, in-process)
+with ``HybridStoreConnector`` on a store, and runs five phases:
+
+1. ``cold``     -- prompt A on an empty store (a fresh namespace): computed, then saved to the store.
+2. ``shared``   -- prompt B, which shares A's prefix up to A's last hit boundary: a prefix-cache hit.
+3. ``external`` -- vLLM's local prefix cache is dropped (``reset_prefix_cache``; the store is kept), A is
+   sent again: its prefix comes from the store, the tokens equal the cold run's.
+4. ``restart``  -- a fresh engine on the same store, A again: the same, across a process-level restart.
+5. ``chaos``    -- a fresh engine on the same bytes behind the ``faulty+`` wrapper (failed and corrupt
+   reads): loads truncate, vLLM recomputes, the tokens are still identical.
+
+Every number comes from the running system: ``cached`` is vLLM's ``RequestOutput.num_cached_tokens``;
+``external`` is what the connector loaded and verified for that request (its audit log: ``load_verified``
+records, boundary minus the local hit it was asked with); ``local = cached - external``; loaded / saved
+bytes and failed keys are the worker's counters; truncations are the audit log's ``load_failed`` records.
+The audit log is replayed at the end (``hybridkv.lifecycle.audit``).
+
+Contracts:
+
+- vLLM must run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the demo reads the connector's
+  counters from the engine objects. ``run_demo`` raises ``RuntimeError`` otherwise.
+- ``run_demo`` never raises for a misbehaving engine, connector or store: the failure is recorded in the
+  report (``DemoReport.error`` and a failed check) and ``DemoReport.ok`` is False. Bad options raise
+  ``ValueError`` before anything starts.
+- This module never configures logging; progress goes through ``DemoOptions.progress``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import secrets
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridkv.connector.tiny_models import FAMILIES, build_tiny_model
+
+__all__ = [
+    "DEFAULT_CHAOS",
+    "Check",
+    "DemoOptions",
+    "DemoReport",
+    "PhaseResult",
+    "RequestResult",
+    "run_demo",
+]
+
+#: Fault parameters of the chaos phase (``faulty+`` URL query), see ``hybridkv.store.faulty``.
+DEFAULT_CHAOS = "get_fail=0.5&corrupt=0.2&seed=7"
+#: Prompt tokens are drawn from this range (the tiny models' vocabulary is 512; 0-2 are special).
+_TOKEN_RANGE = (3, 500)
+#: KV-cache memory of the demo engine: ample for a few thousand tokens of the tiny models.
+_KV_CACHE_BYTES = 128 << 20
+#: A short prompt that steps the engine (no block hashes: no lookups, no saves of its own).
+_PUMP_PROMPT = [5, 6, 7]
+
+
+def _ignore(_message: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What to run. ``store=None``: a file store under ``workdir``; ``workdir=None``: a fresh temp dir;
+    ``models_dir=None``: ``workdir/models``. ``chaos`` is the ``faulty+`` query (probabilities, seed)."""
+
+    model_family: str = "qwen3_next"
+    store: str | None = None
+    prompt_tokens: int = 1200
+    max_tokens: int = 16
+    workdir: Path | None = None
+    models_dir: Path | None = None
+    chaos: str = DEFAULT_CHAOS
+    chaos_rounds: int = 2
+    seed: int = 1
+    progress: Callable[[str], None] = _ignore
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad option."""
+        if self.model_family not in FAMILIES:
+            raise ValueError(f"model family {self.model_family!r}: expected one of {list(FAMILIES)}")
+        if self.prompt_tokens < 2 or self.prompt_tokens > 3000:
+            raise ValueError(f"prompt tokens {self.prompt_tokens}: expected 2..3000")
+        if not 1 <= self.max_tokens <= 256:
+            raise ValueError(f"max tokens {self.max_tokens}: expected 1..256")
+        if self.chaos_rounds < 1:
+            raise ValueError(f"chaos rounds {self.chaos_rounds}: expected >= 1")
+        if self.store is not None and self.store.startswith("faulty+"):
+            raise ValueError(
+                f"store {self.store!r}: give the plain URL; the chaos phase wraps it in faulty+ itself"
+            )
+        if self.store is not None and not self.store.startswith(("file://", "memory://", "mooncake://")):
+            raise ValueError(f"store {self.store!r}: expected a file://, memory:// or mooncake:// URL")
+
+
+@dataclass
+class RequestResult:
+    """One greedy request and what the cache tiers did for it."""
+
+    label: str
+    prompt_tokens: int
+    #: vLLM's ``num_cached_tokens``: prompt tokens not computed (local + external)
+    cached_tokens: int
+    local_hit_tokens: int
+    #: tokens the connector loaded and verified for this request
+    external_hit_tokens: int
+    loaded_bytes: int
+    saved_bytes: int
+    truncations: int
+    failed_keys: int
+    #: True/False against the reference (the cold run of the same prompt); None: no reference
+    tokens_match: bool | None
+    output_tokens: list[int]
+    seconds: float
+
+
+@dataclass
+class Check:
+    """One expectation of a phase; ``detail`` says what was seen."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    title: str
+    store: str
+    requests: list[RequestResult] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    error: str | None = None
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.checks) and all(c.ok for c in self.checks)
+
+
+@dataclass
+class DemoReport:
+    """Everything the demo saw. ``ok``: every phase passed and the audit log replayed clean."""
+
+    model_family: str
+    model_dir: str | None
+    workdir: str
+    store: str
+    chaos_store: str
+    namespace: str
+    audit_log: str
+    geometry: dict[str, Any] = field(default_factory=dict)
+    phases: list[PhaseResult] = field(default_factory=list)
+    audit: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def audit_ok(self) -> bool:
+        return self.audit is not None and bool(self.audit.get("ok"))
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.phases) and all(p.ok for p in self.phases) and self.audit_ok
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (output token lists included)."""
+        out = asdict(self)
+        for phase, raw in zip(self.phases, out["phases"], strict=True):
+            raw["ok"] = phase.ok
+        out["audit_ok"] = self.audit_ok
+        out["ok"] = self.ok
+        return out
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+
+def make_prompt(length: int, seed: int) -> list[int]:
+    """``length`` token ids drawn with ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    return [rng.randrange(*_TOKEN_RANGE) for _ in range(length)]
+
+
+def shared_prefix_length(prompt_tokens: int, alignment: int) -> int:
+    """The longest prefix of a ``prompt_tokens`` prompt that ends on a hit boundary (``alignment``) and
+    leaves at least one token to compute; 0 if there is none."""
+    return ((prompt_tokens - 1) // alignment) * alignment
+
+
+def chaos_url(store: str, chaos: str) -> str:
+    """``store`` wrapped in the chaos store with the fault parameters ``chaos`` (a URL query)."""
+    query = chaos.lstrip("?&")
+    if not query:
+        return f"faulty+{store}"
+    return f"faulty+{store}{'&' if '?' in store else '?'}{query}"
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+class _AuditTail:
+    """Reads the records appended to the audit log since the previous call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def skip(self) -> None:
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a partly written last line is read next time
+        self.offset += end
+        records = []
+        for line in data[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+
+class _Engine:
+    """An in-process ``LLM`` with ``HybridStoreConnector``, plus the counters the demo reads."""
+
+    def __init__(
+        self, model_dir: Path, store: str, namespace: str, audit_log: Path, max_model_len: int
+    ) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        # The engine handle is reached into (in-process engine core, connector objects): typed loosely.
+        self.llm: Any = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+            max_num_seqs=4,
+            max_num_batched_tokens=max_model_len,
+            kv_cache_memory_bytes=_KV_CACHE_BYTES,
+            enforce_eager=True,
+            seed=0,
+            use_tqdm_on_load=False,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HybridStoreConnector",
+                kv_connector_module_path="hybridkv.connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "store": store,
+                    "namespace": namespace,
+                    "audit_log": str(audit_log),
+                    # The demo shares 2 cores with vLLM: do not let a busy moment read as a dead store.
+                    "lookup_budget_ms": 5000,
+                },
+            ),
+        )
+        from hybridkv.connector.connector import HybridStoreConnector
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        client: Any = self.llm.llm_engine.engine_core  # InprocClient: the engine core lives in this process
+        sched = client.engine_core.scheduler.connector
+        worker = get_kv_transfer_group()
+        for role, obj in (("scheduler", sched), ("worker", worker)):
+            if not isinstance(obj, HybridStoreConnector):
+                raise TypeError(
+                    f"the engine's {role} connector is {type(obj).__name__}, not HybridStoreConnector"
+                )
+        self.sched_connector: HybridStoreConnector = sched
+        self.worker_connector: HybridStoreConnector = worker
+        self.audit = _AuditTail(audit_log)
+
+    # counters ------------------------------------------------------------------------------------
+    def geometry(self) -> dict[str, Any]:
+        return dict(self.sched_connector.scheduler_side.geo.describe())
+
+    @property
+    def hit_alignment(self) -> int:
+        return int(self.sched_connector.scheduler_side.scheme.geometry.hit_alignment)
+
+    def _totals(self) -> dict[str, float]:
+        totals = dict(self.sched_connector.scheduler_side.stats.totals)
+        for key, value in dict(self.worker_connector.worker_side.stats.totals).items():
+            totals[key] = totals.get(key, 0) + value
+        return totals
+
+    # requests ------------------------------------------------------------------------------------
+    def settle(self, max_steps: int = 50) -> None:
+        """Let queued saves finish: the worker writes them, the scheduler sees the results (pins freed,
+        save waves terminal). Steps the engine with a short prompt while push work is pending."""
+        from vllm import SamplingParams
+
+        worker = self.worker_connector.worker_side
+        sched = self.sched_connector.scheduler_side
+        for _ in range(max_steps):
+            worker.flush()
+            if not sched.has_pending_push_work():
+                return
+            self.llm.generate(
+                [{"prompt_token_ids": _PUMP_PROMPT}],
+                SamplingParams(temperature=0, max_tokens=1),
+                use_tqdm=False,
+            )
+        raise RuntimeError(f"connector still has pending saves after {max_steps} engine steps")
+
+    def drop_local_cache(self) -> None:
+        """Empty vLLM's device prefix cache; the external store is kept (``reset_connector=False``)."""
+        self.settle()
+        for _ in range(20):
+            if self.llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
+                self.audit.skip()
+                return
+            self.settle()
+        raise RuntimeError("vLLM refused to reset its prefix cache 20 times (blocks still in use)")
+
+    def send(
+        self, label: str, tokens: list[int], max_tokens: int, reference: list[int] | None
+    ) -> RequestResult:
+        """One greedy request, then settle its saves; the counters are this request's deltas."""
+        from vllm import SamplingParams
+
+        self.audit.skip()
+        before = self._totals()
+        start = time.monotonic()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        seconds = time.monotonic() - start
+        records = [r for r in self.audit.read() if r.get("wave") is None]
+        self.settle()
+        after = self._totals()
+
+        def delta(name: str) -> int:
+            return int(after.get(name, 0) - before.get(name, 0))
+
+        ids = {r.get("request_id") for r in records}
+        ours = {
+            i
+            for i in ids
+            if isinstance(i, str) and (i == out.request_id or i.startswith(f"{out.request_id}-"))
+        }
+        mine = [r for r in records if r.get("request_id") in (ours or ids)]
+        external = sum(
+            int(r.get("boundary") or 0) - int(r.get("num_computed_tokens") or 0)
+            for r in mine
+            if r.get("trigger") == "load_verified"
+        )
+        truncations = sum(1 for r in mine if r.get("trigger") == "load_failed")
+        cached = int(out.num_cached_tokens or 0)
+        output = [int(t) for t in out.outputs[0].token_ids]
+        return RequestResult(
+            label=label,
+            prompt_tokens=len(tokens),
+            cached_tokens=cached,
+            local_hit_tokens=cached - external,
+            external_hit_tokens=external,
+            loaded_bytes=delta("load_bytes"),
+            saved_bytes=delta("save_bytes"),
+            truncations=truncations,
+            failed_keys=delta("load_failed_keys"),
+            tokens_match=None if reference is None else output == reference,
+            output_tokens=output,
+            seconds=round(seconds, 3),
+        )
+
+    def close(self) -> None:
+        """Settle pending saves, then shut the engine down (the connector flushes and closes its log)."""
+        try:
+            self.settle()
+        finally:
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+
+
+# -- the scenario ----------------------------------------------------------------------------------
+
+
+def _require_inprocess() -> None:
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False"):
+        raise RuntimeError(
+            "hybridkv demo needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "(the `hybridkv demo` command does this)"
+        )
+
+
+def _max_model_len(options: DemoOptions) -> int:
+    needed = options.prompt_tokens + max(64, options.prompt_tokens // 8) + options.max_tokens + 1
+    return 2048 if needed <= 2048 else 4096
+
+
+def _check(name: str, ok: bool, detail: str) -> Check:
+    return Check(name=name, ok=bool(ok), detail=detail)
+
+
+def _match_check(requests: list[RequestResult]) -> Check:
+    compared = [r for r in requests if r.tokens_match is not None]
+    bad = [r.label for r in compared if not r.tokens_match]
+    return _check(
+        "tokens identical to the cold run",
+        bool(compared) and not bad,
+        f"{len(compared) - len(bad)}/{len(compared)} identical"
+        + (f"; differ: {', '.join(bad)}" if bad else ""),
+    )
+
+
+@contextlib.contextmanager
+def _phase(report: DemoReport, name: str, title: str, store: str) -> Iterator[PhaseResult]:
+    """Record a phase; an exception inside it becomes a failed check and ``report.error``."""
+    phase = PhaseResult(name=name, title=title, store=store)
+    report.phases.append(phase)
+    try:
+        yield phase
+    except Exception as exc:  # noqa: BLE001 -- a misbehaving engine/connector is a demo finding, not a crash
+        phase.error = f"{type(exc).__name__}: {exc}"
+        phase.traceback = traceback.format_exc()
+        phase.checks.append(_check("phase ran", False, phase.error))
+        report.error = report.error or f"phase {name}: {phase.error}"
+
+
+def _close(engine: _Engine | None, report: DemoReport) -> None:
+    """Shut ``engine`` down; a failure is recorded in ``report.error``."""
+    if engine is None:
+        return
+    try:
+        engine.close()
+    except Exception as exc:  # noqa: BLE001
+        report.error = report.error or f"engine shutdown: {type(exc).__name__}: {exc}"
+
+
+def run_demo(options: DemoOptions) -> DemoReport:
+    """Run the five phases (module docstring) and replay the audit log; see the module contracts."""
+    options.validate()
+    _require_inprocess()
+    progress = options.progress
+    workdir = Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="hybridkv-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    models_dir = Path(options.models_dir) if options.models_dir else workdir / "models"
+    store = options.store or f"file://{workdir / 'store'}?capacity=1GiB"
+    namespace = f"demo-{secrets.token_hex(4)}"  # every run starts cold, even on a reused store
+    audit_log = workdir / f"audit-{namespace}.jsonl"
+    report = DemoReport(
+        model_family=options.model_family,
+        model_dir=None,
+        workdir=str(workdir),
+        store=store,
+        chaos_store=chaos_url(store, options.chaos),
+        namespace=namespace,
+        audit_log=str(audit_log),
+    )
+    started = time.monotonic()
+
+    progress(f"building tiny random-weight {options.model_family} model")
+    t0 = time.monotonic()
+    try:
+        model_dir = build_tiny_model(options.model_family, models_dir)
+    except Exception as exc:  # noqa: BLE001
+        report.error = f"model build failed: {type(exc).__name__}: {exc}"
+        return report
+    report.model_dir = str(model_dir)
+    report.timings["build_model_s"] = round(time.monotonic() - t0, 2)
+
+    progress("importing vLLM")
+    t0 = time.monotonic()
+    try:
+        import vllm  # noqa: F401 -- imported here so its import time is reported as its own stage
+    except Exception as exc:  # noqa: BLE001
+        report.error = f"cannot import vLLM: {type(exc).__name__}: {exc}"
+        return report
+    report.timings["import_vllm_s"] = round(time.monotonic() - t0, 2)
+
+    max_model_len = _max_model_len(options)
+    prompt_a = make_prompt(options.prompt_tokens, options.seed)
+    cold_a: list[int] | None = None
+
+    def start(url: str, why: str) -> _Engine:
+        progress(f"starting vLLM engine ({why}; store {url})")
+        t = time.monotonic()
+        engine = _Engine(model_dir, url, namespace, audit_log, max_model_len)
+        seconds = round(time.monotonic() - t, 2)
+        report.timings[f"engine_start_{why}_s"] = seconds
+        progress(f"engine ready in {seconds:.1f}s")
+        return engine
+
+    # Engine 1: phases cold, shared, external.
+    engine: _Engine | None = None
+    with _phase(report, "cold", "cold: prompt A computed and saved to the external tier", store) as phase:
+        engine = start(store, "main")
+        report.geometry = engine.geometry()
+        progress("phase 1/5 cold")
+        r = engine.send("A", prompt_a, options.max_tokens, None)
+        cold_a = r.output_tokens
+        phase.requests.append(r)
+        phase.checks.append(
+            _check("nothing cached (cold)", r.cached_tokens == 0, f"cached {r.cached_tokens}")
+        )
+        phase.checks.append(_check("saved to the store", r.saved_bytes > 0, f"saved {r.saved_bytes} bytes"))
+
+    if engine is not None and cold_a is not None:
+        with _phase(report, "shared", "shared prefix: prompt B reuses A's prefix", store) as phase:
+            progress("phase 2/5 shared prefix")
+            shared = shared_prefix_length(options.prompt_tokens, engine.hit_alignment)
+            suffix = make_prompt(max(64, options.prompt_tokens // 8), options.seed + 1000)
+            prompt_b = prompt_a[:shared] + suffix
+            if shared == 0:
+                raise ValueError(
+                    f"prompt A ({options.prompt_tokens} tokens) has no full hit block: the model's hits "
+                    f"align to {engine.hit_alignment} tokens; use --prompt-tokens > {engine.hit_alignment}"
+                )
+            r = engine.send("B", prompt_b, options.max_tokens, None)
+            phase.requests.append(r)
+            phase.checks.append(
+                _check(
+                    "prefix reused",
+                    r.cached_tokens > 0,
+                    f"B shares A's first {shared} tokens; cached {r.cached_tokens} "
+                    f"(local {r.local_hit_tokens}, external {r.external_hit_tokens})",
+                )
+            )
+
+        with _phase(
+            report, "external", "local prefix cache dropped: A comes back from the store", store
+        ) as phase:
+            progress("phase 3/5 local cache dropped, resend A")
+            engine.drop_local_cache()
+            r = engine.send("A again", prompt_a, options.max_tokens, cold_a)
+            phase.requests.append(r)
+            phase.checks.append(
+                _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
+            )
+            phase.checks.append(
+                _check("no local hits", r.local_hit_tokens == 0, f"local {r.local_hit_tokens} tokens")
+            )
+            phase.checks.append(_match_check(phase.requests))
+
+    _close(engine, report)
+    engine = None
+
+    if cold_a is not None:
+        with _phase(
+            report, "restart", "fresh engine, same store: A comes back from the store", store
+        ) as phase:
+            engine = start(store, "restart")
+            progress("phase 4/5 fresh engine, resend A")
+            r = engine.send("A (new engine)", prompt_a, options.max_tokens, cold_a)
+            phase.requests.append(r)
+            phase.checks.append(
+                _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
+            )
+            phase.checks.append(_match_check(phase.requests))
+        _close(engine, report)
+        engine = None
+
+        chaos_store = report.chaos_store
+        with _phase(
+            report, "chaos", "chaos store: failed and corrupt reads, exact tokens", chaos_store
+        ) as phase:
+            engine = start(chaos_store, "chaos")
+            progress("the chaos store fails and corrupts reads on purpose: expect load warnings below")
+            for i in range(options.chaos_rounds):
+                progress(f"phase 5/5 chaos, round {i + 1}/{options.chaos_rounds}")
+                if i:
+                    engine.drop_local_cache()
+                r = engine.send(f"A chaos #{i + 1}", prompt_a, options.max_tokens, cold_a)
+                phase.requests.append(r)
+            truncations = sum(r.truncations for r in phase.requests)
+            failed = sum(r.failed_keys for r in phase.requests)
+            phase.checks.append(
+                _check(
+                    "faults seen",
+                    truncations + failed > 0,
+                    f"{truncations} truncated loads, {failed} failed keys",
+                )
+            )
+            phase.checks.append(_match_check(phase.requests))
+        _close(engine, report)
+        engine = None
+
+    progress(f"auditing {audit_log}")
+    try:
+        from hybridkv.lifecycle.audit import audit_file
+
+        report.audit = audit_file(audit_log).to_dict()
+    except OSError as exc:
+        report.audit = {"ok": False, "error": f"cannot read {audit_log}: {exc}"}
+    report.timings["total_s"] = round(time.monotonic() - started, 2)
+    return report

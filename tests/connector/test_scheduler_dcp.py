@@ -1,0 +1,290 @@
+"""The scheduler half inside vLLM's real ``Scheduler`` (no workers): TP = DCP = 2, full attention + Mamba.
+
+The store is pre-filled through the connector's own ``KeyScheme`` (``memory://``), and worker results are
+handed to ``Scheduler.update_from_output`` as the executor would after aggregating both ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from connector_helpers import HASH
+from connector_helpers import kv_cache_config as _kv_cache_config
+from hybridkv.store import open_store
+
+pytestmark = pytest.mark.vllm
+
+
+def _scheduler(vc: Any) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(vc, _kv_cache_config(), StructuredOutputManager(vc), block_size=32, hash_block_size=HASH)
+
+
+def _request(rid: str, n: int, first: int = 10) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    sp.update_from_generation_config({}, eos_token_id=None) if hasattr(
+        sp, "update_from_generation_config"
+    ) else None
+    return Request(
+        rid, list(range(first, first + n)), sp, None, block_hasher=get_request_block_hasher(HASH, sha256)
+    )
+
+
+def _fill(
+    scheme: Any, store: Any, hashes: list[bytes], entries: list[tuple[int, int]], ranks: tuple[int, ...]
+) -> list[str]:
+    keys = [scheme.key(g, r, hashes[b // HASH - 1]) for g, b in entries for r in ranks]
+    assert all(s.is_ok for s in store.put(keys, [b"x"] * len(keys)))
+    return keys
+
+
+def _output(sched_out: Any, worker_meta: Any, finished: set[str], failed: set[str]) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=[],
+        req_id_to_index={},
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=finished, failed_recving=failed, kv_connector_worker_meta=worker_meta
+        ),
+    )
+
+
+def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[str, Any]) -> None:
+    from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+
+    sched = _scheduler(vllm_objs["vc"])
+    conn = sched.connector
+    side = conn.scheduler_side
+    scheme = side.scheme
+    assert scheme.geometry.spans == (32, 32) and scheme.geometry.topology.dcp_size == 2
+    store = open_store(vllm_objs["store_url"])
+
+    req = _request("a", 100)  # 3 hashes: boundaries 32, 64, 96; limit 96
+    hashes = list(req.block_hashes)
+    # Full attention everywhere, Mamba state at 96 only on rank 0: no boundary has a state on every rank.
+    _fill(scheme, store, hashes, [(0, 32), (0, 64), (0, 96)], (0, 1))
+    _fill(scheme, store, hashes, [(1, 96)], (0,))
+    sched.add_request(req)
+    out = sched.schedule()
+    # A miss: the prefill starts at 0 (split at the Mamba block boundary), nothing loads.
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("a", 0)]
+    assert out.kv_connector_metadata.loads == []
+    assert side.stats.totals.get("hit_tokens", 0) == 0
+
+    # The same prompt on a fresh engine (no device cache), after the state reached rank 1 too: 96, async.
+    _fill(scheme, store, hashes, [(1, 96)], (1,))
+    sched = _scheduler(vllm_objs["vc"])
+    side = sched.connector.scheduler_side
+    req_b = _request("b", 100)
+    sched.add_request(req_b)
+    out = sched.schedule()
+    assert "b" not in out.num_scheduled_tokens  # waiting for remote KV
+    loads = out.kv_connector_metadata.loads
+    assert [(ld.req_id, ld.boundary) for ld in loads] == [("b", 96)]
+    plan = sorted((b.sgid, b.index) for b in loads[0].blocks)
+    assert plan == [(0, 0), (0, 1), (0, 2), (1, 2)], plan  # 3 full blocks; Mamba block cdiv(96,32)-1
+    assert side.stats.totals["hit_tokens.g1"] == 96
+
+    results = {
+        "b": [(rank, b.sgid, b.index, b.key_boundary, "ok") for rank in (0, 1) for b in loads[0].blocks]
+    }
+    sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
+    assert side._reqs["b"].lc.state == "VERIFIED"
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get("b") == 4  # 96 loaded + 4 computed
+    # Preempted and back: a new incarnation looks up again (the verified one is closed, not reused).
+    verified = side._reqs["b"].lc
+    assert side.lookup(req_b, 0) == (96, True)
+    assert verified.state == "EVICTED" and side._reqs["b"].lc.state == "PARTIAL_HIT"
+
+
+def test_rank_failure_truncates_invalidates_and_caps_the_retry(vllm_objs: dict[str, Any]) -> None:
+    from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+
+    sched = _scheduler(vllm_objs["vc"])
+    side = sched.connector.scheduler_side
+    scheme = side.scheme
+    store = open_store(vllm_objs["store_url"])
+    req = _request("c", 130)  # 4 hashes: limit 128
+    hashes = list(req.block_hashes)
+    keys = _fill(scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (0, 128), (1, 64), (1, 128)], (0, 1))
+    sched.add_request(req)
+    out = sched.schedule()
+    loads = out.kv_connector_metadata.loads
+    assert loads[0].boundary == 128
+    # Rank 1 fails full-attention block 2 (tokens 64..96). The only Mamba state loaded is at 128, so no
+    # smaller boundary is restorable from what was loaded: the safe boundary is 0.
+    results = {
+        "c": [
+            (
+                rank,
+                b.sgid,
+                b.index,
+                b.key_boundary,
+                "corrupt" if (rank, b.sgid, b.index) == (1, 0, 2) else "ok",
+            )
+            for rank in (0, 1)
+            for b in loads[0].blocks
+        ]
+    }
+    sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"c"}, {"c"}))
+    lc = side._reqs["c"].lc
+    assert lc.state == "TRUNCATED" and lc.max_boundary == 0
+    assert side.stats.totals["truncations"] == 1 and side.stats.totals["invalidated_entries"] >= 2
+    present = dict(zip(keys, (s.is_ok for s in store.exists(keys)), strict=True))
+    gone = {k for k, ok in present.items() if not ok}
+    # The failed entry, and the full-attention entries downstream of it on every rank; rank 0's copy of
+    # the failed block loaded fine and stays.
+    expected = {scheme.key(0, 1, hashes[96 // HASH - 1])} | {
+        scheme.key(0, r, hashes[128 // HASH - 1]) for r in (0, 1)
+    }
+    assert gone == expected, gone
+    # vLLM recomputes from 0 (policy "recompute"); the retry is capped at the safe boundary: no load.
+    assert sched.requests["c"].num_computed_tokens == 0
+    out = sched.schedule()
+    assert out.kv_connector_metadata.loads == []
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("c", 0)]
+    assert lc.state == "MISS"
+
+
+def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
+    vllm_objs: dict[str, Any],
+) -> None:
+    from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+    from vllm.distributed.kv_events import NullEventPublisher
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    class Recorder(NullEventPublisher):
+        """vLLM's null publisher, keeping what the scheduler publishes."""
+
+        def __init__(self) -> None:
+            self.events: list[Any] = []
+
+        def publish(self, events: Any) -> None:
+            self.events.extend(events.events)
+
+    sched = _scheduler(vllm_objs["vc"])
+    sched.kv_event_publisher = recorder = Recorder()
+    side = sched.connector.scheduler_side
+    pool = sched.kv_cache_manager.block_pool
+    req = _request("s", 100, first=300)  # a prompt no other test stored
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.kv_connector_metadata.loads == []
+    saves = out.kv_connector_metadata.saves
+    assert len(saves) == 1
+    blocks = saves[0].blocks
+    full = sorted((b.index, b.key_boundary) for b in blocks if b.sgid == 0)
+    mamba = sorted((b.index, b.key_boundary) for b in blocks if b.sgid == 1)
+    assert full == [(0, 32), (1, 64), (2, 96)], full  # prompt blocks completed by this 96-token chunk
+    # Mamba: only the exact hand-off vLLM gives (the state at the chunk end), in block cdiv(96, 32) - 1.
+    assert mamba == [(2, 96)], mamba
+    offloaded = next(b for b in blocks if b.sgid == 1)
+    assert offloaded.block_id != 0
+    table = sched.kv_cache_manager.get_block_ids("s")
+    for b in blocks:
+        if b.sgid == 0:
+            assert table[0][b.index] == b.block_id
+        assert pool.blocks[b.block_id].ref_cnt >= 2, "a save source block must be pinned"
+
+    def report(ranks: tuple[int, ...], status: str = "ok") -> None:
+        res = [(r, b.sgid, b.index, b.key_boundary, status) for r in ranks for b in blocks]
+        wm = HybridStoreWorkerMetadata(
+            saves={saves[0].job_id: res}, saves_done={saves[0].job_id: list(ranks)}
+        )
+        mro = ModelRunnerOutput(
+            req_ids=["s"],
+            req_id_to_index={"s": 0},
+            sampled_token_ids=[[]],
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
+        )
+        sched.update_from_output(out, mro)
+
+    refs_before = {b.block_id: pool.blocks[b.block_id].ref_cnt for b in blocks}
+    report((0,))
+    stored = [e for e in recorder.events if type(e).__name__ == "BlockStored"]
+    assert stored == [] and side.has_pending_push_work()
+    assert {b.block_id: pool.blocks[b.block_id].ref_cnt for b in blocks} == refs_before
+    report((1,))
+    events = [e for e in recorder.events if type(e).__name__ == "BlockStored"]
+    assert all(e.medium == "STORAGE" for e in events)
+    assert sorted((e.group_idx, e.block_size) for e in events) == sorted((b.gid, 32) for b in blocks)
+    assert not side.has_pending_push_work()
+    for b in blocks:
+        assert pool.blocks[b.block_id].ref_cnt == refs_before[b.block_id] - 1, (
+            "pins are released exactly once"
+        )
+
+
+def test_hung_store_is_a_miss_within_the_lookup_budget(vllm_objs: dict[str, Any]) -> None:
+    import time
+
+    extra = vllm_objs["vc"].kv_transfer_config.kv_connector_extra_config
+    saved = dict(extra)
+    extra.update({"store": "faulty+memory://hung?delay_ms=1000", "lookup_budget_ms": 50})
+    try:
+        sched = _scheduler(vllm_objs["vc"])
+    finally:
+        extra.clear()
+        extra.update(saved)
+    side = sched.connector.scheduler_side
+    sched.add_request(_request("h1", 100, first=700))
+    t0 = time.monotonic()
+    out = sched.schedule()
+    assert time.monotonic() - t0 < 0.5, "the scheduler must not wait for a hung store"
+    assert out.num_scheduled_tokens["h1"] > 0 and out.kv_connector_metadata.loads == []
+    assert side.stats.totals["lookup_errors"] == 1 and side._reqs["h1"].lc.state == "MISS"
+    # The circuit is open: the next lookup does not touch the store at all.
+    sched.add_request(_request("h2", 100, first=900))
+    t0 = time.monotonic()
+    sched.schedule()
+    assert time.monotonic() - t0 < 0.2
+    assert side.stats.totals["lookup_errors"] == 1 and side._reqs["h2"].lc.state == "MISS"
+
+
+def test_reset_cache_removes_only_this_namespace(vllm_objs: dict[str, Any]) -> None:
+    sched = _scheduler(vllm_objs["vc"])
+    side = sched.connector.scheduler_side
+    store = open_store(vllm_objs["store_url"])
+    mine = side.scheme.key(0, 0, b"\x07" * 32)
+    other = "hkv1/another-namespace/abc/g0/tp0/dcp0/07"
+    assert all(s.is_ok for s in store.put([mine, other], [b"m", b"o"]))
+    assert sched.connector.reset_cache() is True
+    assert [s.is_ok for s in store.exists([mine, other])] == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("role", "saves", "loads"), [("kv_producer", True, False), ("kv_consumer", False, True)]
+)
+def test_kv_role_limits_saves_and_loads(
+    vllm_objs: dict[str, Any], role: str, saves: bool, loads: bool
+) -> None:
+    tc = vllm_objs["vc"].kv_transfer_config
+    saved_role = tc.kv_role
+    tc.kv_role = role
+    try:
+        sched = _scheduler(vllm_objs["vc"])
+    finally:
+        tc.kv_role = saved_role
+    side = sched.connector.scheduler_side
+    assert (side.can_save, side.can_load) == (saves, loads)
+    store = open_store(vllm_objs["store_url"])
+    req = _request(f"role-{role}", 100, first=1100 if saves else 1300)
+    hashes = list(req.block_hashes)
+    _fill(side.scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (1, 96)], (0, 1))
+    sched.add_request(req)
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert bool(meta.loads) == loads
+    # A producer finds nothing to load, computes the prompt and saves it; a consumer only loads.
+    assert bool(meta.saves) == saves

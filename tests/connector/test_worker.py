@@ -1,0 +1,148 @@
+"""The worker half on real CPU tensors and real stores (``memory://``, ``faulty+memory://``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from connector_helpers import kv_cache_config
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.geometry import resolve_geometry
+from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
+from hybridkv.connector.worker import WorkerSide
+from hybridkv.store import open_store
+
+pytestmark = pytest.mark.vllm
+
+H1, H2 = b"\x01" * 32, b"\x02" * 32
+
+
+def _worker(
+    vllm_objs: dict[str, Any], store: str, **extra: Any
+) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:
+    vc = vllm_objs["vc"]
+    kvc = kv_cache_config()
+    cfg = ConnectorConfig.from_extra_config({"store": store, **extra}, model="m")
+    ws = WorkerSide(vc, kvc, cfg)
+    gen = torch.Generator().manual_seed(0)
+    caches = {
+        "attn.0": torch.randn(64, 1, 16, 64, generator=gen).to(torch.bfloat16),  # K|V on the last dim
+        "mamba.0": torch.randint(
+            -128, 127, (64, 1, 1, 256), generator=gen, dtype=torch.int8
+        ),  # raw state page
+    }
+    ws.register_kv_caches(caches)
+    scheme = resolve_geometry(vc, kvc, "ns", check_vllm_sizes=True).scheme
+    return ws, caches, scheme
+
+
+def _wait_loads(ws: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = ws.transfer_results()
+        if done:
+            return done, failed
+        time.sleep(0.01)
+    raise AssertionError("load never finished")
+
+
+def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> None:
+    url = f"memory://w-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, url)
+    try:
+        save = SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32), BlockRef(1, 1, 0, 5, H2, 32)))
+        ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
+        ws.flush()
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves_done == {1: [0]}
+        assert sorted(wm.saves[1]) == [(0, 0, 0, 32, "ok"), (0, 1, 0, 32, "ok")]
+        store = open_store(url)
+        assert all(s.is_ok for s in store.exists([scheme.key(0, 0, H1), scheme.key(1, 0, H2)]))
+        assert not store.exists([scheme.key(0, 1, H1)])[0].is_ok  # rank 1's entry is rank 1's to write
+
+        assert not torch.equal(caches["attn.0"][7], caches["attn.0"][3])
+        load = LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32), BlockRef(1, 1, 0, 9, H2, 32)))
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+        assert _wait_loads(ws) == ({"r"}, set())
+        assert torch.equal(caches["attn.0"][7], caches["attn.0"][3])
+        assert torch.equal(caches["mamba.0"][9], caches["mamba.0"][5])
+        wm = ws.worker_meta()
+        assert wm is not None and sorted(wm.loads["r"]) == [(0, 0, 0, 32, "ok"), (0, 1, 0, 32, "ok")]
+        assert ws.stats.totals["load_bytes"] == 16 * 64 * 2 + 256
+    finally:
+        ws.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["get_fail=1", "corrupt=1"])
+def test_failed_or_corrupt_load_is_reported_per_request(vllm_objs: dict[str, Any], fault: str) -> None:
+    url = f"faulty+memory://w-{uuid.uuid4().hex[:8]}?{fault}&seed=1"
+    ws, _, scheme = _worker(vllm_objs, url)
+    try:
+        if fault == "corrupt=1":  # corrupt needs stored bytes to damage
+            ws.enqueue_saves(
+                HybridStoreMetadata(scheme=scheme, saves=[SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),))])
+            )
+            ws.flush()
+        ws.start_load(
+            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
+        )
+        done, failed = _wait_loads(ws)
+        assert done == {"r"} and failed == {"r"}  # failed is reported AND finished (vLLM's contract)
+        wm = ws.worker_meta()
+        assert wm is not None and [res[-1] for res in wm.loads["r"]] != ["ok"]
+        assert ws.stats.totals["load_failed_keys"] == 1
+    finally:
+        ws.shutdown()
+
+
+def test_backpressure_drops_a_wave_instead_of_stalling(vllm_objs: dict[str, Any]) -> None:
+    url = f"faulty+memory://w-{uuid.uuid4().hex[:8]}?delay_ms=300"
+    ws, _, scheme = _worker(vllm_objs, url, put_wave_bytes=1)  # budget: 4 bytes in flight
+    try:
+        jobs = [
+            SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),)),
+            SaveJob(2, "r", (BlockRef(0, 0, 1, 4, H2, 64),)),
+        ]
+        t0 = time.monotonic()
+        ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=jobs))
+        assert time.monotonic() - t0 < 0.2, "enqueueing must not wait for the store"
+        ws.flush()
+        wm = ws.worker_meta()
+        assert wm is not None and sorted(wm.saves_done) == [1, 2]  # a dropped job still finishes (unpins)
+        assert wm.saves[2] == [(0, 0, 1, 64, "dropped")]
+        assert ws.stats.totals["put_wave_drops"] == 1
+    finally:
+        ws.shutdown()
+
+
+def test_list_of_tensors_and_non_contiguous_pages_round_trip(vllm_objs: dict[str, Any]) -> None:
+    """A Mamba layer given as (conv, ssm) views, one of them strided: bytes still land exactly."""
+    url = f"memory://w-{uuid.uuid4().hex[:8]}"
+    vc = vllm_objs["vc"]
+    kvc = kv_cache_config()
+    ws = WorkerSide(vc, kvc, ConnectorConfig.from_extra_config({"store": url}, model="m"))
+    gen = torch.Generator().manual_seed(1)
+    conv = torch.randn(64, 2, 16, generator=gen).to(torch.bfloat16)
+    ssm_storage = torch.randn(64, 8, 4, generator=gen)
+    ssm = ssm_storage.transpose(1, 2)  # per-block pages are not contiguous: staged copies
+    assert not ssm[0].is_contiguous()
+    ws.register_kv_caches(
+        {"attn.0": torch.zeros(64, 1, 16, 64, dtype=torch.bfloat16), "mamba.0": [conv, ssm]}
+    )
+    scheme = resolve_geometry(vc, kvc, "ns", check_vllm_sizes=True).scheme
+    try:
+        ws.enqueue_saves(
+            HybridStoreMetadata(scheme=scheme, saves=[SaveJob(1, "r", (BlockRef(1, 1, 0, 5, H2, 32),))])
+        )
+        assert ws.flush()
+        ws.start_load(
+            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(1, 1, 0, 9, H2, 32),))])
+        )
+        assert _wait_loads(ws) == ({"r"}, set())
+        assert torch.equal(conv[9], conv[5]) and torch.equal(ssm[9], ssm[5])
+        assert ws.block_nbytes(1) == 2 * 16 * 2 + 8 * 4 * 4
+    finally:
+        ws.shutdown()
