@@ -66,6 +66,8 @@ class _Req:
     saved_upto: dict[int, int] | None = None
     #: tokens restored from this store, so saves skip them
     loaded_boundary: int = 0
+    #: (sgid, key boundary) of full-attention prompt tails already saved
+    tails_saved: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -241,9 +243,10 @@ class SchedulerSide:
             if r is None:
                 continue
             done = progress.get(rid, 0) + so.num_scheduled_tokens.get(rid, 0)
-            refs = self._positional_saves(r, done, bs) + self._boundary_saves(
-                r, bs.boundary_state_offloads.get(rid, [])
-            )
+            refs = self._positional_saves(r, done, bs)
+            states = self._boundary_saves(r, bs.boundary_state_offloads.get(rid, []))
+            if states:
+                refs += states + self._tail_saves(r, states, bs.get_block_ids(rid))
             if refs:
                 meta.saves.append(self._new_job(r, refs))
         return meta
@@ -293,6 +296,35 @@ class SchedulerSide:
             out.append((g.sgid, boundary, bid))
         return out
 
+    def _tail_saves(
+        self, r: _Req, states: list[tuple[int, int, int]], table: tuple[list[int], ...] | None
+    ) -> list[tuple[int, int, int]]:
+        """(sgid, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
+
+        A Mamba state at a boundary ``b`` inside a full-attention block (fine-grained geometries: Mamba
+        block > hash unit, or full attention widened by DCP) is only reachable if that block is stored
+        under ``b``'s hash too: a lookup probes the interior hash boundaries of the first missing block
+        (vLLM's ``FullAttentionManager`` caches the same partial tail locally). Whole blocks before it
+        are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
+        recomputes from ``b`` and overwrites them.
+        """
+        if table is None:
+            return []
+        out = []
+        for _, boundary, _ in states:
+            for g in self.geo.groups:
+                if g.kind is not GroupKind.FULL or boundary % g.span == 0:
+                    continue
+                if (g.sgid, boundary) in r.tails_saved:
+                    continue
+                idx = boundary // g.span
+                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                if bid == 0:
+                    continue
+                r.tails_saved.add((g.sgid, boundary))
+                out.append((g.sgid, boundary, bid))
+        return out
+
     def _new_job(self, r: _Req, items: list[tuple[int, int, int]]) -> SaveJob:
         by_group: dict[int, list[int]] = {}
         for sgid, boundary, _ in items:
@@ -321,12 +353,19 @@ class SchedulerSide:
         wave.start_put()
         return job
 
-    def finished_partial_tail(self, request: Request, tails: list[tuple[int, int, int]]) -> None:
+    def finished_partial_tail(
+        self,
+        request: Request,
+        tails: list[tuple[int, int, int]],
+        block_ids: tuple[list[int], ...] | None = None,
+    ) -> None:
+        """A finish-time Mamba tail hand-off (and, from ``block_ids``, the full-attention tail it needs)."""
         r = self._reqs.get(request.request_id)
         if r is None or not self.can_save:
             return
         items = self._boundary_saves(r, tails)
         if items:
+            items += self._tail_saves(r, items, block_ids)
             self._pending_saves.append(self._new_job(r, items))
 
     # ------------------------------------------------------------------ worker results

@@ -1,0 +1,164 @@
+"""The connector inside vLLM's real ``Scheduler`` with simulated worker ranks over one shared store.
+
+Matrix: (a) full attention + Mamba align, DCP 1 (TP 2); (b) full attention + sliding window, DCP 1
+(TP 2); (c) MLA + Mamba align under DCP = TP = 2, 4, 8. A cold engine stores four prompts; a fresh engine
+(new ``Scheduler``: no device cache, same store) then, on every geometry:
+
+- hit: the load covers exactly the boundary the store can serve (vLLM's prompt checkpoint), every group
+  advances by it, and on every rank every restored KV slot / Mamba state equals what a recompute writes;
+- one rank fails one full-attention block: TRUNCATED (safe boundary 0: no Mamba/window state below),
+  ``failed_recving`` + ``finished_recving`` from every rank (never block-level ids), the failed entry and
+  its downstream entries removed from the store, the one capped retry is a MISS, the prompt recomputes;
+- abort while loading: the lifecycle is evicted, vLLM holds the blocks until every rank finished, the
+  late results are ignored;
+- preemption after loading (vLLM's ``_preempt_request``): a new incarnation, the device cache serves it;
+- afterwards nothing is pinned or live: block-pool ref counts zero, no jobs / lifecycles in the connector,
+  the audit log replays clean with every lifecycle terminated.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from connector_helpers import Cluster, hybrid_config
+
+pytestmark = pytest.mark.vllm
+
+GEOMETRIES = [
+    pytest.param("full_mamba", 1, 2, id="full+mamba-dcp1"),
+    pytest.param("full_swa", 1, 2, id="full+swa-dcp1"),
+    pytest.param("mla_mamba", 2, 2, id="mla+mamba-dcp2"),
+    pytest.param("mla_mamba", 4, 4, id="mla+mamba-dcp4"),
+    pytest.param("mla_mamba", 8, 8, id="mla+mamba-dcp8"),
+]
+
+PROMPT = 300
+
+
+def tokens(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30000) for _ in range(n)]
+
+
+def served_boundary(cl: Cluster, n: int) -> int:
+    """What a cold prefill of ``n`` tokens leaves in the store: the last hit-aligned boundary below n
+    (vLLM's prompt checkpoint: a hash boundary on fine-grained geometries, else a scheduler block)."""
+    a = cl.geo.geometry.hit_alignment
+    return (n - 1) // a * a
+
+
+@pytest.mark.parametrize(("kind", "dcp", "tp"), GEOMETRIES)
+def test_matrix(kind: str, dcp: int, tp: int) -> None:
+    from hybridkv.store import open_store
+    from vllm.v1.request import RequestStatus
+
+    t0 = time.monotonic()
+    vc, kvc = hybrid_config(kind, dcp=dcp, tp=tp)
+    prompts = {name: tokens(seed) for seed, name in enumerate("abcd", start=1)}
+
+    cold = Cluster(vc, kvc)
+    try:
+        for rid, toks in prompts.items():
+            cold.add(rid, toks)
+        cold.run()
+        cold.assert_empty()
+        assert cold.side.stats.totals.get("hit_tokens", 0) == 0
+        cold_out = dict(cold.outputs)
+    finally:
+        cold.shutdown()
+
+    cl = Cluster(vc, kvc)
+    side = cl.side
+    store = open_store(vc.kv_transfer_config.kv_connector_extra_config["store"])
+    H = served_boundary(cl, PROMPT)
+    try:
+        # -- hit --------------------------------------------------------------------------------------
+        cl.add("a2", prompts["a"])
+        out = cl.step()
+        assert "a2" not in out.num_scheduled_tokens  # async: waiting for remote KV
+        assert [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads] == [("a2", H)]
+        for g in cl.geo.groups:
+            assert side.stats.totals[f"hit_tokens.g{g.sgid}"] == H
+        out = cl.step()
+        assert cl.loads_checked == {"a2": H}  # every slot / state on every rank, checked
+        assert out.num_scheduled_tokens["a2"] == PROMPT - H
+        assert side._reqs["a2"].lc.state == "VERIFIED"
+
+        # -- one rank fails one block ---------------------------------------------------------------------
+        cl.add("b2", prompts["b"])
+        last = cl.tp - 1
+        failed_key: list[str] = []
+
+        def fail_one_block(out: object) -> None:
+            job = next(j for j in out.kv_connector_metadata.loads if j.req_id == "b2")  # type: ignore[attr-defined]
+            assert job.boundary == H
+            ref = next(r for r in job.blocks if cl.geo.groups[r.sgid].kind.value == "full" and r.index == 1)
+            failed_key.append(side.scheme.key(ref.sgid, last, ref.block_hash))
+            cl.faults[last].fail_keys = {failed_key[0]}
+
+        cl.step(before_load=fail_one_block)
+        cl.faults[last].fail_keys = set()
+        lc = side._reqs["b2"].lc
+        assert side.stats.totals["truncations"] == 1
+        assert lc.max_boundary == 0 and lc.state in ("TRUNCATED", "LOOKUP", "MISS")
+        assert "b2" not in cl.loads_checked
+        req = cl.sched.requests["b2"]
+        assert req.num_computed_tokens == 0  # policy "recompute": from scratch
+        # The failed entry is gone; so are full-attention entries downstream of it, on every rank.
+        assert not store.exists(failed_key)[0].is_ok
+        full = next(g for g in cl.geo.groups if g.kind.value == "full")
+        downstream = [
+            side.scheme.key(full.sgid, r, req.block_hashes[(3 * full.span) // cl.hash_unit - 1])
+            for r in range(cl.tp)
+            if 3 * full.span <= H
+        ]
+        assert not any(s.is_ok for s in store.exists(downstream))
+        out = cl.step()  # the one capped retry: a MISS, the prompt recomputes
+        assert out.kv_connector_metadata.loads == [] and out.num_scheduled_tokens["b2"] > 0
+        trail = [
+            (r["src"], r["dst"]) for r in cl.audit.records if r["request_id"] == "b2" and r["wave"] is None
+        ]
+        i = trail.index(("LOADING", "TRUNCATED"))
+        assert trail[i + 1 : i + 3] == [("TRUNCATED", "LOOKUP"), ("LOOKUP", "MISS")], trail
+
+        # -- abort while loading ---------------------------------------------------------------------------
+        for f in cl.faults:
+            f.gate.clear()
+        cl.add("c2", prompts["c"])
+        out = cl.step(wait_loads=False)
+        assert [j.req_id for j in out.kv_connector_metadata.loads] == ["c2"]
+        cl.sched.finish_requests("c2", RequestStatus.FINISHED_ABORTED)
+        assert "c2" not in side._reqs  # evicted at once
+        assert "c2" in cl.sched.requests  # vLLM keeps its blocks until every rank finished the load
+        for f in cl.faults:
+            f.gate.set()
+        for _ in range(3):
+            cl.step()
+            if "c2" not in cl.sched.requests:
+                break
+        assert "c2" not in cl.sched.requests and "c2" not in cl.loads_checked
+
+        # -- preemption after loading -------------------------------------------------------------------
+        cl.add("d2", prompts["d"])
+        cl.step()
+        cl.step()
+        assert cl.loads_checked["d2"] == H
+        req = cl.sched.requests["d2"]
+        assert req.status == RequestStatus.RUNNING
+        cl.sched.running.remove(req)
+        cl.sched._preempt_request(req, time.monotonic())
+        verified = side._reqs["d2"].lc
+        out = cl.step()
+        # Back with its device-cached prefix: a new incarnation, which the store does not need to serve.
+        assert verified.state == "EVICTED" and side._reqs["d2"].lc is not verified
+        assert out.kv_connector_metadata.loads == []
+
+        cl.run()
+        for rid in ("a2", "b2", "d2"):
+            assert cl.outputs[rid] == cold_out[rid[0]], rid
+        cl.assert_empty()
+    finally:
+        cl.shutdown()
+    assert time.monotonic() - t0 < 60
