@@ -7,6 +7,9 @@ Configure with ``kv_connector="HybridStoreConnector"``, ``kv_connector_module_pa
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,13 +30,26 @@ if TYPE_CHECKING:
     from hybridkv.connector.scheduler import SchedulerSide
     from hybridkv.connector.worker import WorkerSide
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = structlog.get_logger(__name__)
+
+#: the longest ``reset_prefix_cache`` waits for in-flight saves to settle before vLLM checks its blocks
+SETTLE_TIMEOUT_S = 10.0
+
+
+def hit_source(store: str) -> CacheHitSource:
+    """The tier a store URL's hits come from: ``file://`` -> disk, ``memory://`` -> host, else external."""
+    scheme = store.split("://", 1)[0].removeprefix("faulty+")
+    if scheme == "file":
+        return CacheHitSource.DISK
+    if scheme == "memory":
+        return CacheHitSource.HOST
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
 class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -62,11 +78,10 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from hybridkv.connector.worker import WorkerSide
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.config)
-        self._source = (
-            CacheHitSource.DISK
-            if self.config.store.startswith(("file:", "faulty+file:"))
-            else CacheHitSource.EXTERNAL_UNSPECIFIED
-        )
+        self._source = hit_source(self.config.store)
+        #: breaker state last exported as a gauge (None: never exported)
+        self._breaker_reported: bool | None = None
+        self._settle_lock = threading.Lock()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -114,12 +129,71 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def get_kv_connector_stats(self) -> HybridStoreStats | None:
-        side = self._sched if self._sched is not None else self._worker
-        return side.stats.take() if side is not None else None
+        if self._worker is not None:
+            return self._worker.stats.take()
+        if self._sched is None:
+            return None
+        stats = self._sched.stats.take()
+        # The breaker is a state, not a counter: exported (as 0 or 1) whenever it changed.
+        open_now = self.breaker_open()
+        if open_now != self._breaker_reported:
+            self._breaker_reported = open_now
+            stats = stats if stats is not None else build_stats(None)
+            stats.data["breaker_open"] = int(open_now)
+        return stats
+
+    def breaker_open(self) -> bool:
+        """Whether the scheduler's lookup circuit breaker is open now (lookups answer "miss")."""
+        until = getattr(self._sched, "_breaker_until", 0.0)
+        return bool(until and time.monotonic() < until)
 
     # ------------------------------------------------------------------ scheduler role
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        # vLLM's reset_prefix_cache() only succeeds when no block is referenced; the pins of this
+        # connector's in-flight saves are released when the workers report them, normally inside a later
+        # engine step, which an idle in-process engine never takes. Settle them first.
+        reset = kv_cache_manager.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            self.settle_saves()
+            done: bool = reset()
+            return done
+
+        kv_cache_manager.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self.scheduler_side.bind_block_pool(gpu_block_pool)
+
+    def settle_saves(self, timeout: float = SETTLE_TIMEOUT_S) -> bool:
+        """Finish every in-flight save now and release its pins; True when none is left.
+
+        Works when the worker half lives in this process (TP=1: in-process or multiprocess engine core with
+        the uniprocess executor). Otherwise it returns False and the pins are released by the next engine
+        steps, which vLLM keeps taking while ``has_pending_push_work()``.
+        """
+        sched = self._sched
+        if sched is None or not sched.has_pending_push_work():
+            return True
+        worker = _local_worker()
+        if worker is None:
+            return False
+        with self._settle_lock:
+            # Jobs not yet sent (finish-time partial tails): what the next build_meta would send. Between
+            # steps there are no pending loads (they leave in the same schedule() that planned them).
+            meta = sched.build_meta(SimpleNamespace(kv_connector_block_state=None))
+            if meta.loads:
+                worker.start_load(meta)
+            if meta.saves:
+                worker.enqueue_saves(meta)
+            flushed = worker.flush(timeout)
+            wm = worker.worker_meta()
+            if wm is not None:
+                sched.on_output(SimpleNamespace(kv_connector_worker_meta=wm))
+        settled = not sched.has_pending_push_work()
+        if not settled:
+            log.warning("hybridkv: saves still in flight after settling", flushed=flushed, timeout_s=timeout)
+        return settled
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler_side.track(request)
@@ -138,7 +212,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        return {self._source: num_external_tokens} if num_external_tokens else {}
+        return {self._source: num_external_tokens} if num_external_tokens > 0 else {}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta: KVConnectorMetadata = self.scheduler_side.build_meta(scheduler_output)
@@ -163,7 +237,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
-        self.scheduler_side.finished_partial_tail(request, partial_tail_offloads)
+        self.scheduler_side.finished_partial_tail(request, partial_tail_offloads, block_ids)
         return False  # the save job pins its own blocks
 
     def take_events(self) -> list[Any]:
@@ -195,7 +269,29 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return build_prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._sched is not None:
-            self._sched.shutdown()
+        """Idempotent: ends the worker's threads (after writing queued saves) and closes the stores."""
+        worker, self._worker = self._worker, None
+        sched, self._sched = self._sched, None
+        if worker is None and sched is None:
+            return
+        t0 = time.monotonic()
+        if worker is not None:
+            worker.shutdown()
+        if sched is not None:
+            sched.shutdown()
+        log.info(
+            "hybridkv connector shut down",
+            role="worker" if worker is not None else "scheduler",
+            seconds=round(time.monotonic() - t0, 3),
+        )
+
+
+def _local_worker() -> WorkerSide | None:
+    """The worker half of this process's worker-role connector, if this process runs one."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    group = get_kv_transfer_group()
+    side = getattr(group, "_worker", None) if isinstance(group, HybridStoreConnector) else None
+    return side

@@ -4,7 +4,12 @@ All values are counters since the previous collection; ``aggregate`` sums them (
 Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit_tokens.g<N>`` (per store
 group), ``truncations``, ``invalidated_entries``, ``load_calls``, ``load_keys``, ``load_bytes``,
 ``load_failed_keys``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
-``save_skipped_keys`` (already stored), ``put_wave_drops``.
+``save_skipped_keys`` (already stored), ``put_wave_drops``; and one gauge, ``breaker_open`` (0 or 1, sent by
+the scheduler whenever the lookup circuit breaker changed state).
+
+Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
+``hit_tokens.g<N>`` as ``vllm:hybridkv_group_hit_tokens_total{group="N"}``, the gauge as
+``vllm:hybridkv_breaker_open``; all with vLLM's per-engine labels.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ class HybridStoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> HybridStoreStats:
         for k, v in other.data.items():
-            if isinstance(v, (int, float)):
+            if k in GAUGES:
+                self.data[k] = v  # a state: the latest report wins (only the scheduler sends gauges)
+            elif isinstance(v, (int, float)):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
@@ -34,7 +41,7 @@ class HybridStoreStats(KVConnectorStats):
         return {k: v for k, v in sorted(self.data.items()) if isinstance(v, (int, float))}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data.values()) and not any(k in self.data for k in GAUGES)
 
 
 class StatsBox:
@@ -64,8 +71,20 @@ def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
     return HybridStoreStats(data=dict(data or {}))
 
 
+#: gauge name in the stats dict -> (Prometheus metric name, help)
+GAUGES: dict[str, tuple[str, str]] = {
+    "breaker_open": (
+        "vllm:hybridkv_breaker_open",
+        "1 while the lookup circuit breaker is open (lookups answer miss), else 0.",
+    ),
+}
+
 #: counter name in the stats dict -> (Prometheus metric name, help)
 PROM_COUNTERS: dict[str, tuple[str, str]] = {
+    "hit_tokens": (
+        "vllm:hybridkv_hit_tokens",
+        "Prompt tokens restored from the store (external hits), counted once per request.",
+    ),
     "lookups": ("vllm:hybridkv_lookups", "External-cache lookups (one batched existence check each)."),
     "lookup_hits": (
         "vllm:hybridkv_lookup_hits",
@@ -114,8 +133,21 @@ def build_prom(
                 }
                 for name, (prom, doc) in PROM_COUNTERS.items()
             }
+            gauge_cls: Any = self._gauge_cls
+            self._gauges: dict[str, dict[int, Any]] = {
+                name: {
+                    idx: gauge_cls(
+                        name=prom, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+                    ).labels(*values)
+                    for idx, values in per_engine_labelvalues.items()
+                }
+                for name, (prom, doc) in GAUGES.items()
+            }
+            for children in self._gauges.values():
+                for child in children.values():
+                    child.set(0)
             hit: Any = self._counter_cls(
-                name="vllm:hybridkv_hit_tokens",
+                name="vllm:hybridkv_group_hit_tokens",
                 documentation="External-hit tokens, per store group (each group restores the same tokens).",
                 labelnames=[*labelnames, "group"],
             )
@@ -124,6 +156,9 @@ def build_prom(
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for key, value in transfer_stats_data.items():
+                if key in self._gauges and isinstance(value, (int, float)):
+                    self._gauges[key][engine_idx].set(value)
+                    continue
                 if not isinstance(value, (int, float)) or value <= 0:
                     continue
                 if key in self._counters:

@@ -135,7 +135,7 @@ def test_prometheus_counters_follow_the_stats(vllm_objs: dict[str, Any]) -> None
     labels = {"model_name": "m", "engine": "0"}
     assert REGISTRY.get_sample_value("vllm:hybridkv_lookups_total", labels) == 3
     assert REGISTRY.get_sample_value("vllm:hybridkv_load_bytes_total", labels) == 4096
-    assert REGISTRY.get_sample_value("vllm:hybridkv_hit_tokens_total", {**labels, "group": "1"}) == 256
+    assert REGISTRY.get_sample_value("vllm:hybridkv_group_hit_tokens_total", {**labels, "group": "1"}) == 256
     assert REGISTRY.get_sample_value("vllm:hybridkv_truncations_total", labels) == 0
 
 

@@ -1,0 +1,115 @@
+"""One vLLM engine with HybridStoreConnector, run as its own process by the tests in this folder.
+
+``python engine_script.py SPEC.json``; SPEC keys: ``model``, ``store``, ``namespace``, ``prompt`` (token
+ids), ``out`` (result JSON path), ``teardown`` (``"del"``: ``del llm``; ``"shutdown"``: the engine core
+client's ``shutdown()`` first), ``reset_connector`` (bool: after the first request, reset with
+``reset_connector=True`` and send the prompt again). Multiprocessing follows
+``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it).
+
+The result JSON is written after teardown and lists the threads still alive then; the process must then
+exit by itself (the caller enforces a timeout).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    """Counters and gauges of this process's Prometheus registry: ``name`` or ``name{label=value}`` for the
+    ``group`` / ``source`` labels, summed over the rest."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not hasattr(m, "value"):
+            continue
+        extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k in ("group", "source"))
+        key = f"{m.name}{{{extra}}}" if extra else m.name
+        out[key] = out.get(key, 0) + float(m.value)
+    return out
+
+
+def _sched_connector(llm: Any) -> Any:
+    """The scheduler-role connector of an in-process engine (no reference kept: ``del llm`` must free it)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridStoreConnector",  # found through the hybridkv plugin entry point
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "store": spec["store"],
+                "namespace": spec["namespace"],
+                "lookup_budget_ms": 5000,
+            },
+        ),
+    )
+    res: dict[str, Any] = {"start_s": time.monotonic() - t0}
+    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 4), ignore_eos=True)
+
+    def gen(llm: Any) -> tuple[list[int], int]:
+        o = llm.generate([{"prompt_token_ids": spec["prompt"]}], sp, use_tqdm=False)[0]
+        return list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)
+
+    res["tokens"], res["cached"] = gen(llm)
+    if llm.llm_engine.engine_core.__class__.__name__ == "InprocClient":  # saves still in flight?
+        res["pending_before_reset"] = _sched_connector(llm).has_pending_push_work()
+    # Idle right after the request: the device prefix cache must be resettable at once.
+    res["reset_ok"] = llm.reset_prefix_cache()
+    if spec.get("reset_connector"):
+        res["reset_connector_ok"] = llm.reset_prefix_cache(reset_connector=True)
+        res["tokens_after_reset"], res["cached_after_reset"] = gen(llm)
+    time.sleep(0.5)  # the last step's stats reach the frontend's registry with the next output
+    res["metrics"] = {
+        k: v
+        for k, v in _metrics(llm).items()
+        if k.startswith(
+            ("vllm:hybridkv", "vllm:external_prefix", "vllm:prefix_cache", "vllm:prompt_tokens_cached_by")
+        )
+    }
+
+    res["in_process"] = llm.llm_engine.engine_core.__class__.__name__ == "InprocClient"
+    if res["in_process"]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        hits = _sched_connector(llm).get_external_cache_hit_sources(None, 256)
+        res["hit_sources"] = {k.value: v for k, v in hits.items()}
+        res["sched_totals"] = dict(_sched_connector(llm).scheduler_side.stats.totals)
+        res["worker_totals"] = dict(get_kv_transfer_group().worker_side.stats.totals)
+
+    t1 = time.monotonic()
+    if spec.get("teardown", "del") == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    res["teardown_s"] = time.monotonic() - t1
+    res["threads"] = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    Path(spec["out"]).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,156 @@
+"""Engines as separate processes sharing one ``file://`` store: reuse across engines, hygiene, teardown.
+
+Each engine runs ``engine_script.py`` in its own Python process (vLLM's multiprocess mode needs a
+``__main__`` guard, and a process that does not exit by itself is the teardown bug we look for: the in-tree
+Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with status 0 within
+``EXIT_TIMEOUT_S``, and no ``hybridkv-*`` thread may be alive after ``del llm`` / the engine's shutdown.
+
+- multiprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): engine 1 stores, exits; engine 2, a fresh process on
+  the same store, takes the prompt's prefix from it (256 external tokens) with identical greedy tokens, and
+  the connector's counters show up in the frontend's Prometheus registry (``LLM.get_metrics()``).
+- in-process (``=0``): ``reset_prefix_cache()`` succeeds right after a request even while the request's
+  saves are still being written (a store slowed by 200 ms per call); ``reset_prefix_cache(
+  reset_connector=True)`` removes this namespace's entries only (another namespace's keys in the same
+  store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+SCRIPT = Path(__file__).with_name("engine_script.py")
+EXIT_TIMEOUT_S = 240.0
+PROMPT = [random.Random(3).randrange(3, 500) for _ in range(300)]  # 2 full 128-token blocks + a tail
+
+
+def _model() -> str:
+    from hybridkv.connector.tiny_models import build_tiny_model
+
+    return str(build_tiny_model("qwen3_next", MODELS_DIR))
+
+
+def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) -> dict[str, Any]:
+    """Run one engine process; assert it exits by itself, cleanly, without connector threads left."""
+    out = tmp_path / f"{name}.json"
+    spec_path = tmp_path / f"{name}.spec.json"
+    spec_path.write_text(json.dumps({"model": _model(), "prompt": PROMPT, "out": str(out), **spec}))
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    log_path = tmp_path / f"{name}.log"
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(spec_path)], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            rc = proc.wait(EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError(f"{name}: engine process did not exit within {EXIT_TIMEOUT_S} s") from None
+    text = log_path.read_text(errors="replace")
+    assert rc == 0, f"{name}: exit status {rc}\n{text[-3000:]}"
+    res: dict[str, Any] = json.loads(out.read_text())
+    res["wall_s"] = time.monotonic() - t0
+    res["log"] = text
+    leftover = [t for t in res["threads"] if t.startswith("hybridkv")]
+    assert not leftover, f"{name}: connector threads alive after teardown: {leftover}"
+    # Both halves ran their shutdown (worker: queued saves written, threads joined; scheduler: store closed).
+    assert "hybridkv connector shut down" in text and "role=worker" in text and "role=scheduler" in text
+    return res
+
+
+def _keys(store: str, prefix: str) -> list[str]:
+    from hybridkv.store import open_store
+
+    s = open_store(store)
+    try:
+        return sorted(s.iter_keys(prefix))
+    finally:
+        s.close()
+
+
+def test_two_multiprocess_engines_share_a_file_store(tmp_path: Path) -> None:
+    store = f"file://{tmp_path}/store?capacity=256MiB"
+    first = run_engine(tmp_path, "engine1", multiprocess=True, store=store, namespace="mp", teardown="del")
+    assert first["cached"] == 0 and first["reset_ok"] is True
+    assert first["metrics"]["vllm:hybridkv_save_keys"] == 3  # 2 attention blocks + 1 GDN boundary state
+    assert first["metrics"]["vllm:hybridkv_save_bytes"] > 0
+    assert _keys(f"file://{tmp_path}/store", "hkv1/mp/"), "engine 1 left nothing in the store"
+
+    second = run_engine(
+        tmp_path, "engine2", multiprocess=True, store=store, namespace="mp", teardown="shutdown"
+    )
+    assert second["tokens"] == first["tokens"], "tokens differ after an external hit in a new engine"
+    assert second["cached"] == 256
+    m = second["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] == 256
+    assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == 256
+    assert m["vllm:hybridkv_hit_tokens"] == 256
+    assert m["vllm:hybridkv_group_hit_tokens{group=0}"] == 256
+    assert m["vllm:hybridkv_group_hit_tokens{group=1}"] == 256
+    assert m["vllm:hybridkv_load_keys"] == 3 and m["vllm:hybridkv_load_bytes"] > 0
+    assert m["vllm:hybridkv_truncations"] == 0 and m["vllm:hybridkv_breaker_open"] == 0
+    print(
+        f"engine1 {first['wall_s']:.1f}s (teardown {first['teardown_s']:.1f}s), "
+        f"engine2 {second['wall_s']:.1f}s (teardown {second['teardown_s']:.1f}s), hybridkv metrics: "
+        + json.dumps({k: v for k, v in m.items() if "hybridkv" in k or "external" in k})
+    )
+
+
+def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    # Every store call sleeps 200 ms: the request's saves are still being written when it returns.
+    slow = f"faulty+file://{root}?capacity=256MiB&delay_ms=200"
+    other = run_engine(
+        tmp_path,
+        "other",
+        multiprocess=False,
+        store=slow,
+        namespace="other",
+        teardown="shutdown",
+        max_tokens=1,
+    )  # one output token: the request ends in the step that enqueued its saves
+    assert other["pending_before_reset"] is True, "the slow store should still be writing at reset time"
+    assert other["reset_ok"] is True, "an idle engine's prefix cache reset failed (save pins kept)"
+    assert other["hit_sources"] == {"disk": 256}
+    assert len(other["tokens"]) == 1
+    assert other["worker_totals"]["save_keys"] == 3
+    assert other["metrics"]["vllm:hybridkv_lookups"] == 1  # stats reach vLLM's registry in-process too
+    other_keys = _keys(f"file://{root}", "hkv1/other/")
+    assert len(other_keys) == 3
+
+    mine = run_engine(
+        tmp_path, "mine", multiprocess=False, store=f"file://{root}?capacity=256MiB", namespace="mine",
+        reset_connector=True, teardown="del",
+    )  # fmt: skip
+    assert mine["cached"] == 0 and mine["reset_ok"] is True and mine["reset_connector_ok"] is True
+    # The reset removed this namespace's entries: the resend misses the store and recomputes...
+    assert mine["cached_after_reset"] == 0 and mine["tokens_after_reset"] == mine["tokens"]
+    assert mine["sched_totals"].get("hit_tokens", 0) == 0
+    # Counters settled by the reset reach the registry with the next engine step (the resend here).
+    assert mine["metrics"]["vllm:hybridkv_save_keys"] >= 3 and mine["metrics"]["vllm:hybridkv_lookups"] == 2
+    # ...and left the other namespace's entries alone.
+    assert _keys(f"file://{root}", "hkv1/other/") == other_keys
+    assert len(_keys(f"file://{root}", "hkv1/mine/")) == 3  # stored again by the resend
+    print(
+        f"in-process: other {other['wall_s']:.1f}s (teardown {other['teardown_s']:.2f}s), "
+        f"mine {mine['wall_s']:.1f}s (teardown {mine['teardown_s']:.2f}s)"
+    )
