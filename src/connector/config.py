@@ -8,7 +8,8 @@ Keys (all optional):
 ``namespace``       key namespace; default derived from the model (its folder name). Letters, digits and
                     ``._-`` only, at most 64 characters.
 ``audit_log``       path of a JSON-lines audit file for state transitions, or ``null`` (no file).
-``put_wave_bytes``  per-rank bytes in flight for one PUT wave (int, or a string like ``"64MiB"``); > 0.
+``put_wave_bytes``  bytes of one PUT wave per rank (int, or a string like ``"64MiB"``); > 0. At most four
+                    waves' bytes are queued per rank; a save beyond that is dropped and counted.
 ``lookup_budget_ms``  the longest the scheduler waits on one existence check; > 0.
 ``verify_checksums``  verify value checksums on load (bool).
 ==================  =====================================================================================
@@ -40,7 +41,8 @@ KNOWN_KEYS: tuple[str, ...] = (
 )
 
 _STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Same rule as the key scheme (hybridkv.lifecycle.geometry): the namespace becomes a key path segment.
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -54,7 +56,7 @@ def default_store_url() -> str:
 def default_namespace(model: str) -> str:
     """A namespace from the model name or path: its last component, sanitized."""
     base = model.rstrip("/").split("/")[-1] or "model"
-    ns = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:64]
+    ns = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip("._-")[:64]
     return ns or "model"
 
 
@@ -110,7 +112,8 @@ class ConnectorConfig:
             namespace = default_namespace(model)
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise ValueError(
-                "kv_connector_extra_config['namespace']: expected 1-64 characters of [A-Za-z0-9._-], "
+                "kv_connector_extra_config['namespace']: expected 1-64 characters of [A-Za-z0-9._-] "
+                "starting with a letter or digit, "
                 f"got {namespace!r}"
             )
 

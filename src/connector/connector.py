@@ -249,7 +249,15 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return pending
 
     def reset_cache(self) -> bool | None:
-        done: bool = self.scheduler_side.reset_cache()
+        """Remove this deployment's namespace from the store (``reset_prefix_cache(reset_connector=True)``).
+
+        Returns False, never raises, when the store fails: a reset must not take the engine down.
+        """
+        try:
+            done: bool = self.scheduler_side.reset_cache()
+        except Exception as exc:  # noqa: BLE001 -- the store's failure is reported, the engine keeps serving
+            log.warning("hybridkv reset_cache failed", error=repr(exc))
+            return False
         return done
 
     @classmethod

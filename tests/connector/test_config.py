@@ -46,6 +46,8 @@ def test_full_config(tmp_path: Path) -> None:
         ("store", "redis://x"),
         ("store", 3),
         ("namespace", "a/b"),
+        ("namespace", "-leading-dash"),
+        ("namespace", "_private"),
         ("namespace", ""),
         ("namespace", "x" * 65),
         ("audit_log", 7),
@@ -110,3 +112,13 @@ def test_default_store_opens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         assert (tmp_path / "hybridkv" / "store").is_dir()
     finally:
         store.close()
+
+
+def test_default_namespace_is_a_valid_key_segment() -> None:
+    # A model folder named "_private" must not yield a namespace the key scheme rejects at engine start.
+    from hybridkv.connector.config import default_namespace
+
+    for model in ("/models/_private", "org/.hidden-model", "/"):
+        namespace = default_namespace(model)
+        assert namespace[0].isalnum(), f"default namespace {namespace!r} of {model!r} starts with a symbol"
+        assert ConnectorConfig.from_extra_config({}, model=model).namespace == namespace
