@@ -29,6 +29,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.store_cmds",
     "hybridkv.cli.lifecycle_cmds",
     "hybridkv.cli.demo_cmds",
+    "hybridkv.cli.datapath_cmds",
 )
 
 

@@ -46,6 +46,7 @@ def register(
     bench.add_argument("--iterations", type=int, default=5000)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--out", default="bench-results/lifecycle.json")
+    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG next to the JSON")
     bench.set_defaults(func=_bench)
 
 
@@ -104,5 +105,35 @@ def _bench(args: argparse.Namespace) -> int:
             ["sink", "us_per_transition", "target_us_per_transition", "meets_target", "us_per_lifecycle"],
         )
     )
-    print(write_json(args.out, report))
+    out = write_json(args.out, report)
+    print(out)
+    if not args.no_plot:
+        plot = _plot(report, out.with_suffix(".png"))
+        if plot is not None:
+            print(plot)
     return EXIT_OK
+
+
+def _plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Bars of µs per transition per sink, with each sink's target as a tick; ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = report["rows"]
+    positions = list(range(len(rows)))
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    axes.bar(positions, [row["us_per_transition"] for row in rows], width=0.6, label="measured")
+    for position, row in zip(positions, rows, strict=True):
+        if row["target_us_per_transition"] is not None:
+            target = row["target_us_per_transition"]
+            axes.hlines(target, position - 0.35, position + 0.35, colors="red", linestyles="--")
+    axes.set_xticks(positions, [f"sink: {row['sink']}" for row in rows])
+    axes.set_ylabel("µs per transition (red: target)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
