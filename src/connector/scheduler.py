@@ -14,8 +14,11 @@ Contracts (``DESIGN.md`` hard rules):
 - Saves: full attention and SWA positionally from the current tables as prompt blocks complete; Mamba only
   from ``boundary_state_offloads`` and ``register_finished_partial_tail``. Source blocks are pinned
   (``touch``) until every rank reports the wave, then freed.
-- A failed load truncates: invalid entries are removed from the store, vLLM recomputes (``failed_recving``
-  from the workers), and the next lookup may reach at most the safe boundary, once.
+- A failed load truncates: invalid entries are removed from the store, vLLM restarts the request from 0
+  (``failed_recving`` from the workers, policy ``recompute``), and its next lookup is the one retry: an
+  ordinary lookup capped at the retry cap (the largest boundary no failed entry stands in the way of), which
+  may hit and load an earlier boundary the store still serves. The request's load and save bookkeeping is
+  reset so the retry's load (or the recompute) starts clean and re-saves what was invalidated.
 - ``BlockStored`` events only for waves every rank stored.
 """
 
@@ -405,6 +408,11 @@ class SchedulerSide:
         if resolution.verified:
             r.loaded_boundary = job.boundary
             return
+        # vLLM discards what this load wrote and restarts the request from 0 computed tokens: nothing
+        # came from the store, and positional saves restart at the request's next first scheduled
+        # position (the retry's loaded boundary, or the local hit), so invalidated entries get re-saved.
+        r.loaded_boundary = 0
+        r.saved_upto = None
         removed = 0
         if resolution.invalid_keys:
             try:
@@ -417,7 +425,7 @@ class SchedulerSide:
             "hybridkv load failed; request recomputes",
             request_id=r.request.request_id,
             boundary=job.boundary,
-            safe_boundary=resolution.safe_boundary,
+            retry_cap=resolution.retry_cap,
             failed=len(resolution.failed_entries),
             invalidated=removed,
         )

@@ -32,6 +32,7 @@ from hybridkv.lifecycle.geometry import (
     Topology,
     plan_lookup,
     plan_save,
+    retry_cap,
 )
 from hybridkv.lifecycle.machine import (
     TRANSITIONS,
@@ -74,4 +75,5 @@ __all__ = [
     "plan_lookup",
     "plan_save",
     "replay_records",
+    "retry_cap",
 ]

@@ -9,7 +9,7 @@ Record (one JSON object per line)::
 Sinks never touch structlog's global configuration: each wraps its own logger
 (``structlog.wrap_logger``) with its own processors. ``replay_records`` / ``audit_file`` check a log
 against ``TRANSITIONS``: illegal or discontinuous transitions, lifecycles that never reach a terminal
-state, retry loops; plus truncation and per-group hit / miss / verified counts.
+state, retry loops, retries that hit past the truncation's cap; plus truncation and per-group hit / miss / verified counts.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class MemoryAuditSink(AuditSink):
 @dataclass(frozen=True)
 class Violation:
     """One problem found in a log. ``kind``: malformed | illegal | discontinuity | after_terminal |
-    unterminated | loop."""
+    unterminated | loop | over_cap (a lookup after a truncation hit past the recorded retry cap)."""
 
     kind: str
     line: int | None
@@ -151,6 +151,8 @@ class _Lifecycle:
     first_line: int
     num_retries: int = 0
     gave_up: bool = False
+    #: The retry cap of the last truncation of this incarnation (None: not truncated).
+    cap: int | None = None
 
     @property
     def terminal(self) -> bool:
@@ -311,6 +313,17 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         computed = (
             record.get("num_computed_tokens") if isinstance(record.get("num_computed_tokens"), int) else 0
         )
+        boundary = record.get("boundary")
+        cap = lifecycle.cap
+        if trigger == "lookup_hit" and cap is not None and isinstance(boundary, int) and boundary > cap:
+            report.violations.append(
+                Violation(
+                    "over_cap",
+                    line_number,
+                    request_id,
+                    f"hit {boundary} after a truncation capped the retry at {cap}",
+                )
+            )
         if trigger in ("lookup_hit", "lookup_miss"):
             for detail in groups:
                 if isinstance(detail, dict) and isinstance(detail.get("hit_tokens"), int):
@@ -322,6 +335,11 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         elif trigger == "load_failed":
             report.num_truncations += 1
             detail = record.get("detail")
+            cap = detail.get("retry_cap") if isinstance(detail, dict) else None
+            if not isinstance(cap, int):
+                cap = record.get("boundary")
+            if isinstance(cap, int):
+                lifecycle.cap = cap if lifecycle.cap is None else min(cap, lifecycle.cap)
             failed = detail.get("failed_groups") if isinstance(detail, dict) else None
             for group in failed if isinstance(failed, list) else []:
                 group_bump(group, "truncated")

@@ -18,7 +18,8 @@ Primitives and their contracts:
 - ``LookupCandidates.resolve(exists) -> LookupResult``: the agreed boundary (the same fixed point as
   vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``) and the exact ``LoadPlan``.
 - ``LoadPlan.resolve_outcomes(...) -> LoadResolution``: after per-(rank, group, block) results, the
-  safe boundary every group and rank still agrees on, and the keys to invalidate.
+  retry cap (the largest boundary no failed entry of any group on any rank stands in the way of; the
+  retry's own lookup then finds what the store can still serve below it) and the keys to invalidate.
 - ``plan_save(...) -> SavePlan``: the keys of the blocks a save wave writes, and which blocks count
   as stored (every rank OK) so that events are published only for stored entries.
 
@@ -60,6 +61,7 @@ __all__ = [
     "cdiv",
     "plan_lookup",
     "plan_save",
+    "retry_cap",
 ]
 
 KEY_VERSION = "hkv1"
@@ -682,17 +684,44 @@ def _build_plan(
 class LoadResolution:
     """What a finished load means.
 
-    ``verified``: every planned entry loaded on every rank. Otherwise ``safe_boundary`` is the largest
-    boundary (<= the planned one, >= the local hit) every group and rank can still restore, and
-    ``invalid_keys`` are the failed entries, the unattempted entries past the safe boundary, and the
-    entries downstream of a failure in the same group (all ranks).
+    ``verified``: every planned entry loaded ``OK`` on every rank (then ``retry_cap`` is the planned
+    boundary and nothing is invalid).
+
+    Otherwise the request is reported failed and vLLM (``kv_load_failure_policy="recompute"``) restarts
+    it from ``num_computed_tokens = 0``, discarding whatever this load restored: the one retry reloads
+    from scratch with a fresh lookup. So the verdict does not ask "what did this load restore" but "what
+    is known to be bad":
+
+    - ``retry_cap``: the largest boundary the retry's lookup may return. It is the largest multiple of
+      the hit alignment, at most ``planned_boundary - 1`` when some entry FAILED (at most
+      ``planned_boundary`` when entries were only not attempted), such that restoring it needs no
+      failed entry of any group on any rank:
+
+      - full attention: a failed block ``i`` of group ``g`` (on any rank: a DCP-sharded block failed on
+        one rank is bad for all) bars every boundary ``> i * B_g``;
+      - sliding window: a failed block bars the boundaries whose window needs it;
+      - Mamba: a failed state at ``b`` bars ``b`` only (states at other boundaries are other entries).
+
+      The cap is only an upper bound: it says nothing about what the store still holds. The retry's
+      ordinary lookup (one batched ``exists``) finds the best boundary ``<= retry_cap`` at which every
+      group (e.g. a Mamba state saved at an earlier hand-off) exists on every rank. The cap is never
+      below the local hit of the failed plan (failures are all past it). 0 = any boundary.
+    - ``invalid_keys`` (hard rule 3), to remove from the store: every FAILED entry; every entry of the
+      same group in a later block than that group's first failed block, on every rank; every entry not
+      attempted whose key boundary lies past ``retry_cap``. Entries that loaded ``OK`` before a failure
+      stay and serve the retry.
     """
 
     verified: bool
     planned_boundary: int
-    safe_boundary: int
+    retry_cap: int
     invalid_keys: tuple[str, ...]
     failed_entries: tuple[EntryId, ...]
+
+    @property
+    def safe_boundary(self) -> int:
+        """Deprecated name of ``retry_cap``."""
+        return self.retry_cap
 
 
 @dataclass(frozen=True)
@@ -728,84 +757,70 @@ class LoadPlan:
         return tuple(counts)
 
     def resolve_outcomes(self, outcomes: Mapping[EntryId, LoadOutcome]) -> LoadResolution:
-        """Judge a finished load; entries missing from ``outcomes`` were not attempted."""
-        geometry = self.scheme.geometry
-        ok = {entry for entry, _ in self.entries if outcomes.get(entry) is LoadOutcome.OK}
-        if len(ok) == len(self.entries):
+        """Judge a finished load (see ``LoadResolution``); entries missing from ``outcomes`` were not
+        attempted."""
+        ok = sum(1 for entry, _ in self.entries if outcomes.get(entry) is LoadOutcome.OK)
+        if ok == len(self.entries):
             return LoadResolution(True, self.boundary, self.boundary, (), ())
-        ranks = geometry.topology.ranks
-        loaded_blocks = {
-            (load.group_index, load.block_index): load
-            for load in self.loads
-            if all(
-                EntryId(rank.tp_rank, load.group_index, load.block_index, load.key_boundary) in ok
-                for rank in ranks
-            )
-        }
-        safe = _safe_boundary(self, loaded_blocks)
         failed = tuple(entry for entry, _ in self.entries if outcomes.get(entry) is LoadOutcome.FAILED)
+        cap = retry_cap(self.scheme.geometry, self.boundary, failed)
         first_failure: dict[int, int] = {}
         for entry in failed:
             first_failure[entry.group_index] = min(
                 first_failure.get(entry.group_index, entry.block_index), entry.block_index
             )
-        load_of = {(load.group_index, load.block_index): load for load in self.loads}
         invalid: list[str] = []
         for entry, key in self.entries:
             outcome = outcomes.get(entry, LoadOutcome.NOT_ATTEMPTED)
-            load = load_of[(entry.group_index, entry.block_index)]
-            past_safe = load.key_boundary > safe
-            downstream = entry.block_index > first_failure.get(entry.group_index, math.inf)
             if (
                 outcome is LoadOutcome.FAILED
-                or (outcome is LoadOutcome.NOT_ATTEMPTED and past_safe)
-                or downstream
+                or (outcome is LoadOutcome.NOT_ATTEMPTED and entry.key_boundary > cap)
+                or entry.block_index > first_failure.get(entry.group_index, math.inf)
             ):
                 invalid.append(key)
-        return LoadResolution(False, self.boundary, safe, tuple(invalid), failed)
+        return LoadResolution(False, self.boundary, cap, tuple(invalid), failed)
 
 
-def _safe_boundary(plan: LoadPlan, loaded_blocks: Mapping[tuple[int, int], BlockLoad]) -> int:
-    """Largest aligned boundary in [local, planned] every group covers with local or loaded blocks."""
-    geometry = plan.scheme.geometry
-    local = plan.num_computed_tokens - plan.num_computed_tokens % geometry.scheduler_block_size
+def retry_cap(geometry: Geometry, planned_boundary: int, failed: Iterable[EntryId]) -> int:
+    """The largest aligned boundary the retry of a failed load may return (``LoadResolution.retry_cap``).
+
+    ``failed``: the FAILED entries of the plan (any rank). With none, the cap is the planned boundary
+    (aligned). Otherwise it is strictly below it, and no failed entry is needed to restore it:
+    full attention block ``i`` bars boundaries ``> i * B_g``, a sliding-window block bars the boundaries
+    whose window needs it, a Mamba state at ``b`` bars ``b``.
+    """
+    failed = tuple(failed)
     alignment = geometry.hit_alignment
-
-    def block_present(g: int, i: int) -> bool:
-        return (i + 1) * geometry.spans[g] <= local or (g, i) in loaded_blocks
-
-    def covered_tokens(g: int) -> int:
-        span = geometry.spans[g]
-        i = 0
-        while block_present(g, i) and (i + 1) * span < plan.boundary:
-            i += 1
-        if not block_present(g, i):
-            return i * span
-        load = loaded_blocks.get((g, i))
-        return min(load.key_boundary if load else (i + 1) * span, (i + 1) * span)
-
-    coverage = {
-        g: covered_tokens(g) for g, group in enumerate(geometry.groups) if group.kind is GroupKind.FULL
-    }
-
-    def restorable(g: int, boundary: int) -> bool:
-        group = geometry.groups[g]
-        span = geometry.spans[g]
+    top = planned_boundary - 1 if failed else planned_boundary
+    top = max(0, top - top % alignment)
+    full_limit = top
+    swa_failed: dict[int, set[int]] = {}
+    mamba_failed: set[int] = set()
+    for entry in failed:
+        group = geometry.groups[entry.group_index]
         if group.kind is GroupKind.FULL:
-            return boundary <= coverage[g]
-        if group.kind is GroupKind.SLIDING_WINDOW:
-            return boundary % span == 0 and all(
-                block_present(g, i) for i in _sliding_window_blocks(group, span, boundary)
-            )
-        return (g, cdiv(boundary, span) - 1) in loaded_blocks and loaded_blocks[
-            (g, cdiv(boundary, span) - 1)
-        ].key_boundary == boundary
+            full_limit = min(full_limit, entry.block_index * geometry.spans[entry.group_index])
+        elif group.kind is GroupKind.SLIDING_WINDOW:
+            swa_failed.setdefault(entry.group_index, set()).add(entry.block_index)
+        else:
+            mamba_failed.add(entry.key_boundary)
 
-    top = plan.boundary - plan.boundary % alignment
-    for boundary in range(top, local, -alignment):
-        if all(restorable(g, boundary) for g in range(geometry.num_groups)):
-            return boundary
-    return local
+    def swa_needs_failed(boundary: int) -> bool:
+        # The blocks overlapping the window before the boundary (exactly the lookup's window blocks
+        # when the boundary is a whole block; a superset otherwise).
+        for g, blocks in swa_failed.items():
+            group, span = geometry.groups[g], geometry.spans[g]
+            assert group.sliding_window is not None
+            window = max(1, cdiv(group.sliding_window - 1, span)) * span
+            first, end = max(0, boundary - window) // span, cdiv(boundary, span)
+            if any(first <= i < end for i in blocks):
+                return True
+        return False
+
+    boundary = full_limit - full_limit % alignment
+    while boundary > 0 and (boundary in mamba_failed or swa_needs_failed(boundary)):
+        boundary -= alignment
+    return boundary
 
 
 # -- save side ------------------------------------------------------------------------------------------

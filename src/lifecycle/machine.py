@@ -4,6 +4,10 @@ Load side (one per request incarnation; a preempted request that comes back star
 
     NEW -> LOOKUP -> MISS | PARTIAL_HIT -> LOADING -> VERIFIED | TRUNCATED -(one retry)-> LOOKUP ... -> EVICTED
 
+A truncation records a retry cap (``LoadResolution.retry_cap``: the largest boundary no failed entry
+stands in the way of); the retry is an ordinary lookup bounded by it, which may hit and load an earlier
+boundary; a second truncation ends in ``MISS``.
+
 Save side (one per request and save wave)::
 
     QUEUED -> PUTTING -> STORED | FAILED        QUEUED -> DROPPED (backpressure)
@@ -304,7 +308,7 @@ class RequestLifecycle(_Model):
         self.candidates: LookupCandidates | None = None
         self.resolution: LoadResolution | None = None
         self.num_retries = 0
-        #: After a truncation: the most a later lookup may return.
+        #: After a truncation: the retry cap, the most a later lookup of this incarnation may return.
         self.max_boundary: int | None = None
         self.exhausted = False
 
@@ -379,10 +383,14 @@ class RequestLifecycle(_Model):
         self._machine.fire(self, "decline")
 
     def finish_load(self, outcomes: Mapping[EntryId, LoadOutcome]) -> LoadResolution:
-        """Every rank reported: ``VERIFIED`` or ``TRUNCATED`` (with the safe boundary and keys to remove).
+        """Every rank reported: ``VERIFIED`` or ``TRUNCATED`` (with the retry cap and keys to remove).
 
-        A truncated request must be reported through ``failed_recving`` on hybrid models; its next
-        lookup returns at most the safe boundary, once.
+        A truncated request must be reported through ``failed_recving`` on hybrid models; vLLM then
+        restarts it from 0 computed tokens. Its next lookup is the one retry: an ordinary lookup capped
+        at ``resolution.retry_cap`` (the largest boundary no failed entry stands in the way of; see
+        ``LoadResolution``), which may hit an earlier boundary the store still serves (e.g. a Mamba
+        state saved at an earlier hand-off) and load it. After a second truncation: ``MISS``.
+        The ``load_truncated`` audit record carries the cap as ``boundary`` and ``detail.retry_cap``.
         """
         assert self.lookup is not None and self.lookup.plan is not None, (
             f"request {self.request_id!r}: finish_load without a planned hit"
@@ -392,12 +400,16 @@ class RequestLifecycle(_Model):
         if resolution.verified:
             self._machine.fire(self, "load_verified")
         else:
-            self.boundary = resolution.safe_boundary
-            self.max_boundary = resolution.safe_boundary
+            cap = resolution.retry_cap
+            if self.max_boundary is not None:
+                cap = min(cap, self.max_boundary)
+            self.boundary = cap
+            self.max_boundary = cap
             self._machine.fire(
                 self,
                 "load_failed",
                 planned_boundary=resolution.planned_boundary,
+                retry_cap=cap,
                 num_failed_entries=len(resolution.failed_entries),
                 num_invalid_keys=len(resolution.invalid_keys),
                 failed_groups=sorted({e.group_index for e in resolution.failed_entries}),

@@ -7,11 +7,17 @@ no sliding window under DCP, as in vLLM), a model store (a set of keys), and the
 per (rank, group, block) or split loads stopping early, evictions of store entries, preemptions and
 finishes. The hard rules are checked where they apply and as invariants:
 
-- a reported hit is restorable by every group on every rank (plan coverage + every key exists);
+- a reported hit is restorable by every group on every rank (plan coverage + every key exists), on a
+  first lookup and on the retry after a truncation alike;
 - every planned key is derived from the request's own hashes (never mixed-prefix state);
-- the truncated boundary is restorable from local + verified blocks by every group and rank, and the
-  failed / unattempted-past-boundary entries are invalidated;
-- retries are bounded, every lifecycle terminates, the audit log replays clean;
+- the retry cap of a truncation is exactly the largest aligned boundary (strictly below a plan with a
+  failed entry, never below the local hit) that no failed entry of any group on any rank is needed to
+  restore (checked against a brute-force oracle), and the failed / downstream /
+  unattempted-past-the-cap entries are invalidated;
+- the retry's hit is at most the cap; retries are bounded (one, then ``MISS``);
+- invalidated keys never exist in the model store afterwards (until a later save stores them again),
+  so no later lookup plans them;
+- every lifecycle terminates, the audit log replays clean (including: no hit past a recorded cap);
 - ``BlockStored`` events name only entries stored on every rank.
 
 Use it as ``run_state_machine_as_test(LifecycleFuzzMachine)`` or via ``TestLifecycleFuzz`` (pytest).
@@ -92,6 +98,8 @@ class _Req:
     num_computed_tokens: int = 0
     #: Tightest cap any truncation imposed on this incarnation.
     cap: int | None = None
+    #: Whether the current LOOKUP / PARTIAL_HIT / LOADING is the retry after a truncation.
+    retrying: bool = False
     num_loads: int = 0
     num_truncations: int = 0
     #: Per entry: was it loaded OK on its rank (last load).
@@ -109,6 +117,8 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         self.num_requests = 0
         self.num_waves = 0
         self.live_waves: list = []
+        #: Keys a truncation invalidated and no save has stored again since.
+        self.invalidated: set[str] = set()
 
     @initialize(geometry=geometries())
     def setup(self, geometry: Geometry) -> None:
@@ -146,6 +156,10 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         candidates = list(range(unit, max_units * unit + 1, unit))
         return data.draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4))
 
+    def _store_add(self, keys: list[str] | tuple[str, ...]) -> None:
+        self.store.update(keys)
+        self.invalidated.difference_update(keys)
+
     # -- store-side rules ----------------------------------------------------------------------------
 
     @rule(data=st.data(), family=st.integers(0, 2))
@@ -158,7 +172,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             for boundary in self._draw_boundaries(data, group, num_tokens):
                 for key in self._keys(group, boundary, hashes):
                     if not partial or data.draw(st.booleans()):
-                        self.store.add(key)
+                        self._store_add([key])
 
     @rule(data=st.data(), family=st.integers(0, 1))
     def previous_request_saved_everything(self, data: st.DataObject, family: int) -> None:
@@ -175,7 +189,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
                     and boundary != len(hashes) * unit
                 ):
                     continue  # attention groups store whole blocks and the prompt tail only
-                self.store.update(self._keys(group, boundary, hashes))
+                self._store_add(self._keys(group, boundary, hashes))
 
     @precondition(lambda self: bool(self.store))
     @rule(data=st.data())
@@ -205,7 +219,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             ok = data.draw(st.integers(0, 5)) > 0
             outcomes[entry] = ok
             if ok:
-                self.store.add(key)
+                self._store_add([key])
         events = wave.finish_put(outcomes)
         event(f"save wave: {wave.state}")
         for block in events:
@@ -242,6 +256,9 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         req = self.requests[request_id]
         block = self.geometry.scheduler_block_size
         local = data.draw(st.integers(0, max(0, req.num_tokens - 1) // block), label="local_blocks") * block
+        self._lookup(data, req, local, may_be_unavailable=True)
+
+    def _lookup(self, data: st.DataObject, req: _Req, local: int, *, may_be_unavailable: bool) -> None:
         req.num_computed_tokens = local
         was_truncated = req.lifecycle.current is State.TRUNCATED
         candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
@@ -249,11 +266,12 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             assert was_truncated or req.lifecycle.exhausted, "a lookup was refused without a reason"
             assert req.lifecycle.current is State.MISS
             return
-        if data.draw(st.integers(0, 9)) == 0:
+        if may_be_unavailable and data.draw(st.integers(0, 9)) == 0:
             req.lifecycle.lookup_unavailable("timeout")
             assert req.lifecycle.num_external_tokens == 0
             return
         result = req.lifecycle.finish_lookup([key in self.store for key in candidates.keys])
+        req.retrying = was_truncated
         geometry = self.geometry
         assert result.boundary % geometry.hit_alignment == 0, f"boundary {result.boundary} is not aligned"
         assert result.boundary <= max(0, req.num_tokens - 1), "the hit leaves no token to recompute"
@@ -261,7 +279,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             assert result.boundary <= max(req.cap, 0) or not result.is_hit, (
                 f"lookup after truncation returned {result.boundary} > truncated boundary {req.cap}"
             )
-        event("lookup: hit" if result.is_hit else "lookup: miss")
+        event(("retry" if was_truncated else "lookup") + (": hit" if result.is_hit else ": miss"))
         if result.is_hit:
             assert result.plan is not None and result.boundary > local
             self._check_plan_restorable(req, result.plan, local)
@@ -280,6 +298,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             )
             for key in self._keys(load.group_index, load.key_boundary, req.hashes):
                 assert key in self.store, f"planned key {key} does not exist: a hit some rank cannot restore"
+                assert key not in self.invalidated, f"planned key {key} was invalidated by a truncation"
         for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
             if group.kind is GroupKind.FULL:
                 for i in range(cdiv(boundary, span)):
@@ -327,10 +346,18 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def load_finishes(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(self._live(State.LOADING)))
         req = self.requests[request_id]
+        mode = data.draw(st.sampled_from(["ok", "ok", "random", "split"]), label="load_mode")
+        self._load(data, req, mode)
+
+    def _load(self, data: st.DataObject, req: _Req, mode: str) -> None:
+        """Finish ``req``'s load: "ok", "random" failures, "split" (a rank stops at its first failure),
+        or "fail" (at least one entry of the plan fails on some rank)."""
         lookup = req.lifecycle.lookup
         assert lookup is not None and lookup.plan is not None
         plan = lookup.plan
-        mode = data.draw(st.sampled_from(["ok", "ok", "random", "split"]), label="load_mode")
+        forced = (
+            data.draw(st.sampled_from(plan.entries), label="forced_failure")[0] if mode == "fail" else None
+        )
         outcomes: dict[EntryId, LoadOutcome] = {}
         for tp_rank in range(self.geometry.topology.tp_size):
             failed_early = False
@@ -341,7 +368,9 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
                     continue  # not attempted
                 if key not in self.store:
                     outcome = LoadOutcome.FAILED  # evicted between lookup and load
-                elif mode == "random":
+                elif entry == forced:
+                    outcome = LoadOutcome.FAILED
+                elif mode in ("random", "fail"):
                     outcome = LoadOutcome.FAILED if data.draw(st.integers(0, 4)) == 0 else LoadOutcome.OK
                 elif mode == "split" and position == cut:
                     outcome = LoadOutcome.FAILED
@@ -353,75 +382,94 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         resolution = req.lifecycle.finish_load(outcomes)
         all_ok = all(outcomes.get(entry) is LoadOutcome.OK for entry, _ in plan.entries)
         assert resolution.verified == all_ok
+        cap = resolution.retry_cap
         event(
             "load: verified"
             if resolution.verified
-            else f"load: truncated (safe>local: {resolution.safe_boundary > req.num_computed_tokens})"
+            else f"load: truncated (retry={req.retrying}, cap>local: {cap > req.num_computed_tokens})"
         )
         if resolution.verified:
             assert req.lifecycle.current is State.VERIFIED
             return
         assert req.lifecycle.current is State.TRUNCATED
         req.num_truncations += 1
-        safe = resolution.safe_boundary
         local = req.num_computed_tokens - req.num_computed_tokens % self.geometry.scheduler_block_size
-        assert local <= safe <= plan.boundary and safe % self.geometry.hit_alignment == 0, (
-            f"truncated boundary {safe} outside [{local}, {plan.boundary}] or unaligned"
+        assert local <= cap <= plan.boundary and cap % self.geometry.hit_alignment == 0, (
+            f"retry cap {cap} outside [{local}, {plan.boundary}] or unaligned"
         )
-        self._check_truncation_restorable(plan, outcomes, safe, local)
+        failed = [entry for entry, _ in plan.entries if outcomes.get(entry) is LoadOutcome.FAILED]
+        assert set(resolution.failed_entries) == set(failed)
+        assert cap == self._oracle_cap(plan.boundary, failed), (
+            f"retry cap {cap} != oracle {self._oracle_cap(plan.boundary, failed)} (failed: {failed})"
+        )
         invalid = set(resolution.invalid_keys)
         key_of = dict(plan.entries)
-        load_of = {(load.group_index, load.block_index): load for load in plan.loads}
+        first_failure: dict[int, int] = {}
+        for entry in failed:
+            first_failure[entry.group_index] = min(
+                first_failure.get(entry.group_index, entry.block_index), entry.block_index
+            )
         for entry, key in plan.entries:
             outcome = outcomes.get(entry, LoadOutcome.NOT_ATTEMPTED)
             if outcome is LoadOutcome.FAILED:
                 assert key in invalid, f"failed entry {entry} was not invalidated"
-            if (
-                outcome is LoadOutcome.NOT_ATTEMPTED
-                and load_of[(entry.group_index, entry.block_index)].key_boundary > safe
-            ):
-                assert key in invalid, f"unattempted entry {entry} past the safe boundary was not invalidated"
+            if outcome is LoadOutcome.NOT_ATTEMPTED and entry.key_boundary > cap:
+                assert key in invalid, f"unattempted entry {entry} past the retry cap was not invalidated"
+            if entry.block_index > first_failure.get(entry.group_index, math.inf):
+                assert key in invalid, f"entry {entry} downstream of a failure was not invalidated"
         assert invalid <= set(key_of.values()), "invalidated a key outside the plan"
         self.store.difference_update(invalid)
-        req.cap = safe if req.cap is None else min(req.cap, safe)
+        self.invalidated |= invalid
+        req.cap = cap if req.cap is None else min(req.cap, cap)
+        assert req.lifecycle.max_boundary == req.cap, (
+            f"lifecycle cap {req.lifecycle.max_boundary} != the tightest truncation cap {req.cap}"
+        )
 
-    def _check_truncation_restorable(
-        self, plan: LoadPlan, outcomes: dict[EntryId, LoadOutcome], safe: int, local: int
-    ) -> None:
-        if safe == local:
-            return  # the local hit is always agreed
+    def _oracle_cap(self, planned: int, failed: list[EntryId]) -> int:
+        """Brute force: the largest aligned boundary (strictly below ``planned`` if anything failed)
+        none of whose needed (group, block[, boundary]) entries failed on any rank."""
         geometry = self.geometry
-        ranks = geometry.topology.ranks
-        ok_blocks = {
-            (load.group_index, load.block_index): load
-            for load in plan.loads
-            if all(
-                outcomes.get(EntryId(r.tp_rank, load.group_index, load.block_index, load.key_boundary))
-                is LoadOutcome.OK
-                for r in ranks
-            )
-        }
-        for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-            if group.kind is GroupKind.FULL:
-                for i in range(cdiv(safe, span)):
-                    if (i + 1) * span <= local:
-                        continue
-                    load = ok_blocks.get((g, i))
-                    assert load is not None and load.key_boundary >= min((i + 1) * span, safe), (
-                        f"truncated to {safe}, but full group {g} block {i} did not load on every rank"
-                    )
-            elif group.kind is GroupKind.SLIDING_WINDOW:
-                assert group.sliding_window is not None
-                needed = max(1, cdiv(group.sliding_window - 1, span))
-                for i in range(max(0, safe // span - needed), safe // span):
-                    assert (i + 1) * span <= local or (g, i) in ok_blocks, (
-                        f"truncated to {safe}, but swa group {g} window block {i} did not load"
-                    )
-            else:
-                load = ok_blocks.get((g, cdiv(safe, span) - 1))
-                assert load is not None and load.key_boundary == safe, (
-                    f"truncated to {safe}, but mamba group {g} has no verified state there"
-                )
+        alignment = geometry.hit_alignment
+        top = planned - 1 if failed else planned
+        bad = {(e.group_index, e.block_index) for e in failed}
+        bad_states = {(e.group_index, e.key_boundary) for e in failed}
+        for boundary in range(top - top % alignment, 0, -alignment):
+            needed: set[tuple[int, int]] = set()
+            blocked = False
+            for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+                if group.kind is GroupKind.FULL:
+                    needed.update((g, i) for i in range(cdiv(boundary, span)))
+                elif group.kind is GroupKind.SLIDING_WINDOW:
+                    assert group.sliding_window is not None
+                    window = max(1, cdiv(group.sliding_window - 1, span)) * span
+                    # every block holding a token of [boundary - window, boundary)
+                    needed.update((g, p // span) for p in range(max(0, boundary - window), boundary))
+                else:
+                    blocked |= (g, boundary) in bad_states
+            if not blocked and not (needed & bad):
+                return boundary
+        return 0
+
+    @rule(data=st.data(), family=st.integers(0, 1))
+    def stored_prompt_fails_then_retries(self, data: st.DataObject, family: int) -> None:
+        """The scenario the retry cap exists for: a prompt stored at every boundary (Mamba states at
+        every hand-off), reloaded by a new request, some entry fails, vLLM restarts it from 0 and the
+        one retry looks up again under the cap (and, if it hits, loads: ``load_finishes`` judges it)."""
+        self.previous_request_saved_everything(data, family)
+        self.new_request(data, family)
+        request_id = f"req-{self.num_requests - 1}"
+        req = self.requests[request_id]
+        self._lookup(data, req, 0, may_be_unavailable=False)
+        if req.lifecycle.current is not State.PARTIAL_HIT:
+            return
+        req.lifecycle.start_load()
+        req.num_loads += 1
+        self._load(data, req, "fail")
+        assert req.lifecycle.current is State.TRUNCATED
+        self._lookup(data, req, 0, may_be_unavailable=False)  # vLLM's recompute policy: from 0
+        if req.lifecycle.current is State.PARTIAL_HIT:
+            req.lifecycle.start_load()
+            req.num_loads += 1
 
     @precondition(lambda self: bool(self._live(*(s for s in State if s not in (State.EVICTED,)))))
     @rule(data=st.data(), reason=st.sampled_from(["finished", "aborted", "preempted"]))
@@ -444,6 +492,11 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             assert len(self.sink.records) == self.machine.num_transitions, (
                 f"{self.machine.num_transitions} transitions but {len(self.sink.records)} audit records"
             )
+
+    @invariant()
+    def invalidated_keys_stay_gone(self) -> None:
+        if hasattr(self, "invalidated"):
+            assert not (self.invalidated & self.store), "an invalidated key is reported as existing"
 
     @invariant()
     def retries_bounded(self) -> None:

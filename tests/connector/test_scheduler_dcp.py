@@ -1,7 +1,9 @@
 """The scheduler half inside vLLM's real ``Scheduler`` (no workers): TP = DCP = 2, full attention + Mamba.
 
 The store is pre-filled through the connector's own ``KeyScheme`` (``memory://``), and worker results are
-handed to ``Scheduler.update_from_output`` as the executor would after aggregating both ranks.
+handed to ``Scheduler.update_from_output`` as the executor would after aggregating both ranks. A load that
+fails on rank 1 truncates with a retry cap; vLLM restarts the request from 0 and the one retry loads the
+earlier boundary the store still serves (the Mamba state there); a failed retry is the last one.
 """
 
 from __future__ import annotations
@@ -108,39 +110,50 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert verified.state == "EVICTED" and side._reqs["b"].lc.state == "PARTIAL_HIT"
 
 
-def test_rank_failure_truncates_invalidates_and_caps_the_retry(vllm_objs: dict[str, Any]) -> None:
+def _load_results(job: Any, bad: set[tuple[int, int, int]]) -> Any:
+    """Both ranks' per-block results for ``job``; (rank, sgid, index) in ``bad`` fail as corrupt."""
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+
+    return HybridStoreWorkerMetadata(
+        loads={
+            job.req_id: [
+                (rank, b.sgid, b.index, b.key_boundary, "corrupt" if (rank, b.sgid, b.index) in bad else "ok")
+                for rank in (0, 1)
+                for b in job.blocks
+            ]
+        }
+    )
+
+
+def _trail(sink: Any, rid: str) -> list[tuple[str, str]]:
+    return [(r["src"], r["dst"]) for r in sink.records if r["request_id"] == rid and r["wave"] is None]
+
+
+def _truncate_on_rank1(
+    vllm_objs: dict[str, Any], rid: str, first: int
+) -> tuple[Any, Any, Any, list[bytes], Any]:
+    """A 130-token prompt whose store holds full attention at 32..128 and Mamba states at 64 and 128 on
+    both ranks; the plan loads 128 and rank 1 fails full-attention block 2 (tokens 64..96)."""
+    from hybridkv.lifecycle.audit import MemoryAuditSink
 
     sched = _scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
+    side.machine.sink = sink = MemoryAuditSink()
     scheme = side.scheme
     store = open_store(vllm_objs["store_url"])
-    req = _request("c", 130)  # 4 hashes: limit 128
+    req = _request(rid, 130, first=first)  # 4 hashes: limit 128
     hashes = list(req.block_hashes)
     keys = _fill(scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (0, 128), (1, 64), (1, 128)], (0, 1))
     sched.add_request(req)
     out = sched.schedule()
-    loads = out.kv_connector_metadata.loads
-    assert loads[0].boundary == 128
-    # Rank 1 fails full-attention block 2 (tokens 64..96). The only Mamba state loaded is at 128, so no
-    # smaller boundary is restorable from what was loaded: the safe boundary is 0.
-    results = {
-        "c": [
-            (
-                rank,
-                b.sgid,
-                b.index,
-                b.key_boundary,
-                "corrupt" if (rank, b.sgid, b.index) == (1, 0, 2) else "ok",
-            )
-            for rank in (0, 1)
-            for b in loads[0].blocks
-        ]
-    }
-    sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"c"}, {"c"}))
-    lc = side._reqs["c"].lc
-    assert lc.state == "TRUNCATED" and lc.max_boundary == 0
-    assert side.stats.totals["truncations"] == 1 and side.stats.totals["invalidated_entries"] >= 2
+    (job,) = out.kv_connector_metadata.loads
+    assert job.boundary == 128
+    sched.update_from_output(out, _output(out, _load_results(job, {(1, 0, 2)}), {rid}, {rid}))
+    lc = side._reqs[rid].lc
+    # Full-attention block 2 failed (on one DCP rank: bad for both): boundaries past 64 need it. The
+    # retry cap is 64; the Mamba state at 64 is still in the store.
+    assert lc.state == "TRUNCATED" and lc.max_boundary == 64
+    assert side.stats.totals["truncations"] == 1 and side.stats.totals["invalidated_entries"] == 3
     present = dict(zip(keys, (s.is_ok for s in store.exists(keys)), strict=True))
     gone = {k for k, ok in present.items() if not ok}
     # The failed entry, and the full-attention entries downstream of it on every rank; rank 0's copy of
@@ -149,12 +162,62 @@ def test_rank_failure_truncates_invalidates_and_caps_the_retry(vllm_objs: dict[s
         scheme.key(0, r, hashes[128 // HASH - 1]) for r in (0, 1)
     }
     assert gone == expected, gone
-    # vLLM recomputes from 0 (policy "recompute"); the retry is capped at the safe boundary: no load.
-    assert sched.requests["c"].num_computed_tokens == 0
+    # vLLM restarts from 0 (policy "recompute") and frees the blocks; the retry is capped at 64.
+    assert sched.requests[rid].num_computed_tokens == 0
+    return sched, side, store, hashes, sink
+
+
+def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
+    vllm_objs: dict[str, Any],
+) -> None:
+    sched, side, _store, _hashes, sink = _truncate_on_rank1(vllm_objs, "c", first=2000)
+    out = sched.schedule()
+    (job,) = out.kv_connector_metadata.loads
+    assert (job.req_id, job.boundary) == ("c", 64)  # the state at 64 and full blocks 0, 1
+    plan = sorted((b.sgid, b.index, b.key_boundary) for b in job.blocks)
+    assert plan == [(0, 0, 32), (0, 1, 64), (1, 1, 64)], plan
+    assert "c" not in out.num_scheduled_tokens
+    r = side._reqs["c"]
+    assert r.lc.state == "LOADING" and r.load is job and r.load_results == [] and r.load_ranks == set()
+    sched.update_from_output(out, _output(out, _load_results(job, set()), {"c"}, set()))
+    assert r.lc.state == "VERIFIED" and r.loaded_boundary == 64
+    out = sched.schedule()
+    assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("c", 64)]
+    assert out.kv_connector_metadata.loads == []
+    # Saves skip the loaded prefix: full-attention blocks from 64 on, Mamba hand-offs past 64.
+    saved = sorted((b.sgid, b.key_boundary) for j in out.kv_connector_metadata.saves for b in j.blocks)
+    assert saved and all(end > 64 for _, end in saved), saved
+    trail = _trail(sink, "c")
+    assert trail == [
+        ("NEW", "LOOKUP"),
+        ("LOOKUP", "PARTIAL_HIT"),
+        ("PARTIAL_HIT", "LOADING"),
+        ("LOADING", "TRUNCATED"),
+        ("TRUNCATED", "LOOKUP"),
+        ("LOOKUP", "PARTIAL_HIT"),
+        ("PARTIAL_HIT", "LOADING"),
+        ("LOADING", "VERIFIED"),
+    ], trail
+    truncated = next(rec for rec in sink.records if rec["request_id"] == "c" and rec["dst"] == "TRUNCATED")
+    assert truncated["boundary"] == 64 and truncated["detail"]["retry_cap"] == 64
+
+
+def test_a_failed_retry_is_the_last_one(vllm_objs: dict[str, Any]) -> None:
+    sched, side, store, hashes, sink = _truncate_on_rank1(vllm_objs, "e", first=2500)
+    out = sched.schedule()
+    (job,) = out.kv_connector_metadata.loads
+    assert job.boundary == 64
+    # The retry's Mamba state at 64 fails on rank 1 too: truncated again, the state is removed.
+    sched.update_from_output(out, _output(out, _load_results(job, {(1, 1, 1)}), {"e"}, {"e"}))
+    lc = side._reqs["e"].lc
+    assert lc.state == "TRUNCATED" and lc.max_boundary == 32 and side.stats.totals["truncations"] == 2
+    assert not store.exists([side.scheme.key(1, 1, hashes[64 // HASH - 1])])[0].is_ok
+    # Retries exhausted: a MISS (no store call), the prompt recomputes from 0, and no loop.
     out = sched.schedule()
     assert out.kv_connector_metadata.loads == []
-    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("c", 0)]
-    assert lc.state == "MISS"
+    assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("e", 0)]
+    assert lc.state == "MISS" and lc.num_retries == 1
+    assert _trail(sink, "e")[-2:] == [("LOADING", "TRUNCATED"), ("TRUNCATED", "MISS")]
 
 
 def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(

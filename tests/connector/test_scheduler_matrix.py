@@ -6,9 +6,11 @@ Matrix: (a) full attention + Mamba align, DCP 1 (TP 2); (b) full attention + sli
 
 - hit: the load covers exactly the boundary the store can serve (vLLM's prompt checkpoint), every group
   advances by it, and on every rank every restored KV slot / Mamba state equals what a recompute writes;
-- one rank fails one full-attention block: TRUNCATED (safe boundary 0: no Mamba/window state below),
-  ``failed_recving`` + ``finished_recving`` from every rank (never block-level ids), the failed entry and
-  its downstream entries removed from the store, the one capped retry is a MISS, the prompt recomputes;
+- one rank fails one full-attention block k: TRUNCATED with retry cap k x span, ``failed_recving`` +
+  ``finished_recving`` from every rank (never block-level ids), the failed entry and its downstream
+  entries removed from the store; vLLM restarts the request from 0 and the one capped retry loads an
+  earlier boundary the store still serves (Mamba state / window there), whose every restored slot and
+  state equals a recompute (TRUNCATED -> LOOKUP -> PARTIAL_HIT -> LOADING -> VERIFIED);
 - abort while loading: the lifecycle is evicted, vLLM holds the blocks until every rank finished, the
   late results are ignored;
 - preemption after loading (vLLM's ``_preempt_request``): a new incarnation, the device cache serves it;
@@ -35,6 +37,18 @@ GEOMETRIES = [
 ]
 
 PROMPT = 300
+
+#: Where the retry after a failed full-attention block lands: the largest boundary <= the retry cap at
+#: which the cold runs left every group in the store. full + Mamba 64: the prefill is split at 256, so
+#: a state was handed off there; sliding window: whole blocks; MLA + Mamba 16 prefills in one chunk
+#: (a state at the checkpoint 288 only), so a cold run of the 129-token prefix of "b" adds one at 128.
+RETRY_HIT = {
+    ("full_mamba", 1): 256,
+    ("full_swa", 1): 256,
+    ("mla_mamba", 2): 128,
+    ("mla_mamba", 4): 128,
+    ("mla_mamba", 8): 128,
+}
 
 
 def tokens(seed: int, n: int = PROMPT) -> list[int]:
@@ -68,6 +82,15 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         cold_out = dict(cold.outputs)
     finally:
         cold.shutdown()
+    if kind == "mla_mamba":
+        pre = Cluster(vc, kvc)  # a fresh engine: no device cache; its lookup misses (no state <= 128)
+        try:
+            pre.add("b-prefix", prompts["b"][:129])
+            pre.run()
+            pre.assert_empty()
+            assert pre.side.stats.totals.get("hit_tokens", 0) == 0
+        finally:
+            pre.shutdown()
 
     cl = Cluster(vc, kvc)
     side = cl.side
@@ -87,41 +110,66 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         assert side._reqs["a2"].lc.state == "VERIFIED"
 
         # -- one rank fails one block ---------------------------------------------------------------------
+        # The last rank fails the second-to-last full-attention block k of the plan. The retry cap is
+        # k * span (no failed entry is needed below it); vLLM restarts the request from 0 and the one
+        # retry finds the best boundary <= the cap the store still serves on every group and rank (a
+        # Mamba state / sliding window saved by the cold run) and loads it.
         cl.add("b2", prompts["b"])
         last = cl.tp - 1
+        full = next(g for g in cl.geo.groups if g.kind.value == "full")
+        k = (H - 1) // full.span - 1
+        cap = k * full.span
+        assert k >= 1 and cap % cl.geo.geometry.hit_alignment == 0
         failed_key: list[str] = []
+        downstream: list[str] = []
 
         def fail_one_block(out: object) -> None:
             job = next(j for j in out.kv_connector_metadata.loads if j.req_id == "b2")  # type: ignore[attr-defined]
             assert job.boundary == H
-            ref = next(r for r in job.blocks if cl.geo.groups[r.sgid].kind.value == "full" and r.index == 1)
+            ref = next(r for r in job.blocks if r.sgid == full.sgid and r.index == k)
             failed_key.append(side.scheme.key(ref.sgid, last, ref.block_hash))
+            downstream.extend(
+                side.scheme.key(r.sgid, rank, r.block_hash)
+                for r in job.blocks
+                if r.sgid == full.sgid and r.index > k
+                for rank in range(cl.tp)
+            )
             cl.faults[last].fail_keys = {failed_key[0]}
 
         cl.step(before_load=fail_one_block)
         cl.faults[last].fail_keys = set()
         lc = side._reqs["b2"].lc
         assert side.stats.totals["truncations"] == 1
-        assert lc.max_boundary == 0 and lc.state in ("TRUNCATED", "LOOKUP", "MISS")
+        assert lc.max_boundary == cap and lc.state == "TRUNCATED"
         assert "b2" not in cl.loads_checked
         req = cl.sched.requests["b2"]
         assert req.num_computed_tokens == 0  # policy "recompute": from scratch
         # The failed entry is gone; so are full-attention entries downstream of it, on every rank.
         assert not store.exists(failed_key)[0].is_ok
-        full = next(g for g in cl.geo.groups if g.kind.value == "full")
-        downstream = [
-            side.scheme.key(full.sgid, r, req.block_hashes[(3 * full.span) // cl.hash_unit - 1])
-            for r in range(cl.tp)
-            if 3 * full.span <= H
-        ]
-        assert not any(s.is_ok for s in store.exists(downstream))
-        out = cl.step()  # the one capped retry: a MISS, the prompt recomputes
-        assert out.kv_connector_metadata.loads == [] and out.num_scheduled_tokens["b2"] > 0
+        assert downstream and not any(s.is_ok for s in store.exists(downstream))
+        out = cl.step()  # the one capped retry: an earlier boundary, loaded and checked slot by slot
+        retry = [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads]
+        assert retry == [("b2", RETRY_HIT[kind, dcp])], (retry, cap)
+        assert 0 < RETRY_HIT[kind, dcp] <= cap
+        assert "b2" not in out.num_scheduled_tokens  # waiting for the retry's load
+        assert cl.loads_checked["b2"] == RETRY_HIT[kind, dcp]  # equal to a recompute, every rank
+        assert side._reqs["b2"].lc.state == "VERIFIED"
+        out = cl.step()  # the prefill resumes at the retry's boundary (maybe split at a Mamba checkpoint)
+        n = out.num_scheduled_tokens["b2"]
+        assert 0 < n <= PROMPT - RETRY_HIT[kind, dcp]
+        assert cl.sched.requests["b2"].num_computed_tokens == RETRY_HIT[kind, dcp] + n
         trail = [
             (r["src"], r["dst"]) for r in cl.audit.records if r["request_id"] == "b2" and r["wave"] is None
         ]
         i = trail.index(("LOADING", "TRUNCATED"))
-        assert trail[i + 1 : i + 3] == [("TRUNCATED", "LOOKUP"), ("LOOKUP", "MISS")], trail
+        assert trail[i + 1 :] == [
+            ("TRUNCATED", "LOOKUP"),
+            ("LOOKUP", "PARTIAL_HIT"),
+            ("PARTIAL_HIT", "LOADING"),
+            ("LOADING", "VERIFIED"),
+        ], trail
+        truncated = next(r for r in cl.audit.records if r["request_id"] == "b2" and r["dst"] == "TRUNCATED")
+        assert truncated["boundary"] == cap and truncated["detail"]["retry_cap"] == cap
 
         # -- abort while loading ---------------------------------------------------------------------------
         for f in cl.faults:
