@@ -1,6 +1,6 @@
 """The scheduler half of ``HybridStoreConnector``: lookups, load plans, save plans, pins, verdicts.
 
-The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, safe boundary,
+The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, retry cap,
 invalid keys, the state machine and its audit); this half drives it from vLLM's hooks and moves the
 results between vLLM, the store and the workers.
 
@@ -434,6 +434,10 @@ class SchedulerSide:
         del self._jobs[j.job.job_id]
         if self._pool is not None and j.pinned:
             self._pool.free_blocks(list(reversed(j.pinned)))
+        if j.results and all(st == "dropped" for *_, st in j.results):
+            # Backpressure on every rank: nothing was written, so nothing can be published.
+            j.wave.drop("backpressure")
+            return
         outcomes = {EntryId(rank, sgid, idx, end): st == "ok" for rank, sgid, idx, end, st in j.results}
         stored = j.wave.finish_put(outcomes)
         for block in stored:

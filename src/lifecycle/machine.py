@@ -10,7 +10,7 @@ boundary; a second truncation ends in ``MISS``.
 
 Save side (one per request and save wave)::
 
-    QUEUED -> PUTTING -> STORED | FAILED        QUEUED -> DROPPED (backpressure)
+    QUEUED -> PUTTING -> STORED | FAILED        QUEUED | PUTTING -> DROPPED (backpressure: no rank wrote)
 
 Contracts:
 
@@ -134,7 +134,7 @@ TRANSITIONS: tuple[TransitionSpec, ...] = (
     TransitionSpec("start_put",     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
     TransitionSpec("put_stored",    (_S.PUTTING,),                _S.STORED,      "put_stored"),
     TransitionSpec("put_failed",    (_S.PUTTING,),                _S.FAILED,      "put_failed"),
-    TransitionSpec("drop",          (_S.QUEUED,),                 _S.DROPPED,     "save_dropped"),
+    TransitionSpec("drop",          (_S.QUEUED, _S.PUTTING),      _S.DROPPED,     "save_dropped"),
 )
 # fmt: on
 

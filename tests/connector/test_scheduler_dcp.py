@@ -351,3 +351,36 @@ def test_kv_role_limits_saves_and_loads(
     assert bool(meta.loads) == loads
     # A producer finds nothing to load, computes the prompt and saves it; a consumer only loads.
     assert bool(meta.saves) == saves
+
+
+def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dict[str, Any]) -> None:
+    """Backpressure on every rank: the wave ends DROPPED, its pins are released, no BlockStored."""
+    from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+    from hybridkv.lifecycle import State
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    sched = _scheduler(vllm_objs["vc"])
+    side = sched.connector.scheduler_side
+    pool = sched.kv_cache_manager.block_pool
+    req = _request("d", 100, first=700)  # a prompt no other test stored
+    sched.add_request(req)
+    out = sched.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    wave = side._jobs[save.job_id].wave
+    refs_before = {b.block_id: pool.blocks[b.block_id].ref_cnt for b in save.blocks}
+    results = [(r, b.sgid, b.index, b.key_boundary, "dropped") for r in (0, 1) for b in save.blocks]
+    wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: [0, 1]})
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=["d"],
+            req_id_to_index={"d": 0},
+            sampled_token_ids=[[]],
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
+        ),
+    )
+    assert wave.current is State.DROPPED, wave.current
+    assert list(sched.connector.take_events()) == []
+    assert not side.has_pending_push_work()
+    for b in save.blocks:
+        assert pool.blocks[b.block_id].ref_cnt == refs_before[b.block_id] - 1, "pins are released exactly once"

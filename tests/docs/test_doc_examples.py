@@ -473,6 +473,39 @@ def test_log_event_names_exist() -> None:
     )
 
 
+def log_call_fields(message: str) -> set[str]:
+    """Keyword fields of the ``log.<level>(message, field=...)`` calls in src/ that write ``message``."""
+    fields: set[str] = set()
+    for source in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == message
+            ):
+                fields.update(k.arg for k in node.keywords if k.arg)
+    return fields
+
+
+def test_failed_load_log_fields_are_documented() -> None:
+    """The failed-load row of docs/failure-semantics.md names every field of the log line the scheduler writes."""
+    message = "hybridkv load failed; request recomputes"
+    fields = log_call_fields(message) - {"request_id"}
+    assert {"boundary", "retry_cap"} <= fields, f"log scan is broken: {sorted(fields)}"
+    rows = [row for row in table_rows(DOCS / "failure-semantics.md", "event") if message in " ".join(row)]
+    assert len(rows) == 1, f"docs/failure-semantics.md: no single summary row naming `{message}`"
+    documented = set(names(rows[0][-1]))
+    assert fields <= documented, f"failure-semantics.md: log fields {sorted(fields - documented)} not documented"
+
+
+def test_retired_safe_boundary_name_is_gone() -> None:
+    """The retry cap was called the "safe boundary" before it let the retry load an earlier boundary."""
+    for path in DOC_FILES:
+        text = path.read_text(encoding="utf-8").lower()
+        for old in ("safe boundary", "safe_boundary", "safe prefix"):
+            assert old not in text, f"{path.relative_to(ROOT)}: says {old!r}; the name is now the retry cap"
+
 def test_make_targets_and_repository_paths_in_commands_exist() -> None:
     targets = set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE))
     for where, argv in all_commands():
