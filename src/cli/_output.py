@@ -36,3 +36,15 @@ def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     return target
+
+
+def pyplot_or_none() -> Any:
+    """matplotlib's ``pyplot`` on the non-interactive Agg backend, or ``None`` when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, write_json
+from hybridkv.cli._output import format_table, pyplot_or_none, write_json
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -116,12 +116,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plot(report: dict[str, Any], path: Path) -> Path | None:
     """Bars of µs per transition per sink, with each sink's target as a tick; ``None`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if plt is None:
         return None
     rows = report["rows"]
     positions = list(range(len(rows)))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, write_json
+from hybridkv.cli._output import format_table, pyplot_or_none, write_json
 from hybridkv.store import StoreError, open_store
 from hybridkv.store.bench import (
     DEFAULT_BYTES_PER_ROUND,
@@ -167,12 +167,8 @@ def handle_bench(args: argparse.Namespace) -> int:
 
 def _plot(report: dict[str, Any], path: Path) -> Path | None:
     """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if plt is None:
         return None
     rows = report["rows"]
     labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
