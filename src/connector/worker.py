@@ -3,16 +3,24 @@
 Contracts:
 
 - ``register_kv_caches`` learns, per group, each layer's per-block page (attention pages, raw Mamba state
-  pages, or a list of tensors per layer sharing one storage). A group block's value is the concatenation of
-  that block's bytes across the group's layers, in the group's layer order; the per-layer slices are passed
-  to the store as parts (zero copies for contiguous pages, one staging copy otherwise).
+  pages, or a list of tensors per layer sharing one storage) and builds one
+  :class:`~hybridkv.connector.datapath.BlockMover` per group. A group block's value is the concatenation of
+  that block's bytes across the group's layers, in the group's layer order, passed to the store as per-layer
+  parts. Host (CPU) caches: the parts are the pages themselves (zero copies for contiguous pages, one
+  staging copy otherwise). CUDA caches: batches go through a bounded pool of pinned host slabs
+  (``_STAGING_SLABS`` slabs of about one PUT wave each) on side streams; see ``datapath``.
 - Loads run on a thread. Every load job this rank receives is reported in ``finished_recving`` once done;
   a job with any non-OK block is also in ``failed_recving`` (request-level, safe for hybrid models).
   ``get_block_ids_with_load_errors`` is always empty.
-- Saves are enqueued in ``wait_for_save`` (on CPU the forward already finished, so the bytes are final; the
-  scheduler pins the source blocks until every rank reports the job). They go out in PUT waves of at most
-  ``put_wave_bytes``; at most ``_MAX_WAVES_IN_FLIGHT`` waves' bytes are queued per rank, beyond that a job is
-  dropped and counted (a slow or full store never stalls the engine). ``NO_SPACE`` drops the wave.
+- Saves are enqueued in ``wait_for_save`` (on CPU the forward already finished, so the bytes are final; on
+  CUDA a fence event is recorded on the compute stream there, and the save thread's device->host copies
+  wait on it; the scheduler pins the source blocks until every rank reports the job). They go out in PUT
+  waves of at most ``put_wave_bytes`` (CUDA: also one group and one staging slab per wave); at most
+  ``_MAX_WAVES_IN_FLIGHT`` waves' bytes are queued per rank, beyond that a job is dropped and counted (a
+  slow or full store never stalls the engine). ``NO_SPACE`` drops the wave; so does a staging pool that
+  stays exhausted for ``_SAVE_STAGING_WAIT_S`` (counted as ``put_wave_drops``).
+- Loads (CUDA): store -> pinned slab -> device blocks, in batches of at most one slab; the host->device
+  copies wait on a fence recorded in ``start_load_kv`` and have completed before the job is reported.
 """
 
 from __future__ import annotations
@@ -22,10 +30,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
 from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.metadata import (
     BlockRef,
@@ -37,18 +45,17 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.lifecycle.geometry import KeyScheme
+from hybridkv.store.base import Status
 
 log = structlog.get_logger(__name__)
 
 _MAX_WAVES_IN_FLIGHT = 4
-
-
-def _block_views(t: torch.Tensor, block_id: int) -> tuple[np.ndarray, bool]:
-    """The bytes of one block of a per-layer cache tensor, as a uint8 numpy view (and whether it is one)."""
-    page = t[block_id]
-    if page.is_contiguous():
-        return page.reshape(-1).view(torch.uint8).numpy(), True
-    return page.contiguous().reshape(-1).view(torch.uint8).numpy(), False
+#: CUDA: pinned host slabs per worker (one save wave + one load batch in flight, one spare).
+_STAGING_SLABS = 3
+#: CUDA: how long the save thread waits for a free slab before dropping the wave (off the engine's path).
+_SAVE_STAGING_WAIT_S = 0.5
+#: CUDA: how long the load thread waits for a free slab before failing the job (the request recomputes).
+_LOAD_STAGING_WAIT_S = 5.0
 
 
 def _ranks() -> tuple[int, int]:
@@ -74,7 +81,8 @@ class WorkerSide:
         self.store = open_connector_store(cfg)
         self.stats = StatsBox()
         self.tp_rank, self.dcp_rank = 0, 0
-        self._layers: dict[int, list[list[torch.Tensor]]] = {}  # sgid -> per layer -> tensors
+        self._movers: dict[int, BlockMover] = {}  # sgid -> the group's block mover
+        self._staging: StagingContext | None = None  # CUDA caches only
         self._lock = threading.Lock()
         self._loads_done: dict[str, bool] = {}
         self._load_results: dict[str, list[tuple[int, int, int, int, str]]] = {}
@@ -82,10 +90,12 @@ class WorkerSide:
         self._save_results: dict[int, list[tuple[int, int, int, int, str]]] = {}
         self._saves_done: list[int] = []
         self._inflight_bytes = 0
-        self._load_q: queue.Queue[tuple[KeyScheme, LoadJob] | None] = queue.Queue()
-        # Items: (scheme, job, bytes) to write, a threading.Event to set once everything before it is
+        self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | None] = queue.Queue()
+        # Items: (scheme, job, bytes, fence) to write, a threading.Event to set once everything before it is
         # written (flush), or None to stop.
-        self._save_q: queue.Queue[tuple[KeyScheme, SaveJob, int] | threading.Event | None] = queue.Queue()
+        self._save_q: queue.Queue[tuple[KeyScheme, SaveJob, int, Fence] | threading.Event | None] = (
+            queue.Queue()
+        )
         self._threads = [
             threading.Thread(target=self._load_loop, name="hybridkv-load", daemon=True),
             threading.Thread(target=self._save_loop, name="hybridkv-save", daemon=True),
@@ -103,6 +113,8 @@ class WorkerSide:
         assert self.tp_rank % dcp == self.dcp_rank, (
             f"dcp rank {self.dcp_rank} != tp rank {self.tp_rank} % dcp {dcp}"
         )
+        per_group: dict[int, list[list[torch.Tensor]]] = {}
+        devices: set[torch.device] = set()
         for g in self.geo.groups:
             per_layer: list[list[torch.Tensor]] = []
             for name in g.layer_names:
@@ -110,66 +122,72 @@ class WorkerSide:
                 t = kv_caches[name]
                 tensors: list[torch.Tensor] = list(t) if isinstance(t, (list, tuple)) else [t]  # type: ignore[list-item]
                 for x in tensors:
-                    assert x.device.type == "cpu", (
-                        f"layer {name!r}: HybridStoreConnector needs host KV, got {x.device}"
+                    assert x.device.type in ("cpu", "cuda"), (
+                        f"layer {name!r}: HybridStoreConnector needs host or CUDA KV, got {x.device}"
                     )
+                    devices.add(x.device)
                 per_layer.append(tensors)
-            self._layers[g.sgid] = per_layer
+            per_group[g.sgid] = per_layer
+        assert len(devices) <= 1, f"KV caches on several devices: {sorted(map(str, devices))}"
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        if device.type == "cuda":
+            block_max = max(
+                sum(int(x[0].numel()) * x.element_size() for layer in pl for x in layer)
+                for pl in per_group.values()
+            )
+            n_tensors = max(sum(len(layer) for layer in pl) for pl in per_group.values())
+            # One slab holds one PUT wave (a wave ends at the first block that reaches put_wave_bytes).
+            slab = self.cfg.put_wave_bytes + block_max + 256 * n_tensors
+            self._staging = StagingContext(device, PinnedPool(slab, _STAGING_SLABS * slab, pin=True))
+        self._movers = {sgid: BlockMover(pl, staging=self._staging) for sgid, pl in per_group.items()}
         log.info(
             "hybridkv worker geometry",
             tp_rank=self.tp_rank,
             dcp_rank=self.dcp_rank,
             store=self.store.url,
+            device=str(device),
+            staging_bytes=self._staging.pool.budget_bytes if self._staging is not None else 0,
             block_bytes={g.sgid: self.block_nbytes(g.sgid) for g in self.geo.groups},
             **self.geo.describe(),
         )
 
     def block_nbytes(self, sgid: int) -> int:
-        return sum(t[0].numel() * t.element_size() for layer in self._layers[sgid] for t in layer)
+        return int(self._movers[sgid].block_nbytes)
 
-    def _parts(self, ref: BlockRef) -> tuple[list[np.ndarray], list[tuple[torch.Tensor, np.ndarray]]]:
-        """Per-layer byte views of one block; non-contiguous pages come with (tensor page, staging) pairs."""
-        parts: list[np.ndarray] = []
-        staged: list[tuple[torch.Tensor, np.ndarray]] = []
-        for layer in self._layers[ref.sgid]:
-            for t in layer:
-                view, direct = _block_views(t, ref.block_id)
-                parts.append(view)
-                if not direct:
-                    staged.append((t[ref.block_id], view))
-        return parts, staged
+    def _fence(self) -> Fence:
+        """CUDA: an event on the current (compute) stream; transfers queued after it wait for it."""
+        return self._staging.fence() if self._staging is not None else None
+
+    def _batches(self, refs: Sequence[BlockRef], positions: Sequence[int]) -> list[list[list[int]]]:
+        """Rounds of per-group batches (positions into ``refs``) whose targets are held at once.
+
+        Host caches: one round, one batch per group (no slabs, so no limit). CUDA: one batch per round,
+        one group and at most one slab per batch.
+        """
+        by_group: dict[int, list[int]] = {}
+        for i in positions:
+            by_group.setdefault(refs[i].sgid, []).append(i)
+        if self._staging is None:
+            return [list(by_group.values())]
+        rounds: list[list[list[int]]] = []
+        for sgid, idxs in by_group.items():
+            cap = self._movers[sgid].max_blocks
+            rounds.extend([idxs[a : a + cap]] for a in range(0, len(idxs), cap))
+        return rounds
 
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: HybridStoreMetadata) -> None:
+        if not meta.loads:
+            return
+        fence = self._fence()
         for job in meta.loads:
-            self._load_q.put((meta.scheme, job))
+            self._load_q.put((meta.scheme, job, fence))
 
     def _load_loop(self) -> None:
         while (item := self._load_q.get()) is not None:
-            scheme, job = item
-            results: list[tuple[int, int, int, int, str]] = []
-            ok = True
+            scheme, job, fence = item
             try:
-                keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in job.blocks]
-                dests = []
-                staged_all = []
-                for ref in job.blocks:
-                    parts, staged = self._parts(ref)
-                    dests.append(parts)
-                    staged_all.append(staged)
-                statuses = self.store.get_into(keys, dests) if keys else []
-                nbytes = 0
-                for ref, st, staged, parts in zip(job.blocks, statuses, staged_all, dests, strict=True):
-                    if st.is_ok:
-                        for page, view in staged:
-                            page.copy_(torch.from_numpy(view).view(page.dtype).view(page.shape))
-                        nbytes += sum(p.nbytes for p in parts)
-                    else:
-                        ok = False
-                        self.stats.add("load_failed_keys")
-                    results.append((self.tp_rank, ref.sgid, ref.index, ref.key_boundary, st.value))
-                self.stats.add("load_keys", len(keys))
-                self.stats.add("load_bytes", nbytes)
+                ok, results = self._load_job(scheme, job, fence)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
                 log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
                 ok = False
@@ -180,6 +198,45 @@ class WorkerSide:
             with self._lock:
                 self._loads_done[job.req_id] = ok
                 self._pending_load_results[job.req_id] = results
+
+    def _load_job(
+        self, scheme: KeyScheme, job: LoadJob, fence: Fence
+    ) -> tuple[bool, list[tuple[int, int, int, int, str]]]:
+        refs = job.blocks
+        keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
+        statuses: list[Status] = [Status.TRANSFER_FAILED] * len(refs)
+        nbytes = 0
+        for batches in self._batches(refs, range(len(refs))):
+            held: list[tuple[StagedBlocks, list[int]]] = []
+            try:
+                for idxs in batches:
+                    mover = self._movers[refs[idxs[0]].sgid]
+                    sb = mover.scatter_targets(
+                        [refs[i].block_id for i in idxs], after=fence, timeout=_LOAD_STAGING_WAIT_S
+                    )
+                    if sb is not None:  # else staging stayed exhausted: these blocks stay TRANSFER_FAILED
+                        held.append((sb, idxs))
+                order = [i for _, idxs in held for i in idxs]
+                if not order:
+                    continue
+                got = self.store.get_into([keys[i] for i in order], [p for sb, _ in held for p in sb.parts])
+                for i, st in zip(order, got, strict=True):
+                    statuses[i] = st
+                for sb, idxs in held:
+                    flags = [statuses[i].is_ok for i in idxs]
+                    sb.commit(flags)
+                    nbytes += sum(flags) * self.block_nbytes(refs[idxs[0]].sgid)
+            finally:
+                for sb, _ in held:
+                    sb.release()
+        results = []
+        for ref, st in zip(refs, statuses, strict=True):
+            if not st.is_ok:
+                self.stats.add("load_failed_keys")
+            results.append((self.tp_rank, ref.sgid, ref.index, ref.key_boundary, st.value))
+        self.stats.add("load_keys", len(keys))
+        self.stats.add("load_bytes", nbytes)
+        return all(st.is_ok for st in statuses), results
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call; failed is a subset of finished."""
@@ -192,6 +249,14 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
     def enqueue_saves(self, meta: HybridStoreMetadata) -> None:
+        """Queue the step's saves (called from ``wait_for_save``, on the engine thread; never waits).
+
+        CUDA: first records the fence on the current stream, so the save thread's device->host copies read
+        the blocks only after every kernel this step queued before ``wait_for_save``.
+        """
+        if not meta.saves:
+            return
+        fence = self._fence()
         budget = self.cfg.put_wave_bytes * _MAX_WAVES_IN_FLIGHT
         for job in meta.saves:
             nbytes = sum(self.block_nbytes(ref.sgid) for ref in job.blocks)
@@ -200,7 +265,7 @@ class WorkerSide:
                 if admit:
                     self._inflight_bytes += nbytes
             if admit:
-                self._save_q.put((meta.scheme, job, nbytes))
+                self._save_q.put((meta.scheme, job, nbytes, fence))
             else:
                 self.stats.add("put_wave_drops")
                 self._finish_save(
@@ -218,9 +283,9 @@ class WorkerSide:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            scheme, job, nbytes = item
+            scheme, job, nbytes, fence = item
             try:
-                results = self._put_job(scheme, job)
+                results = self._put_job(scheme, job, fence)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
                 log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
                 results = [
@@ -231,7 +296,7 @@ class WorkerSide:
                 self._inflight_bytes -= nbytes
             self._finish_save(job, results)
 
-    def _put_job(self, scheme: KeyScheme, job: SaveJob) -> list[tuple[int, int, int, int, str]]:
+    def _put_job(self, scheme: KeyScheme, job: SaveJob, fence: Fence) -> list[tuple[int, int, int, int, str]]:
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in job.blocks]
         status: dict[int, str] = {}
         # Insert-if-absent makes duplicates harmless; asking first saves reading and sending the bytes.
@@ -240,32 +305,64 @@ class WorkerSide:
                 status[i] = "ok"
                 self.stats.add("save_skipped_keys")
         todo = [i for i in range(len(keys)) if i not in status]
+        staged = self._staging is not None
         wave: list[int] = []
         wave_bytes = 0
-        for pos, i in enumerate(todo):
-            wave.append(i)
-            wave_bytes += self.block_nbytes(job.blocks[i].sgid)
-            if wave_bytes >= self.cfg.put_wave_bytes or pos == len(todo) - 1:
-                self._put_wave(job, keys, wave, status)
+        for i in todo:
+            sgid = job.blocks[i].sgid
+            # CUDA: a wave is one group's batch that fits one staging slab.
+            if (
+                wave
+                and staged
+                and (sgid != job.blocks[wave[0]].sgid or len(wave) >= self._movers[sgid].max_blocks)
+            ):
+                self._put_wave(job, keys, wave, status, fence)
                 wave, wave_bytes = [], 0
+            wave.append(i)
+            wave_bytes += self.block_nbytes(sgid)
+            if wave_bytes >= self.cfg.put_wave_bytes:
+                self._put_wave(job, keys, wave, status, fence)
+                wave, wave_bytes = [], 0
+        if wave:
+            self._put_wave(job, keys, wave, status, fence)
         return [
             (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status.get(i, "dropped"))
             for i, ref in enumerate(job.blocks)
         ]
 
-    def _put_wave(self, job: SaveJob, keys: list[str], wave: list[int], status: dict[int, str]) -> None:
-        values = [self._parts(job.blocks[i])[0] for i in wave]
-        statuses = self.store.put([keys[i] for i in wave], values)
-        self.stats.add("save_calls")
-        if any(st.value == "no_space" for st in statuses):
-            self.stats.add("put_wave_drops")
-        for i, vals, st in zip(wave, values, statuses, strict=True):
-            status[i] = "ok" if st.is_ok else st.value
-            if st.is_ok:
-                self.stats.add("save_keys")
-                self.stats.add("save_bytes", sum(v.nbytes for v in vals))
-            else:
-                self.stats.add("save_failed_keys")
+    def _put_wave(
+        self, job: SaveJob, keys: list[str], wave: list[int], status: dict[int, str], fence: Fence
+    ) -> None:
+        for batches in self._batches(job.blocks, wave):
+            held: list[tuple[StagedBlocks, list[int]]] = []
+            try:
+                for idxs in batches:
+                    mover = self._movers[job.blocks[idxs[0]].sgid]
+                    sb = mover.gather(
+                        [job.blocks[i].block_id for i in idxs], after=fence, timeout=_SAVE_STAGING_WAIT_S
+                    )
+                    if sb is None:  # staging stayed exhausted: drop these blocks (never stall)
+                        self.stats.add("put_wave_drops")
+                        continue
+                    held.append((sb, idxs))
+                order = [i for _, idxs in held for i in idxs]
+                if not order:
+                    continue
+                values = [p for sb, _ in held for p in sb.parts]
+                statuses = self.store.put([keys[i] for i in order], values)
+            finally:
+                for sb, _ in held:
+                    sb.release()
+            self.stats.add("save_calls")
+            if any(st.value == "no_space" for st in statuses):
+                self.stats.add("put_wave_drops")
+            for i, st in zip(order, statuses, strict=True):
+                status[i] = "ok" if st.is_ok else st.value
+                if st.is_ok:
+                    self.stats.add("save_keys")
+                    self.stats.add("save_bytes", self.block_nbytes(job.blocks[i].sgid))
+                else:
+                    self.stats.add("save_failed_keys")
 
     def worker_meta(self) -> HybridStoreWorkerMetadata | None:
         with self._lock:
@@ -290,3 +387,5 @@ class WorkerSide:
         for th in self._threads:
             th.join(timeout=10)
         self.store.close()
+        if self._staging is not None:
+            self._staging.close()
