@@ -142,7 +142,6 @@ class _Progress:
 
 def handler(args: argparse.Namespace) -> int:
     """Run the demo; print tables (or JSON); return the exit code."""
-    _prepare_environment(getattr(args, "log_level", "WARNING"))
     from hybridkv.demo import DEFAULT_CHAOS, DemoOptions, run_demo
 
     options = DemoOptions(
@@ -161,6 +160,8 @@ def handler(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hybridkv demo: {error}", file=sys.stderr)
         return EXIT_USAGE
+    # Only a valid run touches the process environment (vLLM reads it when it is first imported).
+    _prepare_environment(getattr(args, "log_level", "WARNING"))
     report = run_demo(options)
     summary = report.to_dict()
     summary_path = write_json(Path(report.workdir) / "demo-report.json", summary)

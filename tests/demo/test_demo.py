@@ -194,3 +194,12 @@ def test_report_verdict_and_rendering() -> None:
     json.dumps(as_dict)
     empty = PhaseResult("cold", "cold", "memory://x")
     assert not empty.ok  # a phase without checks never passes
+
+
+def test_rejected_options_leave_the_environment_alone(tmp_path: Path) -> None:
+    # The demo sets vLLM's environment for its in-process engine; a run refused for bad input must not.
+    import os
+
+    before = dict(os.environ)
+    assert main(["demo", "--prompt-tokens", "1", "--workdir", str(tmp_path / "w")]) == 2
+    assert dict(os.environ) == before

@@ -109,6 +109,7 @@ class Server:
         env = dict(os.environ)
         env.update(
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
+            VLLM_LOGGING_LEVEL="INFO",  # the shutdown checks below read vLLM's INFO lines
             HF_HUB_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
