@@ -11,6 +11,10 @@ Families and the KV-cache groups vLLM makes of them (facts from ``docs/vllm-cpu-
 - ``gemma3``      -- 2 groups, sliding window (64) + full attention.
 - ``qwen3_next``  -- 2 groups, GDN linear attention (Mamba spec) + full attention, block 128.
 - ``lfm2``        -- 2 groups, short convolution (Mamba spec) + full attention, block 128.
+
+Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers) and ``size="bench"`` (hidden 1024, 8 layers, 4 KV
+heads x 128, long context): big enough that prefill compute dominates a 4000-token request on CPU, for
+``hybridkv bench ttft``. A size only adds overrides, so ``tiny`` folders keep their digests.
 """
 
 from __future__ import annotations
@@ -40,8 +44,57 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def tiny_config_kwargs(family: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
-    """The transformers config class name and kwargs of a family (overrides win)."""
+SIZES: tuple[str, ...] = ("tiny", "bench")
+
+#: Overrides of ``size="bench"`` shared by every family: hidden 1024, 8 query heads, 4 KV heads x 128.
+_BENCH_COMMON: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 8,
+    "max_position_embeddings": 32768,
+}
+
+
+def size_overrides(family: str, size: str) -> dict[str, Any]:
+    """Config overrides a ``size`` adds to a family's tiny config (``{}`` for ``tiny``)."""
+    if size == "tiny":
+        return {}
+    if size != "bench":
+        raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
+    alternating = {
+        "llama": None,
+        "gemma3": ["sliding_attention", "full_attention"],
+        "qwen3_next": ["linear_attention", "full_attention"],
+        "lfm2": ["conv", "full_attention"],
+    }
+    if family not in alternating:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+    kw: dict[str, Any] = dict(_BENCH_COMMON)
+    pattern = alternating[family]
+    if pattern is not None:
+        kw["layer_types"] = pattern * (kw["num_hidden_layers"] // 2)
+    if family in ("llama", "gemma3", "qwen3_next"):
+        kw["head_dim"] = 128
+    if family == "gemma3":
+        kw["query_pre_attn_scalar"] = 128
+    if family == "qwen3_next":
+        # GDN: 2 key heads, 4 value heads of 128; MoE of 8 experts (2 active) ~ the dense MLP's compute.
+        kw.update(
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            moe_intermediate_size=704,
+            shared_expert_intermediate_size=704,
+        )
+    if family == "lfm2":
+        kw.update(conv_dim=1024, block_dim=1024)
+    return kw
+
+
+def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """The transformers config class name and kwargs of a family at ``size`` (overrides win)."""
     if family == "llama":
         cls = "LlamaConfig"
         kw: dict[str, Any] = {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 32}
@@ -91,7 +144,7 @@ def tiny_config_kwargs(family: str, **overrides: Any) -> tuple[str, dict[str, An
         }
     else:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
-    merged = {**_COMMON, **kw, **overrides}
+    merged = {**_COMMON, **kw, **size_overrides(family, size), **overrides}
     return cls, merged
 
 
@@ -104,9 +157,11 @@ def _digest(family: str, cls_name: str, kwargs: dict[str, Any], seed: int) -> st
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_tiny_model(family: str, out_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:
-    """Build (or reuse) a tiny random-weight model of ``family`` under ``out_dir``; return its folder."""
-    cls_name, kwargs = tiny_config_kwargs(family, **overrides)
+def build_tiny_model(
+    family: str, out_dir: Path, *, seed: int = 0, size: str = "tiny", **overrides: Any
+) -> Path:
+    """Build (or reuse) a random-weight model of ``family`` (at ``size``) under ``out_dir``; return its folder."""
+    cls_name, kwargs = tiny_config_kwargs(family, size=size, **overrides)
     out_dir = Path(out_dir)
     target = out_dir / f"{family}-{_digest(family, cls_name, kwargs, seed)}"
     if (target / "config.json").is_file():

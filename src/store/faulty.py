@@ -152,13 +152,16 @@ class FaultyBackend:
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         self._delay()
-        return self.inner.remove(keys)
+        statuses: list[Status] = self.inner.remove(keys)
+        return statuses
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.iter_keys(prefix)
+        keys: Iterator[str] = self.inner.iter_keys(prefix)
+        return keys
 
     def remove_prefix(self, prefix: str) -> int:
-        return self.inner.remove_prefix(prefix)
+        num_removed: int = self.inner.remove_prefix(prefix)
+        return num_removed
 
     def stats(self) -> StoreStats:
         inner = self.inner.stats()

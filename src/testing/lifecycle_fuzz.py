@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
 from hybridkv.lifecycle.geometry import (
@@ -116,7 +117,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         self.events_published: list[tuple[str, ...]] = []
         self.num_requests = 0
         self.num_waves = 0
-        self.live_waves: list = []
+        self.live_waves: list[Any] = []
         #: Keys a truncation invalidated and no save has stored again since.
         self.invalidated: set[str] = set()
 

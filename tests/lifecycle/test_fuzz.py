@@ -6,9 +6,8 @@ store fuzzers (at least 400 examples); ``--hypothesis-profile=long`` goes deeper
 
 from __future__ import annotations
 
-from hypothesis import settings
-
 from hybridkv.testing.lifecycle_fuzz import LifecycleFuzzMachine
+from hypothesis import settings
 
 TestLifecycleFuzz = LifecycleFuzzMachine.TestCase
 TestLifecycleFuzz.settings = settings(
