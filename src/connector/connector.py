@@ -101,6 +101,19 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    # -- sleep mode (vLLM 0.33; 0.32 never calls these) ------------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True  # the external tier lives outside the KV cache; the worker drains before it is released
+
+    def unregister_kv_caches(self) -> None:
+        """Before the KV cache memory is released: finish queued loads and saves, then touch nothing."""
+        if not self.worker_side.suspend():
+            log.warning("hybridkv: transfers still running when the KV cache was released for sleep")
+
+    def restore_kv_caches(self) -> None:
+        self.worker_side.resume()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridStoreMetadata), f"unexpected metadata {type(meta).__name__}"

@@ -90,7 +90,9 @@ class WorkerSide:
         self._save_results: dict[int, list[tuple[int, int, int, int, str]]] = {}
         self._saves_done: list[int] = []
         self._inflight_bytes = 0
-        self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | None] = queue.Queue()
+        # Items: a load to run, a threading.Event to set once every load before it finished, or None to stop.
+        self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | threading.Event | None] = queue.Queue()
+        self._suspended = False  # sleep mode: the KV cache memory is released
         # Items: (scheme, job, bytes, fence) to write, a threading.Event to set once everything before it is
         # written (flush), or None to stop.
         self._save_q: queue.Queue[tuple[KeyScheme, SaveJob, int, Fence] | threading.Event | None] = (
@@ -179,12 +181,43 @@ class WorkerSide:
     def start_load(self, meta: HybridStoreMetadata) -> None:
         if not meta.loads:
             return
+        if self._suspended:
+            # The KV cache memory is released while the engine sleeps: never write into it. Every job is
+            # reported failed, so vLLM recomputes those requests.
+            for job in meta.loads:
+                self._finish_load(
+                    job,
+                    False,
+                    [(self.tp_rank, r.sgid, r.index, r.key_boundary, "transfer_failed") for r in job.blocks],
+                )
+            return
         fence = self._fence()
         for job in meta.loads:
             self._load_q.put((meta.scheme, job, fence))
 
+    def _finish_load(self, job: LoadJob, ok: bool, results: list[tuple[int, int, int, int, str]]) -> None:
+        with self._lock:
+            self._loads_done[job.req_id] = ok
+            self._pending_load_results[job.req_id] = results
+
+    def suspend(self, timeout: float = 30.0) -> bool:
+        """Sleep mode (vLLM 0.33 ``unregister_kv_caches``): finish every queued load and save, then refuse
+        to touch the KV cache until ``resume``. Returns False if the queues did not drain in ``timeout``."""
+        self._suspended = True
+        loads_drained = threading.Event()
+        self._load_q.put(loads_drained)
+        drained = loads_drained.wait(timeout)
+        return self.flush(timeout) and drained
+
+    def resume(self) -> None:
+        """Wake-up (vLLM 0.33 ``restore_kv_caches``): the KV cache is mapped again at the same addresses."""
+        self._suspended = False
+
     def _load_loop(self) -> None:
         while (item := self._load_q.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             scheme, job, fence = item
             try:
                 ok, results = self._load_job(scheme, job, fence)
@@ -195,9 +228,7 @@ class WorkerSide:
                     (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "transfer_failed")
                     for ref in job.blocks
                 ]
-            with self._lock:
-                self._loads_done[job.req_id] = ok
-                self._pending_load_results[job.req_id] = results
+            self._finish_load(job, ok, results)
 
     def _load_job(
         self, scheme: KeyScheme, job: LoadJob, fence: Fence
@@ -261,7 +292,10 @@ class WorkerSide:
         for job in meta.saves:
             nbytes = sum(self.block_nbytes(ref.sgid) for ref in job.blocks)
             with self._lock:
-                admit = self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= budget
+                # Asleep: the blocks' memory is released, there is nothing valid to read.
+                admit = not self._suspended and (
+                    self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= budget
+                )
                 if admit:
                     self._inflight_bytes += nbytes
             if admit:

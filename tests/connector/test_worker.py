@@ -146,3 +146,37 @@ def test_list_of_tensors_and_non_contiguous_pages_round_trip(vllm_objs: dict[str
         assert ws.block_nbytes(1) == 2 * 16 * 2 + 8 * 4 * 4
     finally:
         ws.shutdown()
+
+
+def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[str, Any]) -> None:
+    """vLLM 0.33 sleep hooks: queued saves are written before the memory goes; while asleep loads fail
+    (the request recomputes) and saves are dropped; after wake-up loads move bytes again."""
+    url = f"memory://w-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, url)
+    try:
+        save = SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),))
+        ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
+        assert ws.suspend(timeout=10)
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves[1][0][-1] == "ok", "a save queued before sleep is written"
+        expected = caches["attn.0"][3].clone()
+        caches["attn.0"][7].zero_()
+        load = LoadJob("asleep", 32, (BlockRef(0, 0, 0, 7, H1, 32),))
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+        done, failed = _wait_loads(ws)
+        assert done == {"asleep"} and failed == {"asleep"}
+        assert not caches["attn.0"][7].any(), "nothing is written into released KV memory"
+        ws.enqueue_saves(
+            HybridStoreMetadata(scheme=scheme, saves=[SaveJob(2, "r2", (BlockRef(0, 0, 1, 4, H2, 32),))])
+        )
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves[2][0][-1] == "dropped"
+        ws.resume()
+        ws.start_load(
+            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("awake", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
+        )
+        done, failed = _wait_loads(ws)
+        assert done == {"awake"} and failed == set()
+        assert torch.equal(caches["attn.0"][7], expected)
+    finally:
+        ws.shutdown()
