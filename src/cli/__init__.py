@@ -30,6 +30,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.lifecycle_cmds",
     "hybridkv.cli.demo_cmds",
     "hybridkv.cli.datapath_cmds",
+    "hybridkv.cli.ttft_cmds",
 )
 
 

@@ -1,0 +1,113 @@
+"""``hybridkv bench lookup`` and ``hybridkv bench ttft`` through the CLI entry point, tiny settings.
+
+The command module is added to the CLI's module list here if the CLI does not list it yet, so these tests
+exercise the same ``register`` / ``func`` path either way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm]
+
+
+@pytest.fixture(autouse=True)
+def _ttft_cmds_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybridkv.cli as cli
+
+    if "hybridkv.cli.ttft_cmds" not in cli._COMMAND_MODULES:
+        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "hybridkv.cli.ttft_cmds"))
+
+
+def _main(argv: list[str]) -> int:
+    from hybridkv.cli import main
+
+    return main(argv)
+
+
+def test_bench_lookup_reports_ratio_per_store_and_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "lookup.json"
+    code = _main(
+        [
+            "bench",
+            "lookup",
+            "--prompt-tokens",
+            "256,1024",
+            "--iterations",
+            "20",
+            "--out",
+            str(out),
+            "--no-plot",
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "lookup"
+    rows = report["rows"]
+    # 2 geometries x 2 default stores x 2 lengths
+    assert len(rows) == 8
+    assert {row["store"].split("://")[0] for row in rows} == {"memory", "file"}
+    for row in rows:
+        for key in ("bare_p50_us", "lifecycle_p50_us", "connector_p50_us", "connector_p99_us"):
+            assert row[key] > 0, (key, row)
+        assert row["connector_over_bare_p50"] == pytest.approx(row["connector_p50_us"] / row["bare_p50_us"])
+        # every candidate key was stored, so the connector answered a hit up to the last full block
+        assert row["num_keys"] > 0
+        assert row["hit_tokens"] == (row["prompt_tokens"] - 1) // 128 * 128
+    by_len = {(r["geometry"], r["store"].split("://")[0], r["prompt_tokens"]): r["num_keys"] for r in rows}
+    assert by_len[("llama", "file", 1024)] > by_len[("llama", "file", 256)]
+    assert by_len[("lfm2", "file", 1024)] > by_len[("llama", "file", 1024)]  # the state group adds keys
+    printed = capsys.readouterr().out
+    assert "connector_over_bare_p50" in printed and f"wrote {out}" in printed
+
+
+def test_bench_lookup_rejects_bad_lengths(tmp_path: Path) -> None:
+    assert _main(["bench", "lookup", "--prompt-tokens", "1k", "--out", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    code = _main(
+        [
+            "bench",
+            "ttft",
+            "--family",
+            "llama,lfm2",
+            "--size",
+            "tiny",
+            "--prompt-tokens",
+            "300",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--no-plot",
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "ttft" and report["rounds"] == 1 and report["prompt_tokens"] == 300
+    ours = {row["family"]: row for row in report["rows"] if row["connector"] == "HybridStoreConnector"}
+    assert set(ours) == {"llama", "lfm2"}
+    for family, row in ours.items():
+        for key in ("cold_ms", "local_hit_ms", "external_hit_ms", "copy_floor_ms", "memcpy_gbps"):
+            assert row[key] is not None and row[key] > 0, (family, key, row)
+        assert row["external_over_local"] == pytest.approx(row["external_hit_ms"] / row["local_hit_ms"])
+        assert row["cold_over_external"] == pytest.approx(row["cold_ms"] / row["external_hit_ms"])
+        # the external hit really came from the store: 2 full 128-token blocks, bytes moved by the worker
+        assert row["external_hit_tokens"] == 256, (family, row)
+        assert row["loaded_bytes"] > 0 and row["loaded_keys"] > 0, (family, row)
+        detail = report["details"][family]
+        assert detail["num_cached_tokens"]["cold"] == [0]
+        assert detail["num_cached_tokens"]["local"] == [256]
+    # the hybrid loads a state group too: more keys than full attention alone
+    assert ours["lfm2"]["loaded_keys"] > 2
+    baseline = [row for row in report["rows"] if row["connector"].startswith("ExampleConnector")]
+    assert [row["family"] for row in baseline] == ["llama"]
+    assert baseline[0]["external_hit_tokens"] > 0 and baseline[0]["loaded_bytes"] > 0
+    assert any("lfm2" in line for line in report["not_measured"])
