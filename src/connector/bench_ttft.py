@@ -500,7 +500,7 @@ def run_ttft_bench(
         details[f"{family}/ExampleConnector"] = example
     not_measured.append(
         "MooncakeStoreConnector baseline: not run (needs a mooncake_master process, and in-process its engine "
-        "hangs on shutdown in zmq.Context.term); docs/prior-art.md section 6 has its numbers"
+        "hangs on shutdown in zmq.Context.term)"
     )
     return {
         "benchmark": "ttft",
