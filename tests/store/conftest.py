@@ -43,7 +43,9 @@ def private_mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="session")
 def shared_mooncake_store(mooncake_master: MooncakeMaster) -> Iterator[FramedStore]:
     """One Mooncake client for the session (setup + close cost ~1 s each, too much per example)."""
-    store = open_store(mooncake_master.url())
+    # A generous deadline: this client checks conformance, not the breaker (tests/store/test_mooncake.py
+    # does, with tight deadlines). A 1 s deadline under a loaded 2-core box opened the breaker mid-example.
+    store = open_store(mooncake_master.url(timeout_ms=10000))
     yield store
     store.close()
 
