@@ -157,8 +157,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def breaker_open(self) -> bool:
         """Whether the scheduler's lookup circuit breaker is open now (lookups answer "miss")."""
-        until = getattr(self._sched, "_breaker_until", 0.0)
-        return bool(until and time.monotonic() < until)
+        return self._sched is not None and self._sched.lookup_breaker_open
 
     # ------------------------------------------------------------------ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:

@@ -25,7 +25,6 @@ Contracts (``DESIGN.md`` hard rules):
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from hybridkv.connector.stores import open_connector_store
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
 from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, plan_save
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
+from hybridkv.store.breaker import Admission, BreakerState, CircuitBreaker
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -104,7 +104,10 @@ class SchedulerSide:
         self._next_job = 1
         self._events: list[Any] = []
         self._pool: Any = None
-        self._breaker_until = 0.0
+        # One failed or over-budget lookup opens it: lookups are MISS without touching the store until a
+        # probe after _BREAKER_OPEN_S succeeds.
+        self.lookup_breaker = CircuitBreaker(num_failures_to_open=1, reset_s=_BREAKER_OPEN_S)
+        self._all_ranks = frozenset(self.geo.ranks)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
         # kv_role: a producer saves, a consumer loads, kv_both does both.
         tc = vllm_config.kv_transfer_config
@@ -140,18 +143,24 @@ class SchedulerSide:
         return r
 
     # ------------------------------------------------------------------ lookup
+    @property
+    def lookup_breaker_open(self) -> bool:
+        """Whether lookups answer "miss" without asking the store (until the next probe)."""
+        return self.lookup_breaker.state is BreakerState.OPEN
+
     def _exists(self, keys: tuple[str, ...]) -> list[bool] | None:
         """One batched existence check within the budget; None when the store failed or was too slow."""
-        if time.monotonic() < self._breaker_until:
+        if self.lookup_breaker.before_call() is Admission.REJECT:
             return None
         fut = self._executor.submit(self.store.exists, list(keys))
         try:
             statuses = fut.result(timeout=self.cfg.lookup_budget_ms / 1000.0)
         except Exception as exc:  # noqa: BLE001 -- timeout or store error: a miss, never an engine error
-            self._breaker_until = time.monotonic() + _BREAKER_OPEN_S
+            self.lookup_breaker.on_failure()
             self.stats.add("lookup_errors")
             log.warning("hybridkv lookup failed; circuit open", error=repr(exc), seconds=_BREAKER_OPEN_S)
             return None
+        self.lookup_breaker.on_success()
         return [s.is_ok for s in statuses]
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -171,7 +180,7 @@ class SchedulerSide:
         if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
             boundary = r.memo[1]
         else:
-            candidates = lc.start_lookup(list(request.block_hashes), request.num_tokens, num_computed_tokens)
+            candidates = lc.start_lookup(request.block_hashes, request.num_tokens, num_computed_tokens)
             if candidates is None:
                 boundary = 0  # retries exhausted: MISS for the rest of this incarnation
             elif not candidates.keys:
@@ -376,7 +385,7 @@ class SchedulerSide:
         wm = out.kv_connector_worker_meta
         if not isinstance(wm, HybridStoreWorkerMetadata):
             return
-        ranks = set(self.geo.ranks)
+        ranks = self._all_ranks
         for rid, results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is None or r.load is None:

@@ -268,6 +268,12 @@ class Geometry:
         return self.hash_unit if self.fine_grained else self.scheduler_block_size
 
     @cached_property
+    def is_fine_span(self) -> tuple[bool, ...]:
+        """Per group: hits may land inside one of its blocks (the hit alignment is finer than its span)."""
+        alignment = self.hit_alignment
+        return tuple(alignment < span and span % alignment == 0 for span in self.spans)
+
+    @cached_property
     def lookup_units(self) -> tuple[tuple[int, ...], ...]:
         """Groups looked up together, in vLLM's order: equal specs merged, full attention first."""
         units: list[list[int]] = []
@@ -391,6 +397,7 @@ class LoadOutcome(enum.Enum):
 
 
 AvailableFn = Callable[[int, int], bool]
+UnitAvailableFn = Callable[[tuple[int, ...], int], bool]
 
 
 @dataclass(frozen=True)
@@ -399,14 +406,26 @@ class LookupResult:
 
     ``boundary`` is the agreed token count (<= ``num_computed_tokens`` means no external hit);
     ``num_external_tokens = max(0, boundary - num_computed_tokens)`` is what the connector reports.
-    ``group_hit_tokens[g]`` is what group ``g`` alone could restore (audit detail only).
+    ``group_hit_tokens[g]`` is what group ``g`` alone could restore: audit detail only, so it is
+    computed on first access, not on the scheduler's lookup path.
     """
 
     boundary: int
     num_tokens: int
     num_computed_tokens: int
-    group_hit_tokens: tuple[int, ...]
     plan: LoadPlan | None
+    _geometry: Geometry = field(repr=False, compare=False)
+    _cap: int = field(repr=False, compare=False)
+    _unit_available: UnitAvailableFn = field(repr=False, compare=False)
+
+    @cached_property
+    def group_hit_tokens(self) -> tuple[int, ...]:
+        hits = [0] * self._geometry.num_groups
+        for unit in self._geometry.lookup_units:
+            independent = _unit_hit(self._geometry, unit, self._cap, self._unit_available).hit
+            for g in unit:
+                hits[g] = independent
+        return tuple(hits)
 
     @property
     def num_external_tokens(self) -> int:
@@ -480,13 +499,9 @@ def plan_lookup(
     keys: list[str] = []
     index_of: dict[tuple[int, int], int] = {}
     for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-        fine = alignment < span and span % alignment == 0
-        if group.kind is GroupKind.FULL and fine:
-            step = unit  # every hash boundary may hold a fine-grained tail
-        elif group.kind is GroupKind.MAMBA and fine:
-            step = unit
-        else:
-            step = span
+        fine = geometry.is_fine_span[group_index]
+        # Fine groups: every hash boundary may hold a full-attention tail or a Mamba state.
+        step = unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
         rank_prefixes = scheme._group_rank_prefixes[group_index]
         first = (local // step + 1) * step
         for boundary in range(first, cap + 1, step):
@@ -528,12 +543,6 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
     def unit_available(unit: tuple[int, ...], boundary: int) -> bool:
         return all(available(g, boundary) for g in unit)
 
-    group_hit_tokens = [0] * geometry.num_groups
-    for unit in geometry.lookup_units:
-        independent = _unit_hit(geometry, unit, cap, unit_available).hit
-        for g in unit:
-            group_hit_tokens[g] = independent
-
     boundary, full_hits = _fixed_point(geometry, cap, unit_available)
     plan = None
     if boundary > candidates.num_computed_tokens:
@@ -542,12 +551,12 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
         boundary=boundary,
         num_tokens=candidates.num_tokens,
         num_computed_tokens=candidates.num_computed_tokens,
-        group_hit_tokens=tuple(group_hit_tokens),
         plan=plan,
+        _geometry=geometry,
+        _cap=cap,
+        _unit_available=unit_available,
     )
 
-
-UnitAvailableFn = Callable[[tuple[int, ...], int], bool]
 
 
 def _fixed_point(
@@ -581,7 +590,7 @@ def _unit_hit(
     span = geometry.spans[unit[0]]
     alignment = geometry.hit_alignment
     hash_unit = geometry.hash_unit
-    fine = alignment < span and span % alignment == 0
+    fine = geometry.is_fine_span[unit[0]]
     if group.kind is GroupKind.FULL:
         num_blocks = 0
         while (num_blocks + 1) * span <= cap and unit_available(unit, (num_blocks + 1) * span):

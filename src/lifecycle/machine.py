@@ -359,11 +359,12 @@ class RequestLifecycle(_Model):
         result = self.candidates.resolve(exists)
         self.lookup = result
         self.boundary = result.boundary
-        plan_blocks = result.plan.group_num_blocks() if result.plan else (0,) * len(result.group_hit_tokens)
-        self.group_detail = [
-            {"group": g, "hit_tokens": hit, "blocks": blocks}
-            for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks))
-        ]
+        if self._machine.sink is not None:  # audit detail: not worth computing when nobody records it
+            plan_blocks = result.plan.group_num_blocks() if result.plan else (0,) * len(result.group_hit_tokens)
+            self.group_detail = [
+                {"group": g, "hit_tokens": hit, "blocks": blocks}
+                for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks))
+            ]
         self._machine.fire(self, "lookup_hit" if result.is_hit else "lookup_miss")
         return result
 
