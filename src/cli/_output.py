@@ -1,28 +1,29 @@
-"""Shared output helpers for CLI commands: aligned tables and JSON reports."""
+"""Shared output helpers for CLI commands: aligned tables and JSON reports.
+
+Imports nothing heavy: ``hybridkv.connector.datapath_bench`` (torch + numpy only) uses ``format_table``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
+def format_cell(value: Any) -> str:
+    """A table cell: floats with 3 significant digits (thousands and up: whole, comma-grouped), ``None`` empty."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Render ``rows`` as a left-aligned text table with the given column order.
-
-    Floats are shown with 3 significant decimals; missing cells are empty.
-    """
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return ""
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-        return str(value)
-
-    text_rows = [[cell(row.get(column)) for column in columns] for row in rows]
+    """Render ``rows`` as a left-aligned text table with the given column order (cells: ``format_cell``)."""
+    text_rows = [[format_cell(row.get(column)) for column in columns] for row in rows]
     widths = [max([len(column)] + [len(r[i]) for r in text_rows]) for i, column in enumerate(columns)]
     lines = ["  ".join(column.ljust(widths[i]) for i, column in enumerate(columns))]
     lines.append("  ".join("-" * width for width in widths))
@@ -48,3 +49,23 @@ def pyplot_or_none() -> Any:
     except ImportError:
         return None
     return plt
+
+
+def save_report(
+    report: Mapping[str, Any],
+    out: str | os.PathLike[str],
+    plot: Callable[[Any, Path], Path | None],
+    *,
+    no_plot: bool,
+    prefix: str = "wrote ",
+) -> Path:
+    """A bench handler's output tail: write ``report`` as JSON to ``out`` and, unless ``no_plot``, call
+    ``plot(report, <out>.png)`` (which returns ``None`` without matplotlib); print ``prefix`` + each path
+    written. Returns the JSON path."""
+    target = write_json(out, report)
+    print(f"{prefix}{target}")
+    if not no_plot:
+        png = plot(report, target.with_suffix(".png"))
+        if png is not None:
+            print(f"{prefix}{png}")
+    return target

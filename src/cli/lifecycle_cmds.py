@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, write_json
+from hybridkv.cli._output import format_table, pyplot_or_none, save_report
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -105,12 +105,7 @@ def _bench(args: argparse.Namespace) -> int:
             ["sink", "us_per_transition", "target_us_per_transition", "meets_target", "us_per_lifecycle"],
         )
     )
-    out = write_json(args.out, report)
-    print(out)
-    if not args.no_plot:
-        plot = _plot(report, out.with_suffix(".png"))
-        if plot is not None:
-            print(plot)
+    save_report(report, args.out, _plot, no_plot=args.no_plot, prefix="")
     return EXIT_OK
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, write_json
+from hybridkv.cli._output import format_table, pyplot_or_none, save_report
 from hybridkv.store import StoreError, open_store
 from hybridkv.store.bench import (
     DEFAULT_BYTES_PER_ROUND,
@@ -61,10 +61,16 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="comma-separated value sizes (default: %(default)s)",
     )
     bench.add_argument(
-        "--bytes-per-round", default=format_size(DEFAULT_BYTES_PER_ROUND), help="bytes moved per round (%(default)s)"
+        "--bytes-per-round",
+        default=format_size(DEFAULT_BYTES_PER_ROUND),
+        help="bytes moved per round (%(default)s)",
     )
-    bench.add_argument("--repeats", type=int, default=3, help="rounds per measurement; best is kept (%(default)s)")
-    bench.add_argument("--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="rounds per measurement; best is kept (%(default)s)"
+    )
+    bench.add_argument(
+        "--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)"
+    )
     bench.add_argument("--out", default="bench-results/store.json", help="JSON report path (%(default)s)")
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
     bench.set_defaults(func=handle_bench)
@@ -156,12 +162,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         print(f"problem: {error}", file=sys.stderr)
         return EXIT_PROBLEM
     print(format_table(report["rows"], _TABLE_COLUMNS))
-    out = write_json(args.out, report)
-    print(f"wrote {out}")
-    if not args.no_plot:
-        plot = _plot(report, out.with_suffix(".png"))
-        if plot is not None:
-            print(f"wrote {plot}")
+    save_report(report, args.out, _plot, no_plot=args.no_plot)
     return EXIT_OK
 
 
@@ -174,8 +175,12 @@ def _plot(report: dict[str, Any], path: Path) -> Path | None:
     labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
     positions = range(len(rows))
     figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
-    axes.bar([p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy")
-    axes.bar([p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy")
+    axes.bar(
+        [p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy"
+    )
+    axes.bar(
+        [p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy"
+    )
     axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
     axes.set_xticks(list(positions), labels, fontsize=7)
     axes.set_ylabel("throughput / memcpy")

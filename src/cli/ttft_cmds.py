@@ -9,13 +9,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, write_json
+from hybridkv.cli._output import format_table, pyplot_or_none, save_report
+from hybridkv.connector.tiny_models import FAMILIES
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
-
-_FAMILIES = ("llama", "gemma3", "qwen3_next", "lfm2")
 
 _TTFT_COLUMNS = [
     "family",
@@ -68,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     ttft.add_argument(
         "--family",
         default="llama,lfm2",
-        help=f"comma-separated model families, of {', '.join(_FAMILIES)} (default: %(default)s)",
+        help=f"comma-separated model families, of {', '.join(FAMILIES)} (default: %(default)s)",
     )
     ttft.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length (%(default)s)")
     ttft.add_argument("--rounds", type=int, default=3, help="rounds, each on a fresh prompt (%(default)s)")
@@ -125,10 +124,10 @@ def handle_ttft(args: argparse.Namespace) -> int:
     from hybridkv.connector.bench_ttft import DEFAULT_MODELS_DIR, default_scratch_dir, run_ttft_bench
 
     families = _csv(args.family)
-    unknown = sorted(set(families) - set(_FAMILIES))
+    unknown = sorted(set(families) - set(FAMILIES))
     if not families or unknown or args.rounds < 1 or args.prompt_tokens < 1:
         print(
-            f"error: need --family from {list(_FAMILIES)} (unknown: {unknown}), --rounds >= 1, --prompt-tokens >= 1",
+            f"error: need --family from {list(FAMILIES)} (unknown: {unknown}), --rounds >= 1, --prompt-tokens >= 1",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -151,22 +150,17 @@ def handle_ttft(args: argparse.Namespace) -> int:
     print(format_table(report["rows"], _TTFT_COLUMNS))
     for line in report["not_measured"]:
         print(f"not measured: {line}")
-    out = write_json(args.out, report)
-    print(f"wrote {out}")
+    save_report(report, args.out, _plot_ttft, no_plot=args.no_plot)
     status = EXIT_OK
     for row in report["rows"]:
         if row["connector"] == "HybridStoreConnector" and not row["loaded_bytes"]:
             print(f"problem: {row['family']}: the external hit loaded no bytes", file=sys.stderr)
             status = EXIT_PROBLEM
-    if not args.no_plot:
-        plot = _plot_ttft(report, out.with_suffix(".png"))
-        if plot is not None:
-            print(f"wrote {plot}")
     return status
 
 
 def handle_lookup(args: argparse.Namespace) -> int:
-    from hybridkv.connector.bench_lookup import DEFAULT_MODELS_DIR, run_lookup_bench
+    from hybridkv.connector.bench_lookup import DEFAULT_GEOMETRIES, DEFAULT_MODELS_DIR, run_lookup_bench
     from hybridkv.store.bench import bench_scratch_dir
 
     try:
@@ -183,7 +177,7 @@ def handle_lookup(args: argparse.Namespace) -> int:
         or min(sizes) < 1
         or args.iterations < 2
         or not geometries
-        or set(geometries) - {"llama", "lfm2"}
+        or set(geometries) - set(DEFAULT_GEOMETRIES)
     ):
         print(
             "error: need positive --prompt-tokens, --iterations >= 2, --geometry of llama, lfm2",
@@ -209,12 +203,7 @@ def handle_lookup(args: argparse.Namespace) -> int:
             print(f"problem: {error}", file=sys.stderr)
             return EXIT_PROBLEM
     print(format_table(report["rows"], _LOOKUP_COLUMNS))
-    out = write_json(args.out, report)
-    print(f"wrote {out}")
-    if not args.no_plot:
-        plot = _plot_lookup(report, out.with_suffix(".png"))
-        if plot is not None:
-            print(f"wrote {plot}")
+    save_report(report, args.out, _plot_lookup, no_plot=args.no_plot)
     return EXIT_OK
 
 

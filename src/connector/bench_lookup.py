@@ -29,13 +29,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import build_tiny_model
+from hybridkv.connector.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 __all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "run_lookup_bench"]
 
 DEFAULT_GEOMETRIES = ("llama", "lfm2")
 DEFAULT_PROMPT_TOKENS = (1024, 4096, 16384)
-DEFAULT_MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
 _BLOCK = 128
 _KV_HEADS, _HEAD_DIM, _LAYERS = 4, 128, 8  # the ttft bench model's attention
 

@@ -24,6 +24,7 @@ prefix caching off (as it requires), the same prompt sent twice: the second send
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import random
@@ -34,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import build_tiny_model, tiny_config_kwargs
+from hybridkv.connector.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 from hybridkv.store.bench import bench_scratch_dir, measure_memcpy
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 DEFAULT_FAMILIES = ("llama", "lfm2")
-DEFAULT_MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
 #: Families vLLM's ExampleConnector can serve (it does not support the hybrid KV-cache manager).
 _EXAMPLE_FAMILIES = ("llama",)
 
@@ -153,10 +153,8 @@ class _LoadTimer:
 
     def __init__(self, worker_side: Any) -> None:
         self.samples: list[float] = []
-        inner = worker_side._load_job
-
         self.last_call: tuple[Any, Any] | None = None
-        self._inner = inner
+        self._inner = inner = worker_side._load_job
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self.last_call = (args, kwargs)
@@ -207,15 +205,8 @@ def _num_params(model_dir: Path) -> int | None:
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 -- safe_open is not a mapping
-                total += _prod(handle.get_slice(name).get_shape())
+                total += math.prod(int(n) for n in handle.get_slice(name).get_shape())
     return total
-
-
-def _prod(shape: Sequence[int]) -> int:
-    out = 1
-    for n in shape:
-        out *= int(n)
-    return out
 
 
 def measure_hybridkv(

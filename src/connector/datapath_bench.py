@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from hybridkv.cli._output import format_cell
+from hybridkv.cli._output import format_table as _format_table
 from hybridkv.connector.datapath import (
     DEFAULT_STAGE_BYTES,
     BlockMover,
@@ -312,26 +314,14 @@ COLUMNS = [
 ]
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-    return str(v)
-
-
 def _fmt_row(row: dict[str, Any]) -> str:
-    return "  ".join(f"{c}={_cell(row.get(c))}" for c in COLUMNS if c in row)
+    return "  ".join(f"{c}={format_cell(row.get(c))}" for c in COLUMNS if c in row)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    cols = [c for c in COLUMNS if any(c in r for r in rows)]
-    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(lines)
+    """The rows as a text table of the ``COLUMNS`` any row has."""
+    table: str = _format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
+    return table
 
 
 def write_report(report: dict[str, Any], out: str) -> Path:

@@ -28,6 +28,24 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES: tuple[str, ...] = ("llama", "gemma3", "qwen3_next", "lfm2")
+#: Where the benchmarks build their models (the tests use the same variable).
+DEFAULT_MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+
+#: Per family: the transformers config class and model class.
+_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+}
+
+#: Per hybrid family: the two layer types its layers alternate (``None``: every layer full attention).
+_LAYER_PATTERN: dict[str, tuple[str, str] | None] = {
+    "llama": None,
+    "gemma3": ("sliding_attention", "full_attention"),
+    "qwen3_next": ("linear_attention", "full_attention"),
+    "lfm2": ("conv", "full_attention"),
+}
 
 #: Bump when the builder changes the produced files for an unchanged config.
 _BUILDER_VERSION = 1
@@ -57,24 +75,28 @@ _BENCH_COMMON: dict[str, Any] = {
 }
 
 
+def _check_family(family: str) -> None:
+    if family not in _CLASSES:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+
+
+def _layer_types(family: str, num_layers: int) -> list[str]:
+    """``num_layers`` layer types of a hybrid family: its pattern, repeated."""
+    pattern = _LAYER_PATTERN[family]
+    assert pattern is not None, family
+    return list(pattern) * (num_layers // 2)
+
+
 def size_overrides(family: str, size: str) -> dict[str, Any]:
     """Config overrides a ``size`` adds to a family's tiny config (``{}`` for ``tiny``)."""
     if size == "tiny":
         return {}
     if size != "bench":
         raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
-    alternating = {
-        "llama": None,
-        "gemma3": ["sliding_attention", "full_attention"],
-        "qwen3_next": ["linear_attention", "full_attention"],
-        "lfm2": ["conv", "full_attention"],
-    }
-    if family not in alternating:
-        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+    _check_family(family)
     kw: dict[str, Any] = dict(_BENCH_COMMON)
-    pattern = alternating[family]
-    if pattern is not None:
-        kw["layer_types"] = pattern * (kw["num_hidden_layers"] // 2)
+    if _LAYER_PATTERN[family] is not None:
+        kw["layer_types"] = _layer_types(family, kw["num_hidden_layers"])
     if family in ("llama", "gemma3", "qwen3_next"):
         kw["head_dim"] = 128
     if family == "gemma3":
@@ -95,14 +117,14 @@ def size_overrides(family: str, size: str) -> dict[str, Any]:
 
 def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> tuple[str, dict[str, Any]]:
     """The transformers config class name and kwargs of a family at ``size`` (overrides win)."""
+    _check_family(family)
+    cls = _CLASSES[family][0]
     if family == "llama":
-        cls = "LlamaConfig"
         kw: dict[str, Any] = {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 32}
     elif family == "gemma3":
-        cls = "Gemma3TextConfig"
         kw = {
             "num_hidden_layers": 4,
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "layer_types": _layer_types(family, 4),
             "sliding_window": 64,
             "num_key_value_heads": 2,
             "head_dim": 32,
@@ -110,10 +132,9 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "tie_word_embeddings": True,
         }
     elif family == "qwen3_next":
-        cls = "Qwen3NextConfig"
         kw = {
             "num_hidden_layers": 4,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "layer_types": _layer_types(family, 4),
             "linear_conv_kernel_dim": 4,
             # The CPU GDN kernel rejects head dim 32; 128 works. 4 kv heads x 128 keeps the block at 128.
             "linear_key_head_dim": 128,
@@ -128,11 +149,10 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "shared_expert_intermediate_size": 64,
             "decoder_sparse_step": 1,
         }
-    elif family == "lfm2":
-        cls = "Lfm2Config"
+    else:  # lfm2
         kw = {
             "num_hidden_layers": 4,
-            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "layer_types": _layer_types(family, 4),
             "num_key_value_heads": 2,
             "conv_L_cache": 3,
             "block_multiple_of": 64,
@@ -142,8 +162,6 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "block_dim": 128,
             "tie_word_embeddings": True,
         }
-    else:
-        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
     merged = {**_COMMON, **kw, **size_overrides(family, size), **overrides}
     return cls, merged
 
@@ -171,12 +189,7 @@ def build_tiny_model(
     import transformers
 
     config = getattr(transformers, cls_name)(**kwargs)
-    arch = {
-        "llama": "LlamaForCausalLM",
-        "gemma3": "Gemma3ForCausalLM",
-        "qwen3_next": "Qwen3NextForCausalLM",
-        "lfm2": "Lfm2ForCausalLM",
-    }[family]
+    arch = _CLASSES[family][1]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
