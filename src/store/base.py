@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from typing_extensions import Buffer
@@ -62,6 +62,12 @@ class StoreStats:
     num_bytes: int | None = None
     capacity_bytes: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+def with_extra(stats: StoreStats, extra: dict[str, object], *, url: str | None = None) -> StoreStats:
+    """``stats`` with ``extra`` merged over its extras (and its ``url`` replaced when given): how a wrapper
+    reports its inner store's stats plus its own."""
+    return replace(stats, url=stats.url if url is None else url, extra={**stats.extra, **extra})
 
 
 @runtime_checkable

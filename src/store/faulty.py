@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from hybridkv.store.base import Status, StoreStats
+from hybridkv.store.base import Status, StoreStats, with_extra
 from hybridkv.store.framed import Backend, FrameParts
 
 FAULTY_PARAMS = ("get_fail", "put_fail", "exists_fail", "corrupt", "delay_ms", "seed")
@@ -165,17 +165,9 @@ class FaultyBackend:
 
     def stats(self) -> StoreStats:
         inner = self.inner.stats()
-        extra = dict(inner.extra)
-        extra["inner_url"] = inner.url
         with self._lock:
-            extra.update({f"injected_{name}": count for name, count in self.num_injected.items()})
-        return StoreStats(
-            url=self.url,
-            num_keys=inner.num_keys,
-            num_bytes=inner.num_bytes,
-            capacity_bytes=inner.capacity_bytes,
-            extra=extra,
-        )
+            injected = {f"injected_{name}": count for name, count in self.num_injected.items()}
+        return with_extra(inner, {"inner_url": inner.url, **injected}, url=self.url)
 
     def close(self) -> None:
         self.inner.close()

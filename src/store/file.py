@@ -204,10 +204,10 @@ class FileBackend:
         """``put_frames``, sealing each frame (computing its checksum) right before writing it."""
         results: list[Status] = []
         paths: list[str | None] = []
+        sizes = [sum(part.nbytes for part in frame) for frame in frames]
         num_new_bytes = 0
-        for key, frame in zip(keys, frames):
+        for key, size in zip(keys, sizes):
             path = self._path(key)
-            size = sum(part.nbytes for part in frame)
             if os.path.exists(path):  # insert-if-absent; the link in _publish settles races
                 results.append(Status.OK)
                 paths.append(None)
@@ -233,7 +233,7 @@ class FileBackend:
                 seal(index)
             results[index], published = self._publish(key, frame, new_path)
             if not published:
-                num_unpublished_bytes += sum(part.nbytes for part in frame)
+                num_unpublished_bytes += sizes[index]
         if num_unpublished_bytes:
             self._add_usage(-num_unpublished_bytes)
         return results
@@ -347,23 +347,20 @@ class FileBackend:
         num_removed = 0
         for path, key in list(self._iter_keyed_paths(include_unreadable=True)):
             if key is None:
-                try:
-                    size = path.stat().st_size
-                    path.unlink()
-                    self._add_usage(-size)
-                except FileNotFoundError:
-                    pass
-                continue
-            if not key.startswith(prefix):
-                continue
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            self._add_usage(-size)
-            num_removed += 1
+                self._unlink_accounted(path)
+            elif key.startswith(prefix) and self._unlink_accounted(path):
+                num_removed += 1
         return num_removed
+
+    def _unlink_accounted(self, path: Path) -> bool:
+        """Unlink ``path`` and subtract its size from ``usage``; ``False`` if it was already gone."""
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        self._add_usage(-size)
+        return True
 
     def stats(self) -> StoreStats:
         num_keys = 0
@@ -420,17 +417,21 @@ def _link_creating_shard(temp: str, path: str) -> None:
         os.link(temp, path)
 
 
+def _advance(pending: list[memoryview], num_bytes: int) -> None:
+    """Drop the first ``num_bytes`` bytes (just written or read) from ``pending``, keeping the tail."""
+    while num_bytes and pending:
+        if num_bytes >= pending[0].nbytes:
+            num_bytes -= pending[0].nbytes
+            pending.pop(0)
+        else:
+            pending[0] = pending[0][num_bytes:]
+            num_bytes = 0
+
+
 def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
     pending = [part for part in parts if part.nbytes]
     while pending:
-        written = os.writev(fd, pending[:_IOV_MAX])
-        while written and pending:  # drop what was written, keep the unwritten tail
-            if written >= pending[0].nbytes:
-                written -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
+        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
 
 
 def _read_all(fd: int, parts: Sequence[memoryview]) -> int:
@@ -442,11 +443,5 @@ def _read_all(fd: int, parts: Sequence[memoryview]) -> int:
         if num_read == 0:
             break
         total += num_read
-        while num_read and pending:
-            if num_read >= pending[0].nbytes:
-                num_read -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][num_read:]
-                num_read = 0
+        _advance(pending, num_read)
     return total

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import structlog
-from hybridkv.store.base import Destination, Status, StoreError, StoreStats, Value
+from hybridkv.store.base import Destination, Status, StoreError, StoreStats, Value, with_extra
 from hybridkv.store.frame import ChecksumAlgo, check_frame, encode_header, header_size
 
 log = structlog.get_logger(__name__)
@@ -234,16 +234,7 @@ class FramedStore:
     def stats(self) -> StoreStats:
         self._check_open()
         stats = self._backend.stats()
-        extra = dict(stats.extra)
-        extra["checksum"] = self._checksum.url_name
-        extra["num_corrupt_reads"] = self._num_corrupt
-        return StoreStats(
-            url=stats.url,
-            num_keys=stats.num_keys,
-            num_bytes=stats.num_bytes,
-            capacity_bytes=stats.capacity_bytes,
-            extra=extra,
-        )
+        return with_extra(stats, {"checksum": self._checksum.url_name, "num_corrupt_reads": self._num_corrupt})
 
     def close(self) -> None:
         if self._closed:

@@ -88,6 +88,25 @@ def _address(part: memoryview) -> int:
     return int(np.frombuffer(part, dtype=np.uint8).ctypes.data)
 
 
+def _scatter_gather(
+    frames: Sequence[FrameParts],
+) -> tuple[list[FrameParts], list[list[int]], list[list[int]]]:
+    """Each frame's non-empty parts, with their addresses and sizes (Mooncake's multi-buffer arguments)."""
+    nonempty = [[part for part in frame if part.nbytes] for frame in frames]
+    addresses = [[_address(part) for part in frame] for frame in nonempty]
+    sizes = [[part.nbytes for part in frame] for frame in nonempty]
+    return nonempty, addresses, sizes
+
+
+#: ``batch_is_exist`` codes that are answers, not errors.
+_EXISTS_STATUS = {1: Status.OK, 0: Status.NOT_FOUND}
+
+
+def _ok_if_not_negative(_index: int, _key: str, code: int) -> Status | None:
+    """Put and remove: any non-negative code is success."""
+    return Status.OK if code >= 0 else None
+
+
 class MooncakeBackend:
     """Frames in Mooncake Store; see the module docstring for placement, breaker and timeouts."""
 
@@ -150,10 +169,6 @@ class MooncakeBackend:
         self._runner = DeadlineRunner(name="hybridkv-mooncake")
         self._closed = False
 
-    @property
-    def breaker(self) -> CircuitBreaker:
-        return self._breaker
-
     def _guarded(self, op: str, num_keys: int, call: Callable[[], list[int]]) -> list[int] | list[Status]:
         """Run ``call`` under the breaker and deadline. Returns raw codes, or final statuses on failure."""
         admission = self._breaker.before_call()
@@ -190,69 +205,64 @@ class MooncakeBackend:
         if code not in (-704, -703, -200) and code not in _MASTER_DOWN_CODES:
             log.warning("store.mooncake.error", url=self.url, op=op, key=key, code=mooncake_error_name(code))
 
+    def _statuses(
+        self,
+        op: str,
+        keys: Sequence[str],
+        codes: list[int] | list[Status],
+        classify: Callable[[int, str, int], Status | None],
+    ) -> list[Status]:
+        """One status per key: breaker/deadline statuses as they are, else ``classify(index, key, code)``;
+        a code it leaves (``None``) is an error, logged if unexpected and mapped by ``status_of_code``."""
+        results: list[Status] = []
+        for index, (key, code) in enumerate(zip(keys, codes)):
+            if isinstance(code, Status):
+                results.append(code)
+                continue
+            status = classify(index, key, code)
+            if status is None:
+                self._log_unexpected(op, key, code)
+                status = status_of_code(code, op)
+            results.append(status)
+        return results
+
     def exists(self, keys: Sequence[str]) -> list[Status]:
         key_list = list(keys)
         codes = self._guarded("exists", len(key_list), lambda: self._store.batch_is_exist(key_list))
-        results: list[Status] = []
-        for key, code in zip(key_list, codes):
-            if isinstance(code, Status):
-                results.append(code)
-            elif code == 1:
-                results.append(Status.OK)
-            elif code == 0:
-                results.append(Status.NOT_FOUND)
-            else:
-                self._log_unexpected("exists", key, code)
-                results.append(status_of_code(code, "exists"))
-        return results
+        return self._statuses("exists", key_list, codes, lambda _index, _key, code: _EXISTS_STATUS.get(code))
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         key_list = list(keys)
-        nonempty = [[part for part in frame if part.nbytes] for frame in frames]
-        addresses = [[_address(part) for part in frame] for frame in nonempty]
-        sizes = [[part.nbytes for part in frame] for frame in nonempty]
+        _nonempty, addresses, sizes = _scatter_gather(frames)
         codes = self._guarded(
             "put",
             len(key_list),
             lambda: self._store.batch_put_from_multi_buffers(key_list, addresses, sizes, self._config),
         )
-        results: list[Status] = []
-        for key, code in zip(key_list, codes):
-            if isinstance(code, Status):
-                results.append(code)
-            elif code >= 0:
-                results.append(Status.OK)
-            else:
-                self._log_unexpected("put", key, code)
-                results.append(status_of_code(code, "put"))
         # `frames` stays referenced until here; an abandoned call's closure keeps it alive beyond.
-        return results
+        return self._statuses("put", key_list, codes, _ok_if_not_negative)
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         key_list = list(keys)
-        nonempty = [[part for part in frame if part.nbytes] for frame in frames]
-        addresses = [[_address(part) for part in frame] for frame in nonempty]
-        sizes = [[part.nbytes for part in frame] for frame in nonempty]
+        nonempty, addresses, sizes = _scatter_gather(frames)
         codes = self._guarded(
             "get",
             len(key_list),
             lambda: (nonempty, self._store.batch_get_into_multi_buffers(key_list, addresses, sizes))[1],
         )
-        results: list[Status] = []
-        for key, code, frame_sizes in zip(key_list, codes, sizes):
-            if isinstance(code, Status):
-                results.append(code)
-            elif code == sum(frame_sizes):
-                results.append(Status.OK)
-            elif code >= 0:
-                results.append(Status.CORRUPT)  # stored object shorter than the destination
-            elif code == -800 and self._stored_size_differs(key, sum(frame_sizes)):
+
+        def classify(index: int, key: str, code: int) -> Status | None:
+            expected = sum(sizes[index])
+            if code == expected:
+                return Status.OK
+            if code >= 0:
+                return Status.CORRUPT  # stored object shorter than the destination
+            if code == -800 and self._stored_size_differs(key, expected):
                 # Mooncake reports a destination *larger* than the object as a transfer failure.
-                results.append(Status.CORRUPT)
-            else:
-                self._log_unexpected("get", key, code)
-                results.append(status_of_code(code, "get"))
-        return results
+                return Status.CORRUPT
+            return None
+
+        return self._statuses("get", key_list, codes, classify)
 
     def _stored_size_differs(self, key: str, expected: int) -> bool:
         """Whether ``key`` is stored with a size other than ``expected`` (one extra RPC, failure path only)."""
@@ -264,16 +274,7 @@ class MooncakeBackend:
         key_list = list(keys)
         # force=True: removal is invalidation (a corrupt or stale entry); it must not wait for read leases.
         codes = self._guarded("remove", len(key_list), lambda: self._store.batch_remove(key_list, True))
-        results: list[Status] = []
-        for key, code in zip(key_list, codes):
-            if isinstance(code, Status):
-                results.append(code)
-            elif code >= 0:
-                results.append(Status.OK)
-            else:
-                self._log_unexpected("remove", key, code)
-                results.append(status_of_code(code, "remove"))
-        return results
+        return self._statuses("remove", key_list, codes, _ok_if_not_negative)
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         raise StoreError(f"{self.url}: Mooncake Store cannot list keys (remove_prefix and stats still work)")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from hybridkv.store.base import StoreError
@@ -24,6 +26,8 @@ _SIZE_UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
+_N = TypeVar("_N", int, float)
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -92,9 +96,6 @@ class Params:
 
     def fail(self, name: str, value: str, expected: str) -> StoreError:
         """The error for parameter ``name=value``, saying what was ``expected``."""
-        return self._fail(name, value, expected)
-
-    def _fail(self, name: str, value: str, expected: str) -> StoreError:
         return StoreError(f"store URL {self._url!r}: parameter {name}={value!r} is invalid: {expected}")
 
     def text(self, name: str, default: str) -> str:
@@ -106,7 +107,7 @@ class Params:
         if value is None:
             return default
         if value not in choices:
-            raise self._fail(name, value, f"expected one of {', '.join(choices)}")
+            raise self.fail(name, value, f"expected one of {', '.join(choices)}")
         return value
 
     def size(self, name: str, default: int) -> int:
@@ -116,43 +117,49 @@ class Params:
         try:
             return parse_size(value, what=f"{name}")
         except StoreError as error:
-            raise self._fail(name, value, str(error)) from None
+            raise self.fail(name, value, str(error)) from None
+
+    def _converted(
+        self,
+        name: str,
+        default: _N,
+        convert: Callable[[str], _N],
+        not_converted: str,
+        in_range: Callable[[_N], bool],
+        out_of_range: str,
+    ) -> _N:
+        """Parameter ``name`` through ``convert`` (``ValueError``: ``not_converted``), checked by ``in_range``."""
+        value = self._take(name)
+        if value is None:
+            return default
+        try:
+            number = convert(value)
+        except ValueError:
+            raise self.fail(name, value, not_converted) from None
+        if not in_range(number):
+            raise self.fail(name, value, out_of_range)
+        return number
 
     def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
-        value = self._take(name)
-        if value is None:
-            return default
-        try:
-            number = int(value)
-        except ValueError:
-            raise self._fail(name, value, "expected an integer") from None
-        if number < minimum:
-            raise self._fail(name, value, f"must be >= {minimum}")
-        return number
+        return self._converted(
+            name, default, int, "expected an integer", lambda number: number >= minimum, f"must be >= {minimum}"
+        )
 
     def number(self, name: str, default: float, *, minimum: float = 0.0) -> float:
-        value = self._take(name)
-        if value is None:
-            return default
-        try:
-            number = float(value)
-        except ValueError:
-            raise self._fail(name, value, "expected a number") from None
-        if not number >= minimum:  # also rejects NaN
-            raise self._fail(name, value, f"must be >= {minimum}")
-        return number
+        # ``number >= minimum`` is also False for NaN, which is rejected.
+        return self._converted(
+            name, default, float, "expected a number", lambda number: number >= minimum, f"must be >= {minimum}"
+        )
 
     def probability(self, name: str, default: float = 0.0) -> float:
-        value = self._take(name)
-        if value is None:
-            return default
-        try:
-            number = float(value)
-        except ValueError:
-            raise self._fail(name, value, "expected a probability in [0, 1]") from None
-        if not 0.0 <= number <= 1.0:
-            raise self._fail(name, value, "probability outside [0, 1]")
-        return number
+        return self._converted(
+            name,
+            default,
+            float,
+            "expected a probability in [0, 1]",
+            lambda number: 0.0 <= number <= 1.0,
+            "probability outside [0, 1]",
+        )
 
     def finish(self) -> None:
         """Raise ``StoreError`` if any parameter was not consumed."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlencode
 
-from hybridkv.store.base import Store, StoreError
+from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
@@ -138,8 +138,3 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
     from hybridkv.store.mooncake import MooncakeBackend  # lazy: other schemes work without Mooncake
 
     return MooncakeBackend(parsed.url, parsed.netloc, **options)
-
-
-def is_store(candidate: object) -> bool:
-    """``True`` if ``candidate`` implements the ``Store`` protocol (structurally)."""
-    return isinstance(candidate, Store)
