@@ -6,11 +6,29 @@ Layout under DIR (created ``0700``)::
                               key), the real key lives inside the frame header so listing still works
     tmp/                      frames being written; published with link(2), which fails if the name exists,
                               so publication is atomic *and* insert-if-absent across processes
-    usage                     8-byte little-endian estimate of the bytes under objects/ (shared, flock'ed)
+    spare/SIZE/*.kv           removed or evicted files kept for reuse, by page-rounded size (see Recycling)
+    usage                     two 8-byte little-endian estimates (shared, flock'ed): the bytes under objects/
+                              and spare/ together, and the bytes under spare/
     evict.lock                held (non-blocking) by the one process currently evicting
 
-Readers open a published file and read it whole; a concurrent eviction or removal unlinks the name but not
-the open inode, so a reader never sees a partial value.
+Readers open a published file and read it whole; a concurrent eviction or removal moves or unlinks the name
+but not the open inode, so a reader never sees a partial value.
+
+Recycling: a put into a new tmpfs file faults in and zeroes a fresh page per 4 KiB, which costs more than
+the copy itself; overwriting a file whose pages are already there runs about twice as fast (see Speed). So
+a removed or evicted file of ``_RECYCLE_MIN_SIZE`` or more is renamed into ``spare/SIZE/`` instead of being
+unlinked (while the spares stay within ``_SPARE_FRACTION`` of capacity; they count toward capacity), and a
+put of a frame of the same page-rounded size claims one by renaming it into ``tmp/`` (atomic across
+processes), overwrites it in place and publishes it with link(2) like a new file. A reader that opened the
+file under its old name must never see the new bytes, so for recyclable files:
+
+- the writer holds ``flock(LOCK_EX)`` on the inode while it overwrites it, and gives up the spare (writing
+  a new file instead) if it cannot get the lock at once;
+- the reader takes ``flock(LOCK_SH)`` (non-blocking: if a writer holds the inode, the value is gone:
+  ``NOT_FOUND``) and then checks that its key's name still links to the inode it opened. While the reader
+  holds the shared lock no writer can claim the inode; if the inode was recycled before the reader locked
+  it, the name check fails (a name only ever links to frames of its own key) and the reader answers
+  ``NOT_FOUND``.
 
 LRU across processes: a file's mtime is its last use. Reads and ``exists`` touch it (at most once a second
 per file, to keep hits cheap). Accounting: every put adds its size to ``usage`` and every remove subtracts
@@ -21,9 +39,11 @@ No fsync: this is a cache. A frame torn by a power loss fails its frame check an
 
 Speed (``hybridkv bench store``, /dev/shm): values move with one ``writev``/``readv`` straight from/to the
 caller's buffers, and the frame checksum runs per value right before the write / right after the read
-(``JustInTimeBackend``), while the bytes are in cache. A put is bounded by tmpfs allocating a fresh 4 KiB
-page per 4 KiB written: a plain ``write`` of 1 MiB into a new /dev/shm file runs at ~0.3x memcpy on the dev
-VM (overwriting existing pages ~0.6x; on a tmpfs mounted ``huge=always`` a new file takes ~0.6x).
+(``JustInTimeBackend``), while the bytes are in cache. A put into a new file is bounded by tmpfs allocating
+a fresh 4 KiB page per 4 KiB written: a plain ``write`` of 1 MiB into a new /dev/shm file runs at ~0.3x
+memcpy on the dev VM, overwriting a recycled file's pages ~0.5-0.6x (on a tmpfs mounted ``huge=always`` a new
+file takes ~0.6x). Values below ``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~5
+path syscalls per file, not by page faults.
 """
 
 from __future__ import annotations
@@ -31,11 +51,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import mmap
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
@@ -54,24 +75,44 @@ _TOUCH_INTERVAL_S = 1.0
 #: Temporary files older than this (seconds) belong to a crashed writer and are removed by eviction scans.
 _STALE_TMP_S = 600.0
 _IOV_MAX = 1024
+_PAGE = mmap.PAGESIZE
+#: Files at least this big (page-rounded) are recycled: below it, path syscalls cost more than page faults.
+_RECYCLE_MIN_SIZE = 256 << 10
+#: Spare files are kept while they hold at most this fraction of capacity (the eviction hysteresis band).
+_SPARE_FRACTION = 1.0 - _LOW_WATERMARK
 _temp_counter = itertools.count()
+
+
+def _size_class(size: int) -> int:
+    """The page-rounded size spares are matched on: overwriting a file within its last page needs no new
+    page, and truncating it there frees none."""
+    return -(-size // _PAGE) * _PAGE
 
 
 class FileBackend:
     """Frames as files under one directory. Thread- and process-safe."""
 
-    def __init__(self, url: str, directory: Path, *, capacity_bytes: int) -> None:
+    def __init__(
+        self, url: str, directory: Path, *, capacity_bytes: int, recycle_min_size: int = _RECYCLE_MIN_SIZE
+    ) -> None:
+        """``recycle_min_size`` is for tests (recycling small files); every process sharing ``directory``
+        must use the same value, because readers lock exactly the files writers may recycle."""
         self.url = url
         self.directory = directory
         self.capacity_bytes = capacity_bytes
+        self.recycle_min_size = max(1, recycle_min_size)
+        self.spare_budget_bytes = int(capacity_bytes * _SPARE_FRACTION)
         self._objects = directory / "objects"
         self._tmp = directory / "tmp"
+        self._spare = directory / "spare"
         self._objects_str = str(self._objects)
         self._tmp_str = str(self._tmp)
+        self._spare_str = str(self._spare)
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._objects.mkdir(mode=0o700, exist_ok=True)
             self._tmp.mkdir(mode=0o700, exist_ok=True)
+            self._spare.mkdir(mode=0o700, exist_ok=True)
             mode = stat.S_IMODE(directory.stat().st_mode)
             if mode & 0o077:
                 log.warning("store.file.dir_not_private", directory=str(directory), mode=oct(mode))
@@ -83,6 +124,7 @@ class FileBackend:
         self._usage_lock = threading.Lock()
         self._closed = False
         self.num_evicted = 0
+        self.num_recycled = 0
 
     # -- paths -------------------------------------------------------------------------------------------
 
@@ -91,9 +133,23 @@ class FileBackend:
         digest = key_digest(key).hex()
         return f"{self._objects_str}/{digest[:2]}/{digest}{_SUFFIX}"
 
+    def _temp_path(self) -> str:
+        return f"{self._tmp_str}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}.tmp"
+
+    def _is_recyclable(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes may be recycled (readers lock exactly these)."""
+        return _size_class(size) >= self.recycle_min_size
+
     def _iter_object_paths(self) -> Iterator[Path]:
+        yield from self._iter_sharded(self._objects)
+
+    def _iter_spare_paths(self) -> Iterator[Path]:
+        yield from self._iter_sharded(self._spare)
+
+    @staticmethod
+    def _iter_sharded(root: Path) -> Iterator[Path]:
         try:
-            with os.scandir(self._objects) as shards:
+            with os.scandir(root) as shards:
                 shard_paths = [entry.path for entry in shards if entry.is_dir()]
         except FileNotFoundError:
             return
@@ -107,27 +163,99 @@ class FileBackend:
 
     # -- usage accounting --------------------------------------------------------------------------------
 
-    def _add_usage(self, delta: int) -> int:
-        """Add ``delta`` to the shared usage estimate; returns the new value."""
+    def _update_usage(self, update: Callable[[int, int], tuple[int, int]]) -> tuple[int, int]:
+        """Apply ``update(usage, spare) -> (usage, spare)`` to the shared estimates under the lock, where
+        ``usage`` counts the bytes under objects/ and spare/ and ``spare`` those under spare/; returns the
+        new pair."""
         with self._usage_lock:
             fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
             try:
-                raw = os.pread(self._usage_fd, 8, 0)
-                usage = max(0, (int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0) + delta)
-                if delta == 0:
-                    return usage
-                os.pwrite(self._usage_fd, usage.to_bytes(8, "little", signed=True), 0)
-                return usage
+                raw = os.pread(self._usage_fd, 16, 0)
+                old = (
+                    int.from_bytes(raw[0:8], "little", signed=True) if len(raw) >= 8 else 0,
+                    int.from_bytes(raw[8:16], "little", signed=True) if len(raw) >= 16 else 0,
+                )
+                usage, spare = update(*old)
+                new = (max(0, usage), max(0, spare))
+                if new != old:
+                    os.pwrite(self._usage_fd, b"".join(n.to_bytes(8, "little", signed=True) for n in new), 0)
+                return new
             finally:
                 fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
 
-    def _set_usage(self, usage: int) -> None:
-        with self._usage_lock:
-            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
-            try:
-                os.pwrite(self._usage_fd, usage.to_bytes(8, "little", signed=True), 0)
-            finally:
-                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+    def _add_usage(self, delta: int, spare_delta: int = 0) -> int:
+        """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
+        return self._update_usage(lambda usage, spare: (usage + delta, spare + spare_delta))[0]
+
+    def _set_usage(self, usage: int, spare: int) -> None:
+        self._update_usage(lambda _usage, _spare: (usage, spare))
+
+    def _retire(self, path: str, size: int) -> bool:
+        """Take the published file ``path`` (``size`` bytes) out of the store: keep it as a spare when it is
+        recyclable and the spares have room, else unlink it. Accounts for it; ``False`` if it was gone."""
+        if self._is_recyclable(size):
+            kept = False
+
+            def reserve(usage: int, spare: int) -> tuple[int, int]:
+                nonlocal kept
+                kept = spare + size <= self.spare_budget_bytes
+                return (usage, spare + size) if kept else (usage, spare)
+
+            self._update_usage(reserve)
+            if kept:
+                try:
+                    self._move_to_spare(path, size)
+                except FileNotFoundError:
+                    self._add_usage(0, -size)
+                    return False
+                return True
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self._add_usage(-size)
+        return True
+
+    def _move_to_spare(self, path: str, size: int) -> None:
+        """Rename ``path`` into its size class under spare/ (no accounting)."""
+        shard = f"{self._spare_str}/{_size_class(size)}"
+        spare = f"{shard}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}{_SUFFIX}"
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            if not os.path.exists(path):
+                raise
+            os.makedirs(shard, mode=0o700, exist_ok=True)
+            os.rename(path, spare)
+
+    def _claim_spares(self, sizes: Sequence[int | None]) -> list[tuple[str, int] | None]:
+        """For each frame size (``None``: no frame), claim a spare of its size class by renaming it into
+        tmp/: ``(temp path, spare size)``, or ``None`` if none is left. The caller owns the claimed files."""
+        claims: list[tuple[str, int] | None] = [None] * len(sizes)
+        class_to_candidates: dict[int, list[str]] = {}
+        for index, size in enumerate(sizes):
+            if size is None or not self._is_recyclable(size):
+                continue
+            size_class = _size_class(size)
+            candidates = class_to_candidates.get(size_class)
+            if candidates is None:
+                try:
+                    with os.scandir(f"{self._spare_str}/{size_class}") as entries:
+                        candidates = [entry.path for entry in entries if entry.name.endswith(_SUFFIX)]
+                except FileNotFoundError:
+                    candidates = []
+                class_to_candidates[size_class] = candidates
+            while candidates:
+                spare = candidates.pop()
+                temp = self._temp_path()
+                try:
+                    os.rename(spare, temp)  # atomic: of several claimers exactly one succeeds
+                    spare_size = os.stat(temp).st_size
+                except FileNotFoundError:
+                    continue  # another process claimed it first
+                claims[index] = (temp, spare_size)
+                break
+        return claims
 
     def _make_room(self, size: int) -> bool:
         """Evict oldest files until ``size`` more bytes fit under the low watermark (one process at a time).
@@ -146,11 +274,38 @@ class FileBackend:
                 except FileNotFoundError:
                     continue
                 entries.append((info.st_mtime, info.st_size, path))
-            total = sum(size_ for _mtime, size_, _path in entries)
+            spares: list[tuple[float, int, Path]] = []
+            for path in self._iter_spare_paths():
+                try:
+                    info = path.stat()
+                except FileNotFoundError:
+                    continue
+                spares.append((info.st_mtime, info.st_size, path))
+            spare_total = sum(size_ for _mtime, size_, _path in spares)
+            total = sum(size_ for _mtime, size_, _path in entries) + spare_total
+            # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
+            # older files until objects + spares fit under the watermark (spares stay within their budget).
             target = int(self.capacity_bytes * _LOW_WATERMARK) - size
             entries.sort(key=lambda entry: entry[0])
             num_evicted = 0
             for _mtime, file_size, path in entries:
+                if total <= target:
+                    break
+                if self._is_recyclable(file_size) and spare_total + file_size <= self.spare_budget_bytes:
+                    try:
+                        self._move_to_spare(str(path), file_size)
+                        spare_total += file_size
+                    except FileNotFoundError:
+                        total -= file_size
+                else:
+                    try:
+                        path.unlink()
+                    except FileNotFoundError:
+                        pass
+                    total -= file_size
+                num_evicted += 1
+            spares.sort(key=lambda entry: entry[0])
+            for _mtime, file_size, path in spares:  # only when objects alone do not fit: drop spares too
                 if total <= target:
                     break
                 try:
@@ -158,8 +313,8 @@ class FileBackend:
                 except FileNotFoundError:
                     pass
                 total -= file_size
-                num_evicted += 1
-            self._set_usage(total)
+                spare_total -= file_size
+            self._set_usage(total, spare_total)
             self.num_evicted += num_evicted
             self._remove_stale_temp_files(now)
             log.debug("store.file.evicted", url=self.url, num_evicted=num_evicted, num_bytes=total)
@@ -220,10 +375,17 @@ class FileBackend:
                 num_new_bytes += size
         if num_new_bytes == 0:
             return results
-        # Reserve the batch's bytes up front (one locked update), make room if that overflows, and give
-        # back what was not published.
-        if self._add_usage(num_new_bytes) > self.capacity_bytes:
-            if self._make_room(num_new_bytes):
+        # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
+        # bytes up front (one locked update), make room if that overflows, and give back what was not
+        # published.
+        claims = self._claim_spares([size if path else None for size, path in zip(sizes, paths)])
+        num_claimed = sum(claim is not None for claim in claims)
+        num_spare_bytes = sum(claim[1] for claim in claims if claim is not None)
+        num_claimed_frame_bytes = sum(size for size, claim in zip(sizes, claims) if claim is not None)
+        num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
+        usage = self._add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
+        if num_unclaimed_bytes and usage > self.capacity_bytes:
+            if self._make_room(num_unclaimed_bytes):
                 self._add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
@@ -231,21 +393,33 @@ class FileBackend:
                 continue
             if seal is not None:
                 seal(index)
-            results[index], published = self._publish(key, frame, new_path)
+            claim = claims[index]
+            results[index], published = self._publish(key, frame, new_path, None if claim is None else claim[0])
             if not published:
                 num_unpublished_bytes += sizes[index]
         if num_unpublished_bytes:
             self._add_usage(-num_unpublished_bytes)
+        if num_claimed:
+            with self._usage_lock:
+                self.num_recycled += num_claimed
         return results
 
-    def _publish(self, key: str, frame: FrameParts, path: str) -> tuple[Status, bool]:
-        """Write ``frame`` to a temp file and link it to ``path``: (status, whether this call published)."""
-        temp = f"{self._tmp_str}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}.tmp"
+    def _publish(self, key: str, frame: FrameParts, path: str, spare: str | None) -> tuple[Status, bool]:
+        """Write ``frame`` to a temp file (the claimed ``spare`` in tmp/ if given, else a new one) and link it
+        to ``path``: (status, whether this call published). The temp file is gone afterwards."""
+        temp = self._temp_path() if spare is None else spare
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._open_spare(spare, sum(part.nbytes for part in frame)) if spare is not None else None
+            if fd is None:  # no spare, or a reader of its previous life still holds it: a new file
+                temp = self._temp_path()
+                if spare is not None:
+                    os.unlink(spare)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 _write_all(fd, frame)
             finally:
+                # Unlocks a recycled inode. Safe before the link: its bytes are final now, and a reader of
+                # its previous life that locks it from here on finds its old name no longer links to it.
                 os.close(fd)
             try:
                 _link_creating_shard(temp, path)
@@ -260,6 +434,53 @@ class FileBackend:
             except FileNotFoundError:
                 pass
 
+    def _open_spare(self, temp: str, size: int) -> int | None:
+        """Open the claimed spare ``temp`` for overwriting with a ``size``-byte frame, holding its exclusive
+        lock; ``None`` if a reader that opened it under its old name still holds it (see Recycling)."""
+        fd = os.open(temp, os.O_WRONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # within the size class: no page allocated or freed but the tail's
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_published(self, path: str) -> tuple[int, os.stat_result] | None:
+        """Open the published file ``path`` for reading: ``(fd, its stat)``, or ``None`` if it is gone.
+
+        A recyclable file is returned locked shared (until the fd is closed) and only if ``path`` still
+        links to it, so its bytes are the frame published under ``path`` (see Recycling)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            info = os.fstat(fd)
+            if self._is_recyclable(info.st_size):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return None  # a writer is recycling this inode: the value it held is gone
+                info = os.fstat(fd)
+                try:
+                    named = os.stat(path)
+                except FileNotFoundError:
+                    named = None
+                if named is None or (named.st_ino, named.st_dev) != (info.st_ino, info.st_dev):
+                    os.close(fd)
+                    return None  # removed (and maybe recycled) between our open and our lock
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, info
+
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         return self.get_frames_verified(keys, frames, None)
 
@@ -272,15 +493,15 @@ class FileBackend:
         for index, (key, frame) in enumerate(zip(keys, frames)):
             path = self._path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                results.append(Status.NOT_FOUND)
-                continue
+                opened = self._open_published(path)
             except OSError as error:
                 results.append(self._status_of(error, "get", key))
                 continue
+            if opened is None:
+                results.append(Status.NOT_FOUND)
+                continue
+            fd, info = opened
             try:
-                info = os.fstat(fd)
                 expected = sum(part.nbytes for part in frame)
                 if info.st_size != expected:
                     results.append(Status.CORRUPT)
@@ -302,16 +523,13 @@ class FileBackend:
         for key in keys:
             path = self._path(key)
             try:
-                size = os.stat(path).st_size
-                os.unlink(path)
+                removed = self._retire(path, os.stat(path).st_size)
             except FileNotFoundError:
-                results.append(Status.NOT_FOUND)
-                continue
+                removed = False
             except OSError as error:
                 results.append(self._status_of(error, "remove", key))
                 continue
-            self._add_usage(-size)
-            results.append(Status.OK)
+            results.append(Status.OK if removed else Status.NOT_FOUND)
         return results
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
@@ -327,14 +545,19 @@ class FileBackend:
 
     def _iter_keyed_paths(self, include_unreadable: bool = False) -> Iterator[tuple[Path, str | None]]:
         for path in self._iter_object_paths():
-            try:
-                with open(path, "rb") as file:
-                    head = file.read(FIXED_HEADER_SIZE)
-                    key_length = int.from_bytes(head[8:12], "little") if len(head) == FIXED_HEADER_SIZE else 0
-                    head += file.read(min(key_length, 1 << 16))
-            except FileNotFoundError:
+            opened = self._open_published(str(path))  # locked: a recycled inode could be mid-rewrite
+            if opened is None:
                 continue
+            fd = opened[0]
+            try:
+                head = os.pread(fd, FIXED_HEADER_SIZE, 0)
+                key_length = int.from_bytes(head[8:12], "little") if len(head) == FIXED_HEADER_SIZE else 0
+                head += os.pread(fd, min(key_length, 1 << 16), FIXED_HEADER_SIZE)
+            finally:
+                os.close(fd)
             key = key_from_header(head)
+            if key is not None and self._path(key) != str(path):
+                key = None  # a frame of another key under this name: unreadable as this key
             if key is None:
                 log.warning("store.file.unreadable_header", path=str(path))
                 if not include_unreadable:
@@ -353,14 +576,11 @@ class FileBackend:
         return num_removed
 
     def _unlink_accounted(self, path: Path) -> bool:
-        """Unlink ``path`` and subtract its size from ``usage``; ``False`` if it was already gone."""
+        """Retire ``path`` (unlink or keep as a spare) with accounting; ``False`` if it was already gone."""
         try:
-            size = path.stat().st_size
-            path.unlink()
+            return self._retire(str(path), path.stat().st_size)
         except FileNotFoundError:
             return False
-        self._add_usage(-size)
-        return True
 
     def stats(self) -> StoreStats:
         num_keys = 0
@@ -371,6 +591,13 @@ class FileBackend:
             except FileNotFoundError:
                 continue
             num_keys += 1
+        num_spare_bytes = 0
+        for path in self._iter_spare_paths():
+            try:
+                num_spare_bytes += path.stat().st_size
+            except FileNotFoundError:
+                continue
+        usage_estimate, spare_estimate = self._update_usage(lambda usage, spare: (usage, spare))
         return StoreStats(
             url=self.url,
             num_keys=num_keys,
@@ -378,8 +605,11 @@ class FileBackend:
             capacity_bytes=self.capacity_bytes,
             extra={
                 "directory": str(self.directory),
-                "usage_estimate_bytes": self._add_usage(0),
+                "usage_estimate_bytes": usage_estimate,
+                "spare_bytes": num_spare_bytes,
+                "spare_estimate_bytes": spare_estimate,
                 "num_evicted_by_this_process": self.num_evicted,
+                "num_recycled_by_this_process": self.num_recycled,
             },
         )
 
