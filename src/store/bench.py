@@ -108,8 +108,10 @@ def bench_scratch_dir() -> tempfile.TemporaryDirectory[str]:
 
 
 def default_store_urls(bytes_per_round: int, directory: str) -> list[str]:
-    """``memory://`` and a ``file://`` store under ``directory``, big enough for one round."""
-    capacity = 4 * bytes_per_round + (64 << 20)
+    """``memory://`` and a ``file://`` store under ``directory``, big enough that its spare files (10 % of
+    capacity, see ``hybridkv.store.file``) hold a round of each value size: the steady state of a store at
+    capacity, where evicted files' pages are recycled. tmpfs allocates only the bytes written."""
+    capacity = 32 * bytes_per_round
     return [f"memory://bench-{uuid.uuid4().hex}", f"file://{directory}/store?capacity={capacity}"]
 
 

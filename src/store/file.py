@@ -119,7 +119,9 @@ class FileBackend:
             self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
             self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
-            raise StoreError(f"file store {url!r}: cannot use directory {str(directory)!r}: {error}") from None
+            raise StoreError(
+                f"file store {url!r}: cannot use directory {str(directory)!r}: {error}"
+            ) from None
         # flock is per open file description, so threads of this process also need a lock of their own.
         self._usage_lock = threading.Lock()
         self._closed = False
@@ -384,9 +386,8 @@ class FileBackend:
         num_claimed_frame_bytes = sum(size for size, claim in zip(sizes, claims) if claim is not None)
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
         usage = self._add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if num_unclaimed_bytes and usage > self.capacity_bytes:
-            if self._make_room(num_unclaimed_bytes):
-                self._add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
+        if num_unclaimed_bytes and usage > self.capacity_bytes and self._make_room(num_unclaimed_bytes):
+            self._add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
             if new_path is None:
@@ -394,7 +395,9 @@ class FileBackend:
             if seal is not None:
                 seal(index)
             claim = claims[index]
-            results[index], published = self._publish(key, frame, new_path, None if claim is None else claim[0])
+            results[index], published = self._publish(
+                key, frame, new_path, None if claim is None else claim[0]
+            )
             if not published:
                 num_unpublished_bytes += sizes[index]
         if num_unpublished_bytes:
