@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.store import Status, open_store
+from hybridkv.store import Status
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import default_checksum
 from hybridkv.store.framed import FramedStore
