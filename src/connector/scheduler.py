@@ -525,7 +525,8 @@ class SchedulerSide:
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
             try:
-                on_done(fut)
+                if not fut.cancelled():  # cancelled at shutdown: nothing happened, nothing to report
+                    on_done(fut)
             finally:
                 self._maintenance_slots.release()
 
