@@ -14,17 +14,29 @@ Contracts (``DESIGN.md`` hard rules):
 - Saves: full attention and SWA positionally from the current tables as prompt blocks complete; Mamba only
   from ``boundary_state_offloads`` and ``register_finished_partial_tail``. Source blocks are pinned
   (``touch``) until every rank reports the wave, then freed.
-- A failed load truncates: invalid entries are removed from the store, vLLM restarts the request from 0
-  (``failed_recving`` from the workers, policy ``recompute``), and its next lookup is the one retry: an
-  ordinary lookup capped at the retry cap (the largest boundary no failed entry stands in the way of), which
-  may hit and load an earlier boundary the store still serves. The request's load and save bookkeeping is
-  reset so the retry's load (or the recompute) starts clean and re-saves what was invalidated.
-- ``BlockStored`` events only for waves every rank stored.
+- A failed load truncates: vLLM restarts the request from 0 (``failed_recving`` from the workers, policy
+  ``recompute``), and its next lookup is the one retry: an ordinary lookup capped at the retry cap (the
+  largest boundary no faulted entry stands in the way of), which may hit and load an earlier boundary the
+  store still serves. Only definite faults (``MISSING``, ``CORRUPT``) remove entries; timeouts, transport
+  errors and unattempted blocks keep theirs (counted as ``load_transient_faults``). The request's load and
+  save bookkeeping is reset so the retry's load (or the recompute) starts clean and re-saves what was
+  invalidated.
+- No store call on the scheduler thread without a deadline: lookups wait at most ``lookup_budget_ms``;
+  invalidation removes run on a maintenance thread (bounded queue: when full, the removal is dropped and
+  counted); ``reset_cache`` waits at most ``reset_wait_s`` for its ``remove_prefix`` (see there).
+- Never an assert on vLLM's numbers: external tokens vLLM allocated that do not match the plan (or a plan
+  block on the null block, or a lifecycle in the wrong state) decline the hit (``hit_declined``, audited
+  with the reason): an empty load job that every worker reports failed, so vLLM recomputes the request.
+- KV events follow the store: ``BlockStored`` only for waves every rank stored (token range: the block's
+  first token up to the key boundary), ``BlockRemoved`` once an invalidation removal returned,
+  ``AllBlocksCleared`` once a namespace reset's removal returned.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +53,7 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
-from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, plan_save
+from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, cdiv, plan_save
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
 from hybridkv.store.breaker import Admission, BreakerState, CircuitBreaker
 
@@ -54,6 +66,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _BREAKER_OPEN_S = 5.0
+#: Store maintenance calls (invalidation removes, namespace resets) queued or running at most.
+_MAINTENANCE_QUEUE = 64
+#: The longest ``reset_cache`` waits for the namespace removal before answering (the engine core waits).
+RESET_WAIT_S = 1.0
 
 
 @dataclass
@@ -79,6 +95,8 @@ class _Job:
     wave: SaveWave
     pinned: list[Any]
     request: Request
+    #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
+    epoch: int
     ranks_done: set[int] = field(default_factory=set)
     results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
 
@@ -109,6 +127,22 @@ class SchedulerSide:
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=1, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
+        # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
+        self._maintenance = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="hybridkv-maintenance"
+        )
+        self._maintenance_slots = threading.BoundedSemaphore(_MAINTENANCE_QUEUE)
+        #: guards what maintenance callbacks share with the scheduler thread (events, reset state, pending)
+        self._lock = threading.Lock()
+        #: (sgid, block hash) of blocks whose invalidation removal has not returned yet
+        self._removals_pending: set[tuple[int, bytes]] = set()
+        #: resets requested; saves created before the latest one never publish ``BlockStored``
+        self._reset_epoch = 0
+        self._resets_pending = 0
+        #: the last namespace removal raised: entries from before the reset may remain, so lookups miss
+        #: until a reset succeeds
+        self._reset_failed = False
+        self.reset_wait_s = RESET_WAIT_S
         # kv_role: a producer saves, a consumer loads, kv_both does both.
         tc = vllm_config.kv_transfer_config
         self.can_save = bool(tc.is_kv_producer)
@@ -148,8 +182,16 @@ class SchedulerSide:
         """Whether lookups answer "miss" without asking the store (until the next probe)."""
         return self.lookup_breaker.state is BreakerState.OPEN
 
+    @property
+    def namespace_closed(self) -> bool:
+        """Whether a namespace reset is unfinished (or failed): lookups miss and nothing is saved, so no
+        entry from before the reset is ever served."""
+        return self._resets_pending > 0 or self._reset_failed
+
     def _exists(self, keys: tuple[str, ...]) -> list[bool] | None:
         """One batched existence check within the budget; None when the store failed or was too slow."""
+        if self.namespace_closed:
+            return None
         if self.lookup_breaker.before_call() is Admission.REJECT:
             return None
         fut = self._executor.submit(self.store.exists, list(keys))
@@ -204,34 +246,19 @@ class SchedulerSide:
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
-        if r is None:
+        if r is None or num_external_tokens == 0:
+            if r is not None and r.lc.current is State.PARTIAL_HIT:
+                r.lc.decline()
+            elif r is None and num_external_tokens:
+                self._decline_allocated(request, None, "request not tracked")
             return
         lc = r.lc
-        if num_external_tokens == 0:
-            if lc.current is State.PARTIAL_HIT:
-                lc.decline()
+        refs, reason = self._bind_plan(request, lc, blocks, num_external_tokens)
+        if reason is not None:
+            self._decline_allocated(request, r, reason)
             return
-        assert lc.current is State.PARTIAL_HIT and lc.lookup is not None and lc.lookup.plan is not None, (
-            f"request {request.request_id}: {num_external_tokens} external tokens in state {lc.state} without a plan"
-        )
-        plan = lc.lookup.plan
-        assert plan.boundary - plan.num_computed_tokens == num_external_tokens, (
-            f"request {request.request_id}: vLLM took {num_external_tokens} external tokens, the plan has "
-            f"{plan.boundary - plan.num_computed_tokens} (boundary {plan.boundary}, local {plan.num_computed_tokens})"
-        )
-        table = blocks.get_block_ids()
-        refs: list[BlockRef] = []
-        for load in plan.loads:
-            info = self.geo.groups[load.group_index]
-            bid = table[info.gid][load.block_index]
-            assert bid != 0, (
-                f"request {request.request_id}: group {info.gid} ({info.kind.value}) block {load.block_index} "
-                f"is the null block in the load plan for boundary {plan.boundary}"
-            )
-            refs.append(
-                BlockRef(info.sgid, info.gid, load.block_index, bid, load.block_hash, load.key_boundary)
-            )
-        job = LoadJob(request.request_id, plan.boundary, tuple(refs))
+        assert lc.lookup is not None and lc.lookup.plan is not None  # _bind_plan checked it
+        job = LoadJob(request.request_id, lc.lookup.plan.boundary, tuple(refs))
         r.load, r.load_results, r.load_ranks = job, [], set()
         self._pending_loads.append(job)
         lc.start_load()
@@ -239,12 +266,58 @@ class SchedulerSide:
         for g in self.geo.groups:
             self.stats.add(f"hit_tokens.g{g.sgid}", num_external_tokens)
 
+    def _bind_plan(
+        self, request: Request, lc: RequestLifecycle, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> tuple[list[BlockRef], str | None]:
+        """The plan's blocks on the request's real block table, or why vLLM's allocation does not fit."""
+        if lc.current is not State.PARTIAL_HIT or lc.lookup is None or lc.lookup.plan is None:
+            return [], f"{num_external_tokens} external tokens allocated in state {lc.state} without a plan"
+        plan = lc.lookup.plan
+        planned = plan.boundary - plan.num_computed_tokens
+        if planned != num_external_tokens:
+            return [], (
+                f"vLLM allocated {num_external_tokens} external tokens, the plan has {planned} "
+                f"(boundary {plan.boundary}, local {plan.num_computed_tokens})"
+            )
+        table = blocks.get_block_ids()
+        refs: list[BlockRef] = []
+        for load in plan.loads:
+            info = self.geo.groups[load.group_index]
+            row = table[info.gid] if info.gid < len(table) else []
+            bid = row[load.block_index] if load.block_index < len(row) else 0
+            if bid == 0:
+                return [], (
+                    f"group {info.gid} ({info.kind.value}) block {load.block_index} is not allocated "
+                    f"(null block) in the load plan for boundary {plan.boundary}"
+                )
+            refs.append(
+                BlockRef(info.sgid, info.gid, load.block_index, bid, load.block_hash, load.key_boundary)
+            )
+        return refs, None
+
+    def _decline_allocated(self, request: Request, r: _Req | None, reason: str) -> None:
+        """Refuse a hit vLLM already allocated. vLLM waits for the load to finish, so an empty load job
+        goes to the workers, which report it failed at once (``finished_recving`` + ``failed_recving``):
+        vLLM restarts the request from 0 and recomputes it. No later lookup of this incarnation hits."""
+        self._pending_loads.append(LoadJob(request.request_id, 0, ()))
+        self.stats.add("hit_declined")
+        log.warning(
+            "hybridkv: hit declined; request recomputes", request_id=request.request_id, reason=reason
+        )
+        if r is None:
+            return
+        r.memo = None
+        if r.lc.current is State.PARTIAL_HIT:
+            r.lc.decline(reason, final=True)
+        else:
+            r.lc.exhausted = True  # no transition leads from here: the log line above is the record
+
     # ------------------------------------------------------------------ per step
     def build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
         meta = HybridStoreMetadata(scheme=self.scheme, loads=self._pending_loads, saves=self._pending_saves)
         self._pending_loads, self._pending_saves = [], []
         bs = so.kv_connector_block_state
-        if bs is None or not self.can_save:
+        if bs is None or not self.can_save or self.namespace_closed:
             return meta
         progress: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
         cr = so.scheduled_cached_reqs
@@ -361,7 +434,7 @@ class SchedulerSide:
         if self._pool is not None:
             pinned = [self._pool.blocks[ref.block_id] for ref in refs]
             self._pool.touch(pinned)
-        self._jobs[job.job_id] = _Job(job, wave, pinned, r.request)
+        self._jobs[job.job_id] = _Job(job, wave, pinned, r.request, self._reset_epoch)
         wave.start_put()
         return job
 
@@ -373,7 +446,7 @@ class SchedulerSide:
     ) -> None:
         """A finish-time Mamba tail hand-off (and, from ``block_ids``, the full-attention tail it needs)."""
         r = self._reqs.get(request.request_id)
-        if r is None or not self.can_save:
+        if r is None or not self.can_save or self.namespace_closed:
             return
         items = self._boundary_saves(r, tails)
         if items:
@@ -407,7 +480,7 @@ class SchedulerSide:
         job = r.load
         assert job is not None
         outcomes = {
-            EntryId(rank, sgid, idx, end): LoadOutcome.OK if st == "ok" else LoadOutcome.FAILED
+            EntryId(rank, sgid, idx, end): LoadOutcome.from_status(st)
             for rank, sgid, idx, end, st in r.load_results
         }
         self.stats.add("load_calls")
@@ -422,22 +495,80 @@ class SchedulerSide:
         # position (the retry's loaded boundary, or the local hit), so invalidated entries get re-saved.
         r.loaded_boundary = 0
         r.saved_upto = None
-        removed = 0
-        if resolution.invalid_keys:
-            try:
-                removed = sum(1 for s in self.store.remove(list(resolution.invalid_keys)) if s.is_ok)
-            except Exception as exc:  # noqa: BLE001 -- invalidation is best effort; the frame check still guards reads
-                log.warning("hybridkv invalidation failed", error=repr(exc))
         self.stats.add("truncations")
-        self.stats.add("invalidated_entries", removed)
+        self.stats.add("load_transient_faults", resolution.num_transient_faults)
+        if resolution.invalid_keys:
+            hash_of = {(ref.sgid, ref.index, ref.key_boundary): ref.block_hash for ref in job.blocks}
+            bad = {
+                (e.group_index, hash_of[(e.group_index, e.block_index, e.key_boundary)])
+                for e in resolution.invalid_entries
+            }
+            self._invalidate(list(resolution.invalid_keys), sorted(bad))
         log.warning(
             "hybridkv load failed; request recomputes",
             request_id=r.request.request_id,
             boundary=job.boundary,
             retry_cap=resolution.retry_cap,
             failed=len(resolution.failed_entries),
-            invalidated=removed,
+            transient=resolution.num_transient_faults,
+            invalidated=len(resolution.invalid_keys),
         )
+
+    def _submit_maintenance(
+        self, fn: Callable[[], Any], on_done: Callable[[concurrent.futures.Future[Any]], None]
+    ) -> concurrent.futures.Future[Any] | None:
+        """Run ``fn`` on the maintenance thread, then ``on_done`` (there, with its future); None (and
+        counted) when the queue is full: a stuck store never grows it without bound."""
+        if not self._maintenance_slots.acquire(blocking=False):
+            self.stats.add("maintenance_dropped")
+            return None
+
+        def done(fut: concurrent.futures.Future[Any]) -> None:
+            try:
+                if not fut.cancelled():  # cancelled at shutdown: nothing happened, nothing to report
+                    on_done(fut)
+            finally:
+                self._maintenance_slots.release()
+
+        try:
+            fut = self._maintenance.submit(fn)
+        except RuntimeError:  # shut down
+            self._maintenance_slots.release()
+            return None
+        fut.add_done_callback(done)
+        return fut
+
+    def _invalidate(self, keys: list[str], blocks: list[tuple[int, bytes]]) -> None:
+        """Remove known-bad entries off the scheduler thread; ``BlockRemoved`` once the removal returned.
+
+        ``blocks``: (sgid, block hash) of the invalidated blocks. While their removal is pending, save
+        waves that finish for them publish nothing (the removal may land after their put)."""
+        with self._lock:
+            self._removals_pending.update(blocks)
+
+        def removed(fut: concurrent.futures.Future[Any]) -> None:
+            exc = fut.exception()
+            with self._lock:
+                self._removals_pending.difference_update(blocks)
+                if exc is None:
+                    self._events.extend(self._removed_event(sgid, block_hash) for sgid, block_hash in blocks)
+            if exc is not None:
+                log.warning("hybridkv invalidation failed", error=repr(exc), num_keys=len(keys))
+                return
+            self.stats.add("invalidated_entries", sum(1 for st in fut.result() if st.is_ok))
+
+        if self._submit_maintenance(lambda: self.store.remove(keys), removed) is None:
+            with self._lock:
+                self._removals_pending.difference_update(blocks)
+            log.warning("hybridkv invalidation dropped: maintenance queue full", num_keys=len(keys))
+
+    def wait_maintenance(self, timeout: float) -> bool:
+        """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
+        try:
+            self._maintenance.submit(lambda: None).result(timeout=timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            return False
+        return True
 
     def _finish_job(self, j: _Job) -> None:
         del self._jobs[j.job.job_id]
@@ -449,16 +580,24 @@ class SchedulerSide:
             return
         outcomes = {EntryId(rank, sgid, idx, end): st == "ok" for rank, sgid, idx, end, st in j.results}
         stored = j.wave.finish_put(outcomes)
-        for block in stored:
-            self._events.append(
+        with self._lock:
+            # A reset since the job was created, or an invalidation removal still pending for a block,
+            # may remove what was just stored: publish nothing rather than something untrue.
+            if j.epoch != self._reset_epoch or self.namespace_closed:
+                return
+            self._events.extend(
                 self._stored_event(block.group_index, block.key_boundary, block.block_hash, j.request)
+                for block in stored
+                if (block.group_index, block.block_hash) not in self._removals_pending
             )
 
     def _stored_event(self, sgid: int, end: int, block_hash: bytes, request: Request) -> Any:
         from vllm.distributed.kv_events import BlockStored
 
         g = self.geo.groups[sgid]
-        start = max(0, end - g.span)
+        # The block's tokens up to the key boundary: [block start, end) (a prompt tail or Mamba state at
+        # a boundary inside a block covers less than a span).
+        start = (cdiv(end, g.span) - 1) * g.span
         tokens = list(request.all_token_ids[start:end])
         return BlockStored(
             block_hashes=[block_hash],
@@ -471,8 +610,14 @@ class SchedulerSide:
             group_idx=g.gid,
         )
 
+    def _removed_event(self, sgid: int, block_hash: bytes) -> Any:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        return BlockRemoved(block_hashes=[block_hash], medium="STORAGE", group_idx=self.geo.groups[sgid].gid)
+
     def take_events(self) -> list[Any]:
-        ev, self._events = self._events, []
+        with self._lock:
+            ev, self._events = self._events, []
         return ev
 
     # ------------------------------------------------------------------ lifetime
@@ -485,9 +630,52 @@ class SchedulerSide:
         return bool(self._jobs) or bool(self._pending_saves)
 
     def reset_cache(self) -> bool:
-        n = self.store.remove_prefix(self.scheme.prefix)
-        log.info("hybridkv reset_cache", prefix=self.scheme.prefix, removed=n)
-        return True
+        """Remove this deployment's namespace (``reset_prefix_cache(reset_connector=True)``).
+
+        The removal runs on the maintenance thread; this waits at most ``reset_wait_s`` for it. From the
+        call on, lookups miss and no save starts until the removal returned, so no entry from before the
+        reset is ever served, and saves created before it publish no ``BlockStored``; ``AllBlocksCleared``
+        follows the removal. Returns True when the removal finished in time, or is still running (the
+        reset is in effect for every request: vLLM counts it as done, and ``pause_generation``'s cache
+        reset does not fail the engine over a slow store); False when the store raised (or the
+        maintenance queue is full): vLLM's ``reset_prefix_cache`` then reports failure, and lookups keep
+        missing until a later reset succeeds.
+        """
+        with self._lock:
+            self._reset_epoch += 1
+            self._resets_pending += 1
+        prefix = self.scheme.prefix
+
+        def cleared(fut: concurrent.futures.Future[Any]) -> None:
+            from vllm.distributed.kv_events import AllBlocksCleared
+
+            exc = fut.exception()
+            with self._lock:
+                self._resets_pending -= 1
+                self._reset_failed = exc is not None
+                if exc is None:
+                    self._events.append(AllBlocksCleared())
+            if exc is None:
+                log.info("hybridkv reset_cache", prefix=prefix, removed=fut.result())
+            else:
+                log.warning(
+                    "hybridkv reset_cache failed; lookups miss until a reset succeeds", error=repr(exc)
+                )
+
+        fut = self._submit_maintenance(lambda: self.store.remove_prefix(prefix), cleared)
+        if fut is None:
+            with self._lock:
+                self._resets_pending -= 1
+                self._reset_failed = True
+            log.warning("hybridkv reset_cache dropped: maintenance queue full; lookups miss until a reset")
+            return False
+        try:
+            fut.exception(timeout=self.reset_wait_s)
+        except concurrent.futures.TimeoutError:
+            self.stats.add("reset_timeouts")
+            log.warning("hybridkv reset_cache still running; lookups miss until it finishes", prefix=prefix)
+            return True
+        return fut.exception() is None
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -495,6 +683,7 @@ class SchedulerSide:
                 self._pool.free_blocks(list(reversed(j.pinned)))
         self._jobs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._maintenance.shutdown(wait=False, cancel_futures=True)
         if self.audit is not None:
             self.audit.close()
         self.store.close()

@@ -2,7 +2,8 @@
 
 All values are counters since the previous collection; ``aggregate`` sums them (scheduler + every worker).
 Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit_tokens.g<N>`` (per store
-group), ``truncations``, ``invalidated_entries``, ``load_calls``, ``load_keys``, ``load_bytes``,
+group), ``truncations``, ``invalidated_entries``, ``load_transient_faults``, ``hit_declined``,
+``maintenance_dropped``, ``reset_timeouts``, ``load_calls``, ``load_keys``, ``load_bytes``,
 ``load_failed_keys``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
 ``save_skipped_keys`` (already stored), ``put_wave_drops``; and one gauge, ``breaker_open`` (0 or 1, sent by
 the scheduler whenever the lookup circuit breaker changed state).
@@ -99,6 +100,22 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
         "Loads that failed and were truncated (request recomputed).",
     ),
     "invalidated_entries": ("vllm:hybridkv_invalidated_entries", "Store entries removed after failed loads."),
+    "load_transient_faults": (
+        "vllm:hybridkv_load_transient_faults",
+        "Load entries that timed out or hit a transport error (entry kept in the store).",
+    ),
+    "hit_declined": (
+        "vllm:hybridkv_hit_declined",
+        "Hits declined after vLLM allocated tokens that do not match the load plan (request recomputed).",
+    ),
+    "maintenance_dropped": (
+        "vllm:hybridkv_maintenance_dropped",
+        "Store removals (invalidations, resets) dropped because the maintenance queue was full.",
+    ),
+    "reset_timeouts": (
+        "vllm:hybridkv_reset_timeouts",
+        "Namespace resets still running when reset_cache answered (lookups miss until they finish).",
+    ),
     "load_calls": ("vllm:hybridkv_load_calls", "Async loads judged (all ranks reported)."),
     "load_keys": ("vllm:hybridkv_load_keys", "Keys read from the store."),
     "load_bytes": ("vllm:hybridkv_load_bytes", "Bytes read from the store into the KV cache."),

@@ -248,7 +248,10 @@ class WorkerSide:
     ) -> tuple[bool, list[tuple[int, int, int, int, str]]]:
         refs = job.blocks
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
-        statuses: list[Status] = [Status.TRANSFER_FAILED] * len(refs)
+        if not refs:
+            return False, []  # a hit the scheduler declined after vLLM allocated it: report it failed
+        # None: never attempted (staging stayed exhausted); reported "not_attempted", which keeps the entry.
+        statuses: list[Status | None] = [None] * len(refs)
         nbytes = 0
         for batches in self._batches(refs, range(len(refs))):
             held: list[tuple[StagedBlocks, list[int]]] = []
@@ -267,7 +270,7 @@ class WorkerSide:
                 for i, st in zip(order, got, strict=True):
                     statuses[i] = st
                 for sb, idxs in held:
-                    flags = [statuses[i].is_ok for i in idxs]
+                    flags = [statuses[i] is Status.OK for i in idxs]
                     sb.commit(flags)
                     nbytes += sum(flags) * self.block_nbytes(refs[idxs[0]].sgid)
             finally:
@@ -275,12 +278,13 @@ class WorkerSide:
                     sb.release()
         results = []
         for ref, st in zip(refs, statuses, strict=True):
-            if not st.is_ok:
+            if st is not Status.OK:
                 self.stats.add("load_failed_keys")
-            results.append((self.tp_rank, ref.sgid, ref.index, ref.key_boundary, st.value))
+            status = "not_attempted" if st is None else st.value
+            results.append((self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status))
         self.stats.add("load_keys", len(keys))
         self.stats.add("load_bytes", nbytes)
-        return all(st.is_ok for st in statuses), results
+        return all(st is Status.OK for st in statuses), results
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call; failed is a subset of finished.

@@ -17,9 +17,10 @@ Primitives and their contracts:
 - ``plan_lookup(...) -> LookupCandidates``: every key one lookup may need, for ONE ``store.exists``.
 - ``LookupCandidates.resolve(exists) -> LookupResult``: the agreed boundary (the same fixed point as
   vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``) and the exact ``LoadPlan``.
-- ``LoadPlan.resolve_outcomes(...) -> LoadResolution``: after per-(rank, group, block) results, the
-  retry cap (the largest boundary no failed entry of any group on any rank stands in the way of; the
-  retry's own lookup then finds what the store can still serve below it) and the keys to invalidate.
+- ``LoadPlan.resolve_outcomes(...) -> LoadResolution``: after per-(rank, group, block) outcomes, the
+  retry cap (the largest boundary no faulted entry of any group on any rank stands in the way of; the
+  retry's own lookup then finds what the store can still serve below it) and the keys to invalidate
+  (definite faults only: ``LoadOutcome.invalidates``).
 - ``plan_save(...) -> SavePlan``: the keys of the blocks a save wave writes, and which blocks count
   as stored (every rank OK) so that events are published only for stored entries.
 
@@ -391,9 +392,49 @@ class EntryId(NamedTuple):
 
 
 class LoadOutcome(enum.Enum):
+    """What happened to one planned entry of a load on one rank.
+
+    Only a definite fault (``MISSING``: the store no longer has the key; ``CORRUPT``: its bytes failed
+    the frame check) says the entry is bad: it ``invalidates`` (the block is removed on every rank).
+    A ``TIMEOUT`` or ``TRANSPORT_ERROR`` says nothing about the entry (the store was slow, a transfer or
+    staging buffer failed); ``NOT_ATTEMPTED`` entries were never read. Those keep their store entries:
+    the fault is counted, the request recomputes, a later request may load them. Every fault (but not
+    ``NOT_ATTEMPTED``) still bars the retry of THIS request from the boundaries that need the entry.
+    """
+
     OK = "ok"
-    FAILED = "failed"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+    TIMEOUT = "timeout"
+    TRANSPORT_ERROR = "transport_error"
     NOT_ATTEMPTED = "not_attempted"
+
+    @property
+    def is_fault(self) -> bool:
+        """The entry was read and did not load (bars the retry's boundaries that need it)."""
+        return self is not LoadOutcome.OK and self is not LoadOutcome.NOT_ATTEMPTED
+
+    @property
+    def invalidates(self) -> bool:
+        """The entry is known bad: remove it from the store (hard rule 3)."""
+        return self is LoadOutcome.MISSING or self is LoadOutcome.CORRUPT
+
+    @classmethod
+    def from_status(cls, status: str) -> LoadOutcome:
+        """The outcome of a worker's per-block store status (``hybridkv.store.Status`` value, or
+        ``"not_attempted"``). Unknown statuses are transport errors: they never delete an entry."""
+        return _STATUS_TO_OUTCOME.get(status, LoadOutcome.TRANSPORT_ERROR)
+
+
+_STATUS_TO_OUTCOME: dict[str, LoadOutcome] = {
+    "ok": LoadOutcome.OK,
+    "not_found": LoadOutcome.MISSING,
+    "corrupt": LoadOutcome.CORRUPT,
+    "timeout": LoadOutcome.TIMEOUT,
+    "transfer_failed": LoadOutcome.TRANSPORT_ERROR,
+    "no_space": LoadOutcome.TRANSPORT_ERROR,
+    "not_attempted": LoadOutcome.NOT_ATTEMPTED,
+}
 
 
 AvailableFn = Callable[[int, int], bool]
@@ -699,26 +740,29 @@ class LoadResolution:
     Otherwise the request is reported failed and vLLM (``kv_load_failure_policy="recompute"``) restarts
     it from ``num_computed_tokens = 0``, discarding whatever this load restored: the one retry reloads
     from scratch with a fresh lookup. So the verdict does not ask "what did this load restore" but "what
-    is known to be bad":
+    may the retry use" and "what is known to be bad":
 
     - ``retry_cap``: the largest boundary the retry's lookup may return. It is the largest multiple of
-      the hit alignment, at most ``planned_boundary - 1`` when some entry FAILED (at most
+      the hit alignment, at most ``planned_boundary - 1`` when some entry faulted (at most
       ``planned_boundary`` when entries were only not attempted), such that restoring it needs no
-      failed entry of any group on any rank:
+      faulted entry (any ``LoadOutcome.is_fault``, transient ones included) of any group on any rank:
 
-      - full attention: a failed block ``i`` of group ``g`` (on any rank: a DCP-sharded block failed on
-        one rank is bad for all) bars every boundary ``> i * B_g``;
-      - sliding window: a failed block bars the boundaries whose window needs it;
-      - Mamba: a failed state at ``b`` bars ``b`` only (states at other boundaries are other entries).
+      - full attention: a faulted block ``i`` of group ``g`` (on any rank: a DCP-sharded block that
+        failed on one rank is bad for all) bars every boundary ``> i * B_g``;
+      - sliding window: a faulted block bars the boundaries whose window needs it;
+      - Mamba: a faulted state at ``b`` bars ``b`` only (states at other boundaries are other entries).
 
       The cap is only an upper bound: it says nothing about what the store still holds. The retry's
       ordinary lookup (one batched ``exists``) finds the best boundary ``<= retry_cap`` at which every
       group (e.g. a Mamba state saved at an earlier hand-off) exists on every rank. The cap is never
-      below the local hit of the failed plan (failures are all past it). 0 = any boundary.
-    - ``invalid_keys`` (hard rule 3), to remove from the store: every FAILED entry; every entry of the
-      same group in a later block than that group's first failed block, on every rank; every entry not
-      attempted whose key boundary lies past ``retry_cap``. Entries that loaded ``OK`` before a failure
-      stay and serve the retry.
+      below the local hit of the failed plan (failures are all past it). 0 = any boundary. Blocks past
+      the cap (unattempted or faulted) are thereby unloadable for THIS request (hard rule 3).
+    - ``invalid_entries`` / ``invalid_keys``: only definite faults (``LoadOutcome.invalidates``:
+      ``MISSING``, ``CORRUPT``) are removed from the store, and with them the same block's entries on
+      every other rank (a block is restorable only from every rank). Entries that timed out, hit a
+      transport error or were not attempted stay: the store may serve them to a later request, whose
+      frame check still guards every byte.
+    - ``failed_entries``: every faulted entry (definite and transient), for the audit and counters.
     """
 
     verified: bool
@@ -726,11 +770,17 @@ class LoadResolution:
     retry_cap: int
     invalid_keys: tuple[str, ...]
     failed_entries: tuple[EntryId, ...]
+    invalid_entries: tuple[EntryId, ...] = ()
 
     @property
     def safe_boundary(self) -> int:
         """Deprecated name of ``retry_cap``."""
         return self.retry_cap
+
+    @property
+    def num_transient_faults(self) -> int:
+        """Faulted entries that are not invalidated (timeouts, transport errors)."""
+        return len(self.failed_entries) - len(self.invalid_entries)
 
 
 @dataclass(frozen=True)
@@ -771,29 +821,24 @@ class LoadPlan:
         ok = sum(1 for entry, _ in self.entries if outcomes.get(entry) is LoadOutcome.OK)
         if ok == len(self.entries):
             return LoadResolution(True, self.boundary, self.boundary, (), ())
-        failed = tuple(entry for entry, _ in self.entries if outcomes.get(entry) is LoadOutcome.FAILED)
+        not_attempted = LoadOutcome.NOT_ATTEMPTED
+        failed = tuple(entry for entry, _ in self.entries if outcomes.get(entry, not_attempted).is_fault)
+        invalid = tuple(entry for entry, _ in self.entries if outcomes.get(entry, not_attempted).invalidates)
         cap = retry_cap(self.scheme.geometry, self.boundary, failed)
-        first_failure: dict[int, int] = {}
-        for entry in failed:
-            first_failure[entry.group_index] = min(
-                first_failure.get(entry.group_index, entry.block_index), entry.block_index
-            )
-        invalid: list[str] = []
-        for entry, key in self.entries:
-            outcome = outcomes.get(entry, LoadOutcome.NOT_ATTEMPTED)
-            if (
-                outcome is LoadOutcome.FAILED
-                or (outcome is LoadOutcome.NOT_ATTEMPTED and entry.key_boundary > cap)
-                or entry.block_index > first_failure.get(entry.group_index, math.inf)
-            ):
-                invalid.append(key)
-        return LoadResolution(False, self.boundary, cap, tuple(invalid), failed)
+        # A bad block is removed on every rank (one rank's copy is useless without the others').
+        bad_blocks = {(e.group_index, e.block_index, e.key_boundary) for e in invalid}
+        invalid_keys = tuple(
+            key
+            for entry, key in self.entries
+            if (entry.group_index, entry.block_index, entry.key_boundary) in bad_blocks
+        )
+        return LoadResolution(False, self.boundary, cap, invalid_keys, failed, invalid)
 
 
 def retry_cap(geometry: Geometry, planned_boundary: int, failed: Iterable[EntryId]) -> int:
     """The largest aligned boundary the retry of a failed load may return (``LoadResolution.retry_cap``).
 
-    ``failed``: the FAILED entries of the plan (any rank). With none, the cap is the planned boundary
+    ``failed``: the faulted entries of the plan (any rank, any ``LoadOutcome.is_fault``). With none, the cap is the planned boundary
     (aligned). Otherwise it is strictly below it, and no failed entry is needed to restore it:
     full attention block ``i`` bars boundaries ``> i * B_g``, a sliding-window block bars the boundaries
     whose window needs it, a Mamba state at ``b`` bars ``b``.

@@ -379,9 +379,16 @@ class RequestLifecycle(_Model):
         """vLLM allocated the external tokens: the async load is in flight on every rank."""
         self._machine.fire(self, "start_load")
 
-    def decline(self) -> None:
-        """vLLM did not take the external tokens (e.g. its local hit won)."""
-        self._machine.fire(self, "decline")
+    def decline(self, reason: str | None = None, *, final: bool = False) -> None:
+        """The hit is not loaded: vLLM did not take the external tokens (e.g. its local hit won), or
+        the connector refused what vLLM allocated (``reason`` says why; the audit record carries it).
+        ``final``: no later lookup of this incarnation may hit (the request recomputes instead)."""
+        if final:
+            self.exhausted = True
+        if reason is None:
+            self._machine.fire(self, "decline")
+        else:
+            self._machine.fire(self, "decline", reason=reason)
 
     def finish_load(self, outcomes: Mapping[EntryId, LoadOutcome]) -> LoadResolution:
         """Every rank reported: ``VERIFIED`` or ``TRUNCATED`` (with the retry cap and keys to remove).
@@ -413,6 +420,7 @@ class RequestLifecycle(_Model):
                 retry_cap=cap,
                 num_failed_entries=len(resolution.failed_entries),
                 num_invalid_keys=len(resolution.invalid_keys),
+                num_transient_faults=resolution.num_transient_faults,
                 failed_groups=sorted({e.group_index for e in resolution.failed_entries}),
             )
         return resolution

@@ -160,6 +160,7 @@ class FaultyBackend:
         return keys
 
     def remove_prefix(self, prefix: str) -> int:
+        self._delay()
         num_removed: int = self.inner.remove_prefix(prefix)
         return num_removed
 

@@ -7,8 +7,8 @@ Matrix: (a) full attention + Mamba align, DCP 1 (TP 2); (b) full attention + sli
 - hit: the load covers exactly the boundary the store can serve (vLLM's prompt checkpoint), every group
   advances by it, and on every rank every restored KV slot / Mamba state equals what a recompute writes;
 - one rank fails one full-attention block k: TRUNCATED with retry cap k x span, ``failed_recving`` +
-  ``finished_recving`` from every rank (never block-level ids), the failed entry and its downstream
-  entries removed from the store; vLLM restarts the request from 0 and the one capped retry loads an
+  ``finished_recving`` from every rank (never block-level ids), the failed entry (a transfer failure, so
+  a transient fault) and its downstream entries kept in the store; vLLM restarts the request from 0 and the one capped retry loads an
   earlier boundary the store still serves (Mamba state / window there), whose every restored slot and
   state equals a recompute (TRUNCATED -> LOOKUP -> PARTIAL_HIT -> LOADING -> VERIFIED);
 - abort while loading: the lifecycle is evicted, vLLM holds the blocks until every rank finished, the
@@ -144,9 +144,11 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         assert "b2" not in cl.loads_checked
         req = cl.sched.requests["b2"]
         assert req.num_computed_tokens == 0  # policy "recompute": from scratch
-        # The failed entry is gone; so are full-attention entries downstream of it, on every rank.
-        assert not store.exists(failed_key)[0].is_ok
-        assert downstream and not any(s.is_ok for s in store.exists(downstream))
+        # A transfer failure says nothing about the entry: the failed entry and the full-attention entries
+        # downstream of it stay in the store (this request's retry cannot use them: the cap).
+        assert side.wait_maintenance(10)
+        assert downstream and all(s.is_ok for s in store.exists(failed_key + downstream))
+        assert side.stats.totals["load_transient_faults"] == 1
         out = cl.step()  # the one capped retry: an earlier boundary, loaded and checked slot by slot
         retry = [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads]
         assert retry == [("b2", RETRY_HIT[kind, dcp])], (retry, cap)

@@ -671,7 +671,7 @@ def audit_scenario() -> list[dict[str, Any]]:
     c.start_load()
     outcomes = {entry: LoadOutcome.OK for entry, _ in result.plan.entries}
     failed = next(e for e, _ in result.plan.entries if (e.tp_rank, e.group_index, e.block_index) == (1, 0, 1))
-    outcomes[failed] = LoadOutcome.FAILED
+    outcomes[failed] = LoadOutcome.CORRUPT
     c.finish_load(outcomes)
     lookup(c)
     c.evict()

@@ -28,7 +28,7 @@ def _write_clean_log(path: Path) -> None:
             lifecycle.start_load()
             outcomes = {e: LoadOutcome.OK for e, _ in result.plan.entries}
             if fail:
-                outcomes[next(iter(outcomes))] = LoadOutcome.FAILED
+                outcomes[next(iter(outcomes))] = LoadOutcome.CORRUPT
             lifecycle.finish_load(outcomes)
             lifecycle.evict()
 

@@ -64,7 +64,7 @@ class _World:
         assert lc.lookup is not None and lc.lookup.plan is not None
         lc.start_load()
         outcomes = {
-            e: LoadOutcome.FAILED if fail(e) or k not in self.store else LoadOutcome.OK
+            e: LoadOutcome.CORRUPT if fail(e) or k not in self.store else LoadOutcome.OK
             for e, k in lc.lookup.plan.entries
         }
         resolution = lc.finish_load(outcomes)
@@ -117,8 +117,9 @@ def test_failed_load_retries_at_the_earlier_boundary(
     assert not resolution.verified and resolution.planned_boundary == 384
     assert resolution.retry_cap == 256 and lc.max_boundary == 256 and lc.current is State.TRUNCATED
     assert resolution.failed_entries == (failed,)
-    # Only the failed entry is invalid: nothing downstream in its group, nothing unattempted.
-    assert resolution.invalid_keys == (dict(plan.entries)[failed],)
+    # Only the corrupt block is invalid, on every rank: nothing downstream in its group, nothing unattempted.
+    key_of = dict(plan.entries)
+    assert set(resolution.invalid_keys) == {key_of[failed._replace(tp_rank=r)] for r in (0, 1)}
     truncated = world.sink.records[-1]
     assert truncated["trigger"] == "load_failed" and truncated["boundary"] == 256
     assert truncated["detail"]["retry_cap"] == 256 and truncated["detail"]["planned_boundary"] == 384
@@ -164,10 +165,8 @@ def test_first_block_failing_caps_at_zero() -> None:
     resolution = world.load(lc, lambda e: e.group_index == FULL and e.block_index == 0 and e.tp_rank == 1)
     assert resolution.retry_cap == 0
     key_of = dict(lc.lookup.plan.entries)  # type: ignore[union-attr]
-    # The failed entry and the full-attention blocks after it, on every rank.
-    assert set(resolution.invalid_keys) == {key_of[EntryId(1, FULL, 0, 128)]} | {
-        key_of[EntryId(r, FULL, i, 128 * (i + 1))] for r in (0, 1) for i in (1, 2)
-    }
+    # The corrupt block on every rank; the blocks after it are good entries this request cannot use.
+    assert set(resolution.invalid_keys) == {key_of[EntryId(r, FULL, 0, 128)] for r in (0, 1)}
     assert world.lookup(lc) == 0 and lc.current is State.MISS
 
 
@@ -227,12 +226,12 @@ def test_sliding_window_failure_bars_only_windows_that_need_it() -> None:
     assert retry_cap(geometry, 128, [EntryId(0, 0, 3, 64), EntryId(0, 1, 7, 128)]) == 48
     plan = _plan(scheme, 128, [(0, i, 16 * (i + 1)) for i in range(8)] + [(1, 6, 112), (1, 7, 128)])
     outcomes = {e: LoadOutcome.OK for e, _ in plan.entries}
-    outcomes[EntryId(0, 1, 6, 112)] = LoadOutcome.FAILED
+    outcomes[EntryId(0, 1, 6, 112)] = LoadOutcome.CORRUPT
     resolution = plan.resolve_outcomes(outcomes)
     key_of = dict(plan.entries)
     assert resolution.retry_cap == 96
-    # Invalid: the failed SWA block and the SWA block downstream of it; full attention stays.
-    assert set(resolution.invalid_keys) == {key_of[EntryId(0, 1, 6, 112)], key_of[EntryId(0, 1, 7, 128)]}
+    # Invalid: the corrupt SWA block only; the SWA block after it and full attention stay.
+    assert set(resolution.invalid_keys) == {key_of[EntryId(0, 1, 6, 112)]}
 
 
 def test_mamba_failure_bars_only_its_own_boundary() -> None:
@@ -260,3 +259,36 @@ def test_audit_replay_flags_a_retry_past_the_cap() -> None:
     hit["boundary"] = 384  # a retry that ignored its cap
     report = replay_records(json.dumps(r) for r in records)
     assert report.violation_counts() == {"over_cap": 1}
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome", "invalidates"),
+    [
+        ("not_found", LoadOutcome.MISSING, True),
+        ("corrupt", LoadOutcome.CORRUPT, True),
+        ("timeout", LoadOutcome.TIMEOUT, False),
+        ("transfer_failed", LoadOutcome.TRANSPORT_ERROR, False),
+        ("no_space", LoadOutcome.TRANSPORT_ERROR, False),
+        ("not_attempted", LoadOutcome.NOT_ATTEMPTED, False),
+        ("something new", LoadOutcome.TRANSPORT_ERROR, False),
+    ],
+)
+def test_only_definite_faults_invalidate(status: str, outcome: LoadOutcome, invalidates: bool) -> None:
+    """A worker status maps to one outcome; only MISSING / CORRUPT remove entries, every fault (but
+    not an unattempted entry) bars the retry's boundaries that need it."""
+    assert LoadOutcome.from_status(status) is outcome and outcome.invalidates is invalidates
+    world = _World(_full_mamba_dcp1())
+    lc = world.machine.new_request("r")
+    assert world.lookup(lc) == 384
+    plan = lc.lookup.plan  # type: ignore[union-attr]
+    assert plan is not None
+    lc.start_load()
+    hit = EntryId(1, FULL, 1, 256)
+    outcomes = {e: LoadOutcome.OK for e, _ in plan.entries}
+    outcomes[hit] = outcome
+    resolution = lc.finish_load(outcomes)
+    key_of = dict(plan.entries)
+    expected = {key_of[hit._replace(tp_rank=r)] for r in (0, 1)} if invalidates else set()
+    assert set(resolution.invalid_keys) == expected
+    assert resolution.num_transient_faults == int(outcome.is_fault and not invalidates)
+    assert resolution.retry_cap == (128 if outcome.is_fault else 384)
