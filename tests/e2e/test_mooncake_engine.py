@@ -47,7 +47,6 @@ def test_mooncake_store_then_reload_gives_identical_tokens(
         "store": master.url(segment="64MiB", local_buffer="16MiB", timeout_ms=5000),
         "namespace": f"e2e-{family}",
         "audit_log": str(log_path),
-        "lookup_budget_ms": 5000,
     }
     tokens = prompt(PROMPT_LEN, seed=31)
     with engine(model, extra) as llm:

@@ -64,7 +64,6 @@ def main(spec_path: str) -> None:
             kv_connector_extra_config={
                 "store": spec["store"],
                 "namespace": spec["namespace"],
-                "lookup_budget_ms": 5000,
             },
         ),
     )
