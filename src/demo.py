@@ -267,8 +267,6 @@ class _Engine:
                     "store": store,
                     "namespace": namespace,
                     "audit_log": str(audit_log),
-                    # The demo shares 2 cores with vLLM: do not let a busy moment read as a dead store.
-                    "lookup_budget_ms": 5000,
                 },
             ),
         )

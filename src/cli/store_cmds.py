@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli._output import format_table, pyplot_or_none, save_report
-from hybridkv.store import StoreError, open_store
+from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
+from hybridkv.lifecycle.geometry import KEY_VERSION
+from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.bench import (
     DEFAULT_BYTES_PER_ROUND,
     DEFAULT_VALUE_SIZES,
@@ -85,14 +87,65 @@ def handle_ls(args: argparse.Namespace) -> int:
     try:
         with open_store(args.url) as store:
             keys = sorted(store.iter_keys(args.prefix))
+            deployments = _deployments(store, keys)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
-        print(json.dumps({"url": args.url, "prefix": args.prefix, "keys": keys}, indent=2))
-    else:
-        print("\n".join(keys) if keys else f"(no keys under {args.prefix!r})")
+        print(
+            json.dumps(
+                {"url": args.url, "prefix": args.prefix, "deployments": deployments, "keys": keys}, indent=2
+            )
+        )
+        return EXIT_OK
+    if deployments:
+        rows = [{name: _cell(row.get(name)) for name in _DEPLOYMENT_COLUMNS} for row in deployments]
+        print(format_table(rows, _DEPLOYMENT_COLUMNS))
+        print()
+    print("\n".join(keys) if keys else f"(no keys under {args.prefix!r})")
     return EXIT_OK
+
+
+_DEPLOYMENT_COLUMNS = [
+    "namespace",
+    "fingerprint",
+    "num_keys",
+    "model",
+    "revision",
+    "weights",
+    "dtype",
+    "kv_cache_dtype",
+    "quantization",
+    "tp",
+    "dcp",
+]
+
+
+def _cell(value: object) -> object:
+    return "-" if value is None or value == "" else value
+
+
+def _deployments(store: Store, keys: list[str]) -> list[dict[str, Any]]:
+    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its key count and its manifest's fields
+    (model, weights identity, dtypes, geometry) when the engine that wrote it left one."""
+    num_keys: dict[tuple[str, str], int] = {}
+    manifests: dict[tuple[str, str], str] = {}
+    for key in keys:
+        parts = key.split("/", 3)
+        if len(parts) < 4 or parts[0] != KEY_VERSION:
+            continue
+        deployment = (parts[1], parts[2])
+        if parts[3] == MANIFEST_NAME:
+            manifests[deployment] = key
+        else:
+            num_keys[deployment] = num_keys.get(deployment, 0) + 1
+    rows = []
+    for deployment in sorted(num_keys.keys() | manifests.keys()):
+        record = read_manifest(store, manifests[deployment]) if deployment in manifests else None
+        row: dict[str, Any] = dict(record or {})
+        row.update(namespace=deployment[0], fingerprint=deployment[1], num_keys=num_keys.get(deployment, 0))
+        rows.append(row)
+    return rows
 
 
 def handle_stats(args: argparse.Namespace) -> int:

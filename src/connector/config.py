@@ -8,7 +8,8 @@ Keys (all optional):
 ``namespace``       key namespace; default derived from the model (its folder name). Letters, digits and
                     ``._-`` only, at most 64 characters.
 ``audit_log``       path of a JSON-lines audit file for state transitions, or ``null`` (no file).
-``put_wave_bytes``  bytes of one PUT wave per rank (int, or a string like ``"64MiB"``); > 0. At most four
+``put_wave_bytes``  bytes of one PUT wave per rank (int, or a size like ``"64MiB"``: binary ``KiB``/``MiB``,
+                    decimal ``KB``/``MB``, a bare ``64m`` is rejected as ambiguous); > 0. At most four
                     waves' bytes are queued per rank; a save beyond that is dropped and counted.
 ``lookup_budget_ms``  the longest the scheduler waits on one existence check; > 0.
 ``verify_checksums``  verify value checksums on load (bool).
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.store.params import byte_size
+
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
 DEFAULT_LOOKUP_BUDGET_MS = 50.0
@@ -43,8 +46,6 @@ KNOWN_KEYS: tuple[str, ...] = (
 _STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
 # Same rule as the key scheme (hybridkv.lifecycle.geometry): the namespace becomes a key path segment.
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def default_store_url() -> str:
@@ -61,19 +62,22 @@ def default_namespace(model: str) -> str:
 
 
 def parse_size(key: str, value: object) -> int:
-    """Bytes from an int or a string like ``"64MiB"``/``"64m"``; raises ``ValueError`` naming ``key``."""
-    if isinstance(value, bool):
+    """Bytes from an int or a size string (``hybridkv.store.params.byte_size``: ``64MiB`` = 2**26,
+    ``64MB`` = 64 * 10**6, a bare ``64m`` is rejected as ambiguous); raises ``ValueError`` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"kv_connector_extra_config[{key!r}]: expected a byte size, got {value!r}")  # noqa: TRY004
     if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        unit = (m.group(2) or "").lower()[:1]
-        n = int(m.group(1)) * _UNITS[unit]
+        num_bytes = value
     else:
-        raise ValueError(f"kv_connector_extra_config[{key!r}]: expected a byte size, got {value!r}")
-    if n <= 0:
+        try:
+            num_bytes = byte_size(value)
+        except ValueError as error:
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}]: bad byte size {value!r}: {error}"
+            ) from None
+    if num_bytes <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
-    return n
+    return num_bytes
 
 
 @dataclass(frozen=True)

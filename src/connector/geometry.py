@@ -14,7 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+from hybridkv.connector.identity import ModelIdentity, manifest, model_identity, write_manifest
 from hybridkv.lifecycle.geometry import Geometry, GroupKind, GroupSpec, KeyScheme, Topology
+from hybridkv.store import Status, Store
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class GroupInfo:
 class ConnectorGeometry:
     scheme: KeyScheme
     groups: tuple[GroupInfo, ...]
+    identity: ModelIdentity
 
     @property
     def geometry(self) -> Geometry:
@@ -48,16 +54,44 @@ class ConnectorGeometry:
             "namespace": self.scheme.namespace,
             "fingerprint": self.scheme.fingerprint,
             "key_prefix": self.scheme.geometry_prefix,
+            "model": self.identity.model,
+            "revision": self.identity.revision,
+            "weights": self.identity.weights,
+            "model_identity": self.identity.digest,
+            "quantization": self.identity.quantization,
             "hash_unit": g.hash_unit,
             "hit_alignment": g.hit_alignment,
             "scheduler_block": g.scheduler_block_size,
             "tp": g.topology.tp_size,
             "dcp": g.topology.dcp_size,
-            "groups": [
-                f"{x.sgid}:{x.kind.value}/{x.spec_name} span={x.span} layers={len(x.layer_names)}"
-                for x in self.groups
-            ],
+            "groups": self._group_lines(),
         }
+
+    def _group_lines(self) -> list[str]:
+        return [
+            f"{x.sgid}:{x.kind.value}/{x.spec_name} span={x.span} layers={len(x.layer_names)}"
+            for x in self.groups
+        ]
+
+    def publish_manifest(self, store: Store) -> None:
+        """Record what this fingerprint's entries are (model, weights, dtypes, groups) for ``hybridkv store ls``.
+
+        Insert-if-absent under ``<key_prefix>manifest``; never a lookup key. Never raises: a store that fails
+        here fails its lookups too, and those decline on their own.
+        """
+        try:
+            status = write_manifest(
+                store, self.scheme, manifest(self.scheme, self.identity, self._group_lines())
+            )
+        except Exception as exc:  # noqa: BLE001 -- the manifest is for people; the engine must start anyway
+            log.warning(
+                "hybridkv manifest not written", key_prefix=self.scheme.geometry_prefix, error=repr(exc)
+            )
+            return
+        if status is not Status.OK:
+            log.warning(
+                "hybridkv manifest not written", key_prefix=self.scheme.geometry_prefix, status=status.value
+            )
 
 
 def _layout(spec: Any) -> str:
@@ -180,6 +214,7 @@ def resolve_geometry(
                 f"HybridStoreConnector: vLLM aligns hits to {va} tokens but the geometry says {geometry.hit_alignment}"
             )
     mc = vllm_config.model_config
+    identity = model_identity(vllm_config)
     scheme = KeyScheme(
         namespace=namespace,
         model=str(mc.model).rstrip("/").split("/")[-1],
@@ -187,5 +222,6 @@ def resolve_geometry(
         kv_cache_dtype=f"{cc.cache_dtype}/{mc.dtype}",
         kv_cache_layout=str(kv_cache_config.kv_cache_layout or ""),
         hash_algorithm=str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+        model_identity=identity.digest,
     )
-    return ConnectorGeometry(scheme=scheme, groups=tuple(infos))
+    return ConnectorGeometry(scheme=scheme, groups=tuple(infos), identity=identity)

@@ -111,6 +111,7 @@ class SchedulerSide:
         )
         self.scheme = self.geo.scheme
         self.store = open_connector_store(cfg)
+        self.geo.publish_manifest(self.store)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()

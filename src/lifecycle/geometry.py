@@ -307,8 +307,14 @@ class KeyScheme:
     """Store keys: ``hkv1/<namespace>/<fingerprint>/g<group>/tp<r>/dcp<r>/<hash hex>``.
 
     ``prefix`` removes every entry of a deployment (namespace); ``geometry_prefix`` every entry of one
-    geometry. The fingerprint covers model, dtypes, layout, hash algorithm, every group spec, sizes,
-    hash unit, TP/DCP sizes and interleave, so incompatible deployments never read each other's bytes.
+    geometry. The fingerprint covers the model's identity, dtypes, layout, hash algorithm, every group
+    spec, sizes, hash unit, TP/DCP sizes and interleave, so incompatible deployments never read each
+    other's bytes.
+
+    ``model_identity`` is what identifies the weights and model options (``hybridkv.connector.identity``:
+    weight files, revision, quantization, overrides, RoPE scaling); when set, it replaces ``model`` (a
+    display name) in the fingerprint, so the same weights in two folders share entries and two models
+    in folders of one name do not.
     """
 
     namespace: str
@@ -317,6 +323,7 @@ class KeyScheme:
     kv_cache_dtype: str = "auto"
     kv_cache_layout: str = ""
     hash_algorithm: str = "sha256"
+    model_identity: str = ""
 
     def __post_init__(self) -> None:
         assert _NAMESPACE_RE.match(self.namespace), (
@@ -327,7 +334,7 @@ class KeyScheme:
     def fingerprint(self) -> str:
         payload = {
             "version": KEY_VERSION,
-            "model": self.model,
+            "model": self.model_identity or self.model,
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_cache_layout": self.kv_cache_layout,
             "hash_algorithm": self.hash_algorithm,
@@ -597,7 +604,6 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
         _cap=cap,
         _unit_available=unit_available,
     )
-
 
 
 def _fixed_point(

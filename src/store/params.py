@@ -5,42 +5,72 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from hybridkv.store.base import StoreError
 
+#: The one meaning of a size unit everywhere (URL parameters, ``kv_connector_extra_config``, CLI flags):
+#: ``KiB``/``MiB``/``GiB``/``TiB`` are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000 (SI).
+#: ``Ki``/``Mi``/... (IEC, as Kubernetes writes them) are binary too. Case does not matter. A bare
+#: ``k``/``m``/``g``/``t`` is rejected: half the world reads
+#: ``64m`` as 64 MiB, the other half as 64 MB.
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
-    "k": 1000,
     "kb": 1000,
     "kib": 1 << 10,
-    "m": 1000**2,
     "mb": 1000**2,
     "mib": 1 << 20,
-    "g": 1000**3,
     "gb": 1000**3,
     "gib": 1 << 30,
-    "t": 1000**4,
     "tb": 1000**4,
     "tib": 1 << 40,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
 }
+_AMBIGUOUS_UNITS = {"k": "K", "m": "M", "g": "G", "t": "T"}
 _N = TypeVar("_N", int, float)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str, *, what: str = "size") -> int:
-    """Bytes in a human size: ``4096``, ``64KiB``, ``1.5GiB``, ``2GB`` (decimal units are powers of 1000).
+def byte_size(text: str) -> int:
+    """Bytes in a human size: the one size parser of the package; raises ``ValueError`` saying why not.
 
-    Raises ``StoreError`` naming ``what`` when the text is not a size.
+    ``4096``, ``64KiB``, ``1.5GiB`` (binary), ``2GB``, ``8 kb`` (decimal). Fractions must come to whole bytes.
     """
     match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise StoreError(f"bad {what} {text!r}: expected a number with an optional unit like 64MiB or 2GB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if match is None:
+        raise ValueError(
+            "expected a number with an optional unit like 64MiB (2**20 bytes) or 64MB (10**6 bytes)"
+        )
+    number, unit = match.group(1), match.group(2).lower()
+    if unit in _AMBIGUOUS_UNITS:
+        letter = _AMBIGUOUS_UNITS[unit]
+        raise ValueError(
+            f"unit {match.group(2)!r} is ambiguous: write {number}{letter}iB (powers of 1024) "
+            f"or {number}{letter}B (powers of 1000)"
+        )
+    if unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"unknown unit {match.group(2)!r} (known: B, KiB, MiB, GiB, TiB, Ki, Mi, Gi, Ti, KB, MB, GB, TB)"
+        )
+    num_bytes = Fraction(number) * _SIZE_UNITS[unit]
+    if num_bytes.denominator != 1:
+        raise ValueError(f"{text.strip()} is not a whole number of bytes")
+    return int(num_bytes)
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """``byte_size`` raising ``StoreError`` that names ``what`` and the text."""
+    try:
+        return byte_size(text)
+    except ValueError as error:
+        raise StoreError(f"bad {what} {text!r}: {error}") from None
 
 
 def format_size(num_bytes: int) -> str:
@@ -115,8 +145,8 @@ class Params:
         if value is None:
             return default
         try:
-            return parse_size(value, what=f"{name}")
-        except StoreError as error:
+            return byte_size(value)
+        except ValueError as error:
             raise self.fail(name, value, str(error)) from None
 
     def _converted(
@@ -142,13 +172,23 @@ class Params:
 
     def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
         return self._converted(
-            name, default, int, "expected an integer", lambda number: number >= minimum, f"must be >= {minimum}"
+            name,
+            default,
+            int,
+            "expected an integer",
+            lambda number: number >= minimum,
+            f"must be >= {minimum}",
         )
 
     def number(self, name: str, default: float, *, minimum: float = 0.0) -> float:
         # ``number >= minimum`` is also False for NaN, which is rejected.
         return self._converted(
-            name, default, float, "expected a number", lambda number: number >= minimum, f"must be >= {minimum}"
+            name,
+            default,
+            float,
+            "expected a number",
+            lambda number: number >= minimum,
+            f"must be >= {minimum}",
         )
 
     def probability(self, name: str, default: float = 0.0) -> float:

@@ -16,7 +16,8 @@ URL                                                    parameters (all optional)
 =====================================================  =======================================================
 
 Every scheme also takes ``checksum=xxh3|crc32|none|auto`` (default ``auto``: xxh3 when ``xxhash`` is
-installed, else crc32). Sizes accept ``4096``, ``64KiB``, ``2GB``. Anything else -- an unknown scheme or
+installed, else crc32). Sizes accept ``4096``, ``64KiB`` (binary), ``2GB`` (decimal); a bare ``64m`` is
+rejected as ambiguous (``hybridkv.store.params.byte_size``). Anything else -- an unknown scheme or
 parameter, a bad size, a probability outside [0, 1], a missing directory or host -- raises one
 ``StoreError`` that names the offending part.
 """

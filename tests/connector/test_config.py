@@ -72,10 +72,37 @@ def test_bad_key_or_value_names_both(key: str, value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "n"), [("1k", 1024), ("2MiB", 2 << 20), ("3G", 3 << 30), (17, 17), ("9", 9)]
+    ("text", "n"),
+    [
+        ("1KiB", 1024),
+        ("2MiB", 2 << 20),
+        ("3GiB", 3 << 30),
+        ("64MB", 64 * 10**6),
+        ("2Gi", 2 << 30),
+        (17, 17),
+        ("9", 9),
+    ],
 )
 def test_parse_size(text: object, n: int) -> None:
     assert parse_size("k", text) == n
+
+
+def test_config_sizes_mean_what_store_urls_mean() -> None:
+    """One parser: ``64MB`` is 64 * 10**6 bytes in a config key exactly as in a store URL."""
+    from hybridkv.store import parse_size as url_parse_size
+
+    for text in ("64MB", "64MiB", "2GB", "1.5GiB", "8 kb", "4096"):
+        assert parse_size("put_wave_bytes", text) == url_parse_size(text), text
+
+
+@pytest.mark.parametrize("text", ["64m", "64M", "1k", "3G", "2t"])
+def test_bare_unit_letters_are_rejected_as_ambiguous(text: str) -> None:
+    number, letter = text[:-1], text[-1].upper()
+    with pytest.raises(ValueError) as info:
+        parse({"put_wave_bytes": text})
+    msg = str(info.value)
+    assert "'put_wave_bytes'" in msg and repr(text) in msg and "ambiguous" in msg
+    assert f"{number}{letter}iB" in msg and f"{number}{letter}B" in msg, msg
 
 
 @pytest.mark.parametrize(

@@ -60,12 +60,17 @@ def engine(model_dir: Path, extra: dict[str, Any], *, module_path: bool = True) 
         gc.collect()
 
 
-def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> tuple[list[int], int]:
-    """Greedy output tokens and ``num_cached_tokens`` of one prompt."""
+def generate(
+    llm: Any, tokens: list[int], max_tokens: int = 8, *, cache_salt: str | None = None
+) -> tuple[list[int], int]:
+    """Greedy output tokens and ``num_cached_tokens`` of one prompt (with vLLM's ``cache_salt`` if given)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+    request: dict[str, Any] = {"prompt_token_ids": tokens}
+    if cache_salt is not None:
+        request["cache_salt"] = cache_salt
+    out = llm.generate([request], sp, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 

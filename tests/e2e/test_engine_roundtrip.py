@@ -27,7 +27,6 @@ def test_store_then_reload_gives_identical_tokens(family: str, tmp_path: Path) -
     extra = {
         "store": f"file://{tmp_path}/store?capacity=256MiB",
         "audit_log": str(log_path),
-        "lookup_budget_ms": 5000,
     }
     tokens = prompt(PROMPT_LEN)
     with engine(model, extra) as llm:
@@ -55,7 +54,7 @@ def test_store_then_reload_gives_identical_tokens(family: str, tmp_path: Path) -
 
 def test_fresh_engine_reads_previous_engines_store(tmp_path: Path) -> None:
     model = build_tiny_model("qwen3_next", MODELS_DIR)
-    extra = {"store": f"file://{tmp_path}/store?capacity=256MiB", "lookup_budget_ms": 5000}
+    extra = {"store": f"file://{tmp_path}/store?capacity=256MiB"}
     tokens = prompt(PROMPT_LEN, seed=7)
     with engine(model, extra) as llm:
         cold, _ = generate(llm, tokens)
@@ -73,7 +72,6 @@ def test_failed_loads_truncate_and_recompute(family: str, fault: str, tmp_path: 
     extra = {
         "store": f"faulty+file://{tmp_path}/store?capacity=256MiB&{fault}&seed=3",
         "audit_log": str(log_path),
-        "lookup_budget_ms": 5000,
     }
     tokens = prompt(PROMPT_LEN, seed=11)
     with engine(model, extra) as llm:
@@ -109,7 +107,7 @@ def test_failed_loads_truncate_and_recompute(family: str, fault: str, tmp_path: 
 def test_shared_prefix_hits_whole_blocks_on_a_single_group_model(tmp_path: Path) -> None:
     """Llama: a new prompt sharing 200 tokens with a stored one loads its first whole block (128)."""
     model = build_tiny_model("llama", MODELS_DIR)
-    extra = {"store": f"file://{tmp_path}/store?capacity=256MiB", "lookup_budget_ms": 5000}
+    extra = {"store": f"file://{tmp_path}/store?capacity=256MiB"}
     a = prompt(PROMPT_LEN, seed=21)
     b = a[:200] + prompt(60, seed=22)
     with engine(model, extra) as llm:

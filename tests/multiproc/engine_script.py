@@ -64,7 +64,7 @@ def main(spec_path: str) -> None:
             kv_connector_extra_config={
                 "store": spec["store"],
                 "namespace": spec["namespace"],
-                "lookup_budget_ms": 5000,
+                **({"lookup_budget_ms": spec["lookup_budget_ms"]} if "lookup_budget_ms" in spec else {}),
             },
         ),
     )

@@ -78,11 +78,13 @@ def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) ->
 
 
 def _keys(store: str, prefix: str) -> list[str]:
+    """The block entries under ``prefix`` (each fingerprint's manifest is not one)."""
+    from hybridkv.connector.identity import MANIFEST_NAME
     from hybridkv.store import open_store
 
     s = open_store(store)
     try:
-        return sorted(s.iter_keys(prefix))
+        return sorted(k for k in s.iter_keys(prefix) if not k.endswith(f"/{MANIFEST_NAME}"))
     finally:
         s.close()
 
@@ -127,6 +129,7 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
         namespace="other",
         teardown="shutdown",
         max_tokens=1,
+        lookup_budget_ms=5000,  # every store call is slow on purpose: a default budget would read it as dead
     )  # one output token: the request ends in the step that enqueued its saves
     assert other["pending_before_reset"] is True, "the slow store should still be writing at reset time"
     assert other["reset_ok"] is True, "an idle engine's prefix cache reset failed (save pins kept)"

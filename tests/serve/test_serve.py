@@ -94,7 +94,6 @@ class Server:
             "kv_connector_extra_config": {
                 "store": store,
                 "namespace": "serve-test",
-                "lookup_budget_ms": 5000,
             },
         }
         cmd = [

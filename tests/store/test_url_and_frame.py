@@ -20,6 +20,11 @@ from hybridkv.store.frame import key_digest
         ("memory://", "needs a name"),
         ("memory://x?capacty=1MiB", "unknown parameter(s) capacty"),
         ("memory://x?capacity=12QB", "capacity='12QB'"),
+        ("memory://x?capacity=64m", "capacity='64m' is invalid: unit 'm' is ambiguous: write 64MiB"),
+        ("file:///tmp/x?capacity=4g", "capacity='4g' is invalid: unit 'g' is ambiguous"),
+        ("mooncake://127.0.0.1:1?segment=1G", "segment='1G' is invalid: unit 'G' is ambiguous: write 1GiB"),
+        ("mooncake://127.0.0.1:1?local_buffer=64M", "local_buffer='64M' is invalid: unit 'M' is ambiguous"),
+        ("memory://x?capacity=0.5B", "not a whole number of bytes"),
         ("memory://x?checksum=md5", "checksum='md5'"),
         ("memory://x?capacity=1&capacity=2", "repeats parameter 'capacity'"),
         ("file://", "missing directory"),
@@ -42,7 +47,16 @@ def test_bad_urls_raise_one_error_naming_the_culprit(url: str, culprit: str) -> 
 
 @pytest.mark.parametrize(
     ("text", "num_bytes"),
-    [("4096", 4096), ("64KiB", 64 << 10), ("64MiB", 64 << 20), ("2GB", 2 * 10**9), ("1.5GiB", 3 << 29), ("8 kb", 8000)],
+    [
+        ("4096", 4096),
+        ("64KiB", 64 << 10),
+        ("64MiB", 64 << 20),
+        ("2GB", 2 * 10**9),
+        ("1.5GiB", 3 << 29),
+        ("8 kb", 8000),
+        ("64MB", 64 * 10**6),
+        ("4Gi", 4 << 30),
+    ],
 )
 def test_human_sizes(text: str, num_bytes: int) -> None:
     assert parse_size(text) == num_bytes

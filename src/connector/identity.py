@@ -1,0 +1,197 @@
+"""The model's identity in the key fingerprint, and the manifest that names it in the store.
+
+Keys must not be shared by engines whose KV differs for the same tokens. Beyond the geometry (dtypes, block
+layout, TP/DCP), what makes KV differ is **which weights** are loaded and **how the model is configured**:
+
+- the weights: for a local folder, every weight file's name (relative), size and ``st_mtime_ns``, plus the
+  bytes of ``config.json`` and of the weight index files; a Hugging Face cache snapshot (``.../snapshots/<commit>``)
+  is identified by its commit and its files' names and sizes instead (hosts download at different times);
+  a model that is not a local folder or file is identified by its id and vLLM's ``revision``;
+- quantization, ``hf_overrides``, RoPE scaling, the model dtype and the weight ``load_format``.
+
+It is path-insensitive: the same files in two folders are the same model, two models in folders of one
+name are not. Stat calls and a few small reads: cheap at start. Not covered (each either changes vLLM's
+block hashes, hence the keys, or is documented in docs/keys.md): ``cache_salt``, LoRA adapters (their name
+enters vLLM's block hashes), and weights changed inside a running engine (use ``reset_cache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridkv.lifecycle.geometry import KeyScheme
+from hybridkv.store import Status, Store
+
+#: Files whose bytes are weights (their size and mtime enter the identity; they are never read).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+#: Small files whose content enters the identity: the architecture and the weight index.
+_CONFIG_NAMES = ("config.json", "params.json")
+_SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
+#: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
+MANIFEST_BYTES = 4096
+MANIFEST_NAME = "manifest"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What makes this deployment's KV what it is, beyond the geometry. ``digest`` enters the fingerprint."""
+
+    model: str
+    revision: str | None
+    weights: str
+    num_weight_files: int
+    dtype: str
+    quantization: str | None
+    load_format: str
+    hf_overrides: str
+    rope_scaling: str
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex, 16 digits) of every field but ``model`` for a local folder (path-insensitive)."""
+        fields = asdict(self)
+        if self.weights != "unresolved":
+            fields.pop("model")
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> str:
+    """A stable text for a config value (dicts sorted; a callable by its qualified name)."""
+    if value is None:
+        return ""
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def weights_identity(model_path: Path) -> tuple[str, int]:
+    """(digest, number of weight files) of the weights at ``model_path`` (a folder or one file)."""
+    digest = hashlib.sha256()
+    snapshot = _SNAPSHOT_RE.search(str(model_path))
+    if model_path.is_file():
+        files = [model_path]
+        root = model_path.parent
+    else:
+        files = sorted(p for p in model_path.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+        root = model_path
+    if snapshot:
+        digest.update(f"snapshot {snapshot.group(1)}\n".encode())
+    for path in files:
+        stat = path.stat()  # follows the snapshot's symlinks to the blobs
+        mtime = "" if snapshot else f" {stat.st_mtime_ns}"
+        digest.update(f"{path.relative_to(root).as_posix()} {stat.st_size}{mtime}\n".encode())
+    if model_path.is_dir():
+        small = [model_path / n for n in _CONFIG_NAMES] + sorted(model_path.glob("*.index.json"))
+        for path in small:
+            if path.is_file():
+                digest.update(f"{path.name}\n".encode() + path.read_bytes() + b"\n")
+    return digest.hexdigest()[:16], len(files)
+
+
+def _local_model_path(model: str, revision: str | None) -> Path | None:
+    """The folder or file vLLM loaded ``model`` from, or None if it cannot be found without the network."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 -- not in the local hub cache (or another hub): identity falls back to the id
+        return None
+
+
+def model_identity(vllm_config: Any) -> ModelIdentity:
+    """Resolve the identity of the model ``vllm_config`` serves (stat calls and small reads only)."""
+    mc = vllm_config.model_config
+    model = str(mc.model)
+    revision = getattr(mc, "revision", None)
+    path = _local_model_path(model, revision)
+    if path is None:
+        weights, num_files = "unresolved", 0
+    else:
+        weights, num_files = weights_identity(path)
+    text_config = mc.hf_text_config if hasattr(mc, "hf_text_config") else None
+    rope = {
+        name: getattr(text_config, name, None)
+        for name in ("rope_scaling", "rope_theta", "rope_parameters")
+        if getattr(text_config, name, None) is not None
+    }
+    load_config = getattr(vllm_config, "load_config", None)
+    return ModelIdentity(
+        model=model,
+        revision=None if revision is None else str(revision),
+        weights=weights,
+        num_weight_files=num_files,
+        dtype=str(mc.dtype),
+        quantization=None if mc.quantization is None else str(mc.quantization),
+        load_format=str(getattr(load_config, "load_format", "auto")),
+        hf_overrides=_canonical(getattr(mc, "hf_overrides", None)),
+        rope_scaling=_canonical(rope),
+    )
+
+
+def manifest_key(scheme: KeyScheme) -> str:
+    """Where a deployment's manifest lives: next to its groups, never a block-hash key (so never looked up)."""
+    return f"{scheme.geometry_prefix}{MANIFEST_NAME}"
+
+
+def manifest(scheme: KeyScheme, identity: ModelIdentity, groups: list[str]) -> dict[str, Any]:
+    """The human-readable record of a fingerprint: what model and geometry its entries belong to."""
+    geometry = scheme.geometry
+    return {
+        "namespace": scheme.namespace,
+        "fingerprint": scheme.fingerprint,
+        "model": identity.model,
+        "revision": identity.revision,
+        "weights": identity.weights,
+        "num_weight_files": identity.num_weight_files,
+        "dtype": identity.dtype,
+        "kv_cache_dtype": scheme.kv_cache_dtype,
+        "quantization": identity.quantization,
+        "load_format": identity.load_format,
+        "hf_overrides": identity.hf_overrides,
+        "rope_scaling": identity.rope_scaling,
+        "hash_algorithm": scheme.hash_algorithm,
+        "tp": geometry.topology.tp_size,
+        "dcp": geometry.topology.dcp_size,
+        "groups": groups,
+    }
+
+
+def encode_manifest(record: Mapping[str, Any]) -> bytes:
+    """``record`` as JSON padded to ``MANIFEST_BYTES``; long free-text fields are shortened to fit."""
+    fields = dict(record)
+    text = json.dumps(fields, sort_keys=True)
+    for name in ("hf_overrides", "rope_scaling", "groups", "model"):
+        if len(text.encode()) <= MANIFEST_BYTES:
+            break
+        fields[name] = str(fields[name])[:200] + "..."
+        text = json.dumps(fields, sort_keys=True)
+    data = text.encode()
+    assert len(data) <= MANIFEST_BYTES, f"manifest of {fields.get('fingerprint')} is {len(data)} bytes"
+    return data.ljust(MANIFEST_BYTES, b" ")
+
+
+def write_manifest(store: Store, scheme: KeyScheme, record: Mapping[str, Any]) -> Status:
+    """Insert the manifest unless one is there (first writer wins; it describes the same fingerprint)."""
+    return store.put([manifest_key(scheme)], [encode_manifest(record)])[0]
+
+
+def read_manifest(store: Store, key: str) -> dict[str, Any] | None:
+    """The manifest stored under ``key``, or None if absent or unreadable."""
+    buffer = bytearray(MANIFEST_BYTES)
+    if store.get_into([key], [buffer])[0] is not Status.OK:
+        return None
+    try:
+        record: dict[str, Any] = json.loads(bytes(buffer).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record
