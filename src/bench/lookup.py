@@ -29,9 +29,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.bench.report import pyplot_or_none
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
-__all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "run_lookup_bench"]
+__all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "TABLE_COLUMNS", "plot_report", "run_lookup_bench"]
+
+#: The columns ``hybridkv bench`` prints, in order.
+TABLE_COLUMNS = [
+    "geometry",
+    "store",
+    "prompt_tokens",
+    "num_keys",
+    "bare_p50_us",
+    "bare_p99_us",
+    "lifecycle_p50_us",
+    "lifecycle_p99_us",
+    "connector_p50_us",
+    "connector_p99_us",
+    "connector_over_bare_p50",
+    "connector_over_bare_p99",
+]
 
 DEFAULT_GEOMETRIES = ("llama", "lfm2")
 DEFAULT_PROMPT_TOKENS = (1024, 4096, 16384)
@@ -288,3 +305,35 @@ def run_lookup_bench(
         "rows": rows,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """p50 of bare exists vs the connector's lookup per prompt length, one line per (geometry, store)."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4))
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in report["rows"]:
+        series.setdefault((row["geometry"], row["store"].split("://")[0]), []).append(row)
+    for (geometry, scheme), rows in series.items():
+        xs = [row["prompt_tokens"] for row in rows]
+        axes.plot(
+            xs, [row["connector_p50_us"] for row in rows], marker="o", label=f"{geometry} {scheme} connector"
+        )
+        axes.plot(
+            xs,
+            [row["bare_p50_us"] for row in rows],
+            linestyle="--",
+            marker=".",
+            label=f"{geometry} {scheme} bare",
+        )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("p50 us")
+    axes.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

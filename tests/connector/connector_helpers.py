@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hybridkv.connector.tiny_models import build_tiny_model
+from hybridkv.testing.tiny_models import build_tiny_model
 
 MODELS = Path("/tmp/hybridkv-test-models")
 HASH = 32  # full attention: 16 per rank x dcp 2; Mamba: 32
