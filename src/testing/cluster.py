@@ -1,16 +1,21 @@
-"""Real vLLM objects for connector tests: a ``VllmConfig`` (TP = DCP = 2) and a full + Mamba cache layout."""
+"""Connector tests without an engine: real vLLM config objects and a simulated TP x DCP cluster.
+
+Config builders: ``make_vllm_objs`` (a ``VllmConfig`` with TP = DCP = 2), ``kv_cache_config`` (a full +
+Mamba cache layout), ``hybrid_config`` (one geometry of the scheduler matrix, sizes resolved by vLLM's own
+code), ``make_request`` (a real ``vllm.v1.request.Request`` with vLLM's block hasher). ``Cluster`` steps vLLM's
+real ``Scheduler`` with the connector's scheduler half and one worker half per TP rank over one store, and
+checks every loaded slot against what a recompute writes. Needs vLLM and torch.
+"""
 
 from __future__ import annotations
 
 import threading
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
-MODELS = Path("/tmp/hybridkv-test-models")
 HASH = 32  # full attention: 16 per rank x dcp 2; Mamba: 32
 
 
@@ -25,7 +30,7 @@ def make_vllm_objs() -> dict[str, Any]:
     )
 
     # 1 KV head, 8 query heads: TP = DCP = 2 passes vLLM's validation.
-    model = build_tiny_model("llama", MODELS, num_key_value_heads=1, num_attention_heads=8)
+    model = build_tiny_model("llama", DEFAULT_MODELS_DIR, num_key_value_heads=1, num_attention_heads=8)
     store_name = f"dcp-{uuid.uuid4().hex[:8]}"
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="bfloat16", skip_tokenizer_init=True, seed=0),
@@ -133,7 +138,7 @@ def hybrid_config(
         SlidingWindowSpec,
     )
 
-    model = build_tiny_model("llama", MODELS, num_key_value_heads=1, num_attention_heads=8)
+    model = build_tiny_model("llama", DEFAULT_MODELS_DIR, num_key_value_heads=1, num_attention_heads=8)
     url = store or f"memory://matrix-{uuid.uuid4().hex[:8]}"
     mamba_block = {"full_mamba": 64, "mla_mamba": 16, "mla_mamba96": 96}.get(kind)
     vc = VllmConfig(
@@ -164,6 +169,7 @@ def hybrid_config(
             block_size=32, num_kv_heads=1, head_size=8, dtype=torch.bfloat16, sliding_window=48
         )
     elif kind in ("mla_mamba", "mla_mamba96"):
+        assert mamba_block is not None
         attn = MLAAttentionSpec(
             block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16, cache_dtype_str="auto"
         )
@@ -230,6 +236,7 @@ class Cluster:
 
     def __init__(self, vc: Any, kv_cache_config: Any) -> None:
         from hybridkv.connector.config import ConnectorConfig
+        from hybridkv.connector.connector import HybridStoreConnector
         from hybridkv.connector.worker import WorkerSide
         from hybridkv.lifecycle.audit import MemoryAuditSink
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -240,7 +247,11 @@ class Cluster:
         self.sched = Scheduler(
             vc, kv_cache_config, StructuredOutputManager(vc), block_size=sched_bs, hash_block_size=hash_bs
         )
-        self.side = self.sched.connector.scheduler_side
+        connector = self.sched.connector
+        assert isinstance(connector, HybridStoreConnector), (
+            f"scheduler connector is {type(connector).__name__}"
+        )
+        self.side = connector.scheduler_side
         self.audit = MemoryAuditSink()
         self.side.machine.sink = self.audit
         self.pool = self.sched.kv_cache_manager.block_pool
@@ -296,12 +307,13 @@ class Cluster:
         ``wait_loads=False``: only loads already finished are reported (gated loads stay in flight).
         ``before_load(out)``: runs after ``schedule()``, before any rank starts loading (fault injection).
         """
-        from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+        from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMetadata
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self.steps += 1
         out = self.sched.schedule()
         meta = out.kv_connector_metadata
+        assert isinstance(meta, HybridStoreMetadata), f"connector metadata is {type(meta).__name__}"
         if before_load is not None:
             before_load(out)
         expected_loads = {job.req_id for job in meta.loads} if wait_loads else set()
