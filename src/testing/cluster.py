@@ -14,40 +14,27 @@ import uuid
 from typing import Any
 
 import torch
+from hybridkv.testing import vllm_harness
 from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 HASH = 32  # full attention: 16 per rank x dcp 2; Mamba: 32
 
 
 def make_vllm_objs() -> dict[str, Any]:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-    )
-
+    """A ``VllmConfig`` with TP = DCP = 2 and the connector on a fresh ``memory://`` store."""
     # 1 KV head, 8 query heads: TP = DCP = 2 passes vLLM's validation.
     model = build_tiny_model("llama", DEFAULT_MODELS_DIR, num_key_value_heads=1, num_attention_heads=8)
-    store_name = f"dcp-{uuid.uuid4().hex[:8]}"
-    vc = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", skip_tokenizer_init=True, seed=0),
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_connector_module_path="hybridkv.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": f"memory://{store_name}", "lookup_budget_ms": 5000},
-        ),
+    store_url = f"memory://dcp-{uuid.uuid4().hex[:8]}"
+    vc = vllm_harness.connector_vllm_config(
+        model,
+        {"store": store_url, "lookup_budget_ms": 5000},
+        block_size=16,
+        num_blocks=64,
+        tp=2,
+        dcp=2,
+        mamba_align=True,
     )
-    vc.cache_config.mamba_cache_mode = "align"
-    vc.cache_config.num_gpu_blocks = 64
-    return {"vc": vc, "store_url": f"memory://{store_name}"}
+    return {"vc": vc, "store_url": store_url}
 
 
 def kv_cache_config(num_blocks: int = 64) -> Any:
@@ -116,18 +103,6 @@ def hybrid_config(
     ``mla_mamba96``: the same with Mamba block 96: sub-block Mamba tails (CoW / finish-time hand-offs)
     that also need a full-attention tail.
     """
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.kv_cache_utils import (
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
-    )
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -141,23 +116,16 @@ def hybrid_config(
     model = build_tiny_model("llama", DEFAULT_MODELS_DIR, num_key_value_heads=1, num_attention_heads=8)
     url = store or f"memory://matrix-{uuid.uuid4().hex[:8]}"
     mamba_block = {"full_mamba": 64, "mla_mamba": 16, "mla_mamba96": 96}.get(kind)
-    vc = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", skip_tokenizer_init=True, seed=0),
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_connector_module_path="hybridkv.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": url, "lookup_budget_ms": 5000, "namespace": "matrix"},
-        ),
+    vc = vllm_harness.connector_vllm_config(
+        model,
+        {"store": url, "lookup_budget_ms": 5000, "namespace": "matrix"},
+        # the scheduler splits prefills at Mamba block ends
+        block_size=mamba_block or 16,
+        num_blocks=num_blocks,
+        tp=tp,
+        dcp=dcp,
+        mamba_align=mamba_block is not None,
     )
-    if mamba_block is not None:
-        vc.cache_config.mamba_cache_mode = "align"
-        vc.cache_config.block_size = mamba_block  # the scheduler splits prefills at Mamba block ends
-    vc.cache_config.num_gpu_blocks = num_blocks
     if kind == "full_mamba":
         attn: Any = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
         other: Any = MambaSpec(
@@ -190,21 +158,12 @@ def hybrid_config(
         ],
         kv_cache_groups=[KVCacheGroupSpec(["attn.0"], attn), KVCacheGroupSpec(["other.0"], other)],
     )
-    sched_bs, hash_bs = resolve_kv_cache_block_sizes(cfg, vc)
-    cfg.hash_block_size = hash_bs
-    cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(cfg, vc, sched_bs, hash_bs)
+    vllm_harness.resolve_cache_block_sizes(cfg, vc)
     return vc, cfg
 
 
 def make_request(rid: str, tokens: list[int], hash_unit: int, max_tokens: int = 4) -> Any:
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return Request(rid, list(tokens), sp, None, block_hasher=get_request_block_hasher(hash_unit, sha256))
+    return vllm_harness.block_hashed_request(rid, tokens, hash_unit, max_tokens)
 
 
 class RankFaults:

@@ -1,6 +1,7 @@
 """An in-process vLLM engine with ``HybridStoreConnector``, shared by the tests, the benchmarks and the demo.
 
-Config builders (``connector_transfer_config``, ``engine_kwargs``) and an engine whose two connector halves
+Config builders (``connector_transfer_config``, ``engine_kwargs`` for an engine; ``connector_vllm_config``,
+``resolve_cache_block_sizes`` and ``block_hashed_request`` for the connector's halves without one) and an engine whose two connector halves
 (scheduler-role and worker-role ``HybridStoreConnector``) are reachable from this process, with the steps
 every caller needs: a greedy request, settling queued saves, dropping vLLM's device prefix cache while
 keeping the store.
@@ -28,13 +29,16 @@ if TYPE_CHECKING:
     from hybridkv.connector.connector import HybridStoreConnector
 
 __all__ = [
+    "block_hashed_request",
     "connector_halves",
     "connector_transfer_config",
+    "connector_vllm_config",
     "drop_local_cache",
     "engine_kwargs",
     "greedy",
     "inprocess_engine",
     "prepare_inprocess_environment",
+    "resolve_cache_block_sizes",
     "settle",
 ]
 
@@ -99,6 +103,62 @@ def engine_kwargs(
         "enforce_eager": True,
         "seed": 0,
     }
+
+
+def connector_vllm_config(
+    model_dir: Path,
+    extra: Mapping[str, Any],
+    *,
+    block_size: int,
+    num_blocks: int,
+    tp: int = 1,
+    dcp: int = 1,
+    mamba_align: bool = False,
+) -> Any:
+    """A CPU ``VllmConfig`` over ``model_dir`` with prefix caching on and ``HybridStoreConnector`` on
+    ``extra`` (``connector_transfer_config``), for the connector's halves without an engine: TP ``tp``, DCP
+    ``dcp``, ``num_blocks`` device blocks of ``block_size`` tokens; ``mamba_align``: Mamba state cached in
+    vLLM's align mode."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, seed=0),
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        kv_transfer_config=connector_transfer_config(extra),
+    )
+    if mamba_align:
+        vllm_config.cache_config.mamba_cache_mode = "align"
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+def resolve_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> None:
+    """Set ``kv_cache_config``'s hash block size and hit alignment the way vLLM's engine does (its own
+    functions), so the connector sees what a real engine would give it."""
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
+    )
+
+
+def block_hashed_request(request_id: str, tokens: list[int], hash_unit: int, max_tokens: int = 1) -> Any:
+    """A greedy ``vllm.v1.request.Request`` of ``tokens`` with vLLM's own block hasher (sha256, blocks of
+    ``hash_unit`` tokens), as the engine builds it."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(
+        request_id, list(tokens), params, None, block_hasher=get_request_block_hasher(hash_unit, sha256)
+    )
 
 
 @contextmanager
