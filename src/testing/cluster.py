@@ -37,26 +37,31 @@ def make_vllm_objs() -> dict[str, Any]:
     return {"vc": vc, "store_url": store_url}
 
 
-def kv_cache_config(num_blocks: int = 64) -> Any:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        MambaSpec,
-    )
+def two_group_cache_config(num_blocks: int, block_stride: int, *groups: tuple[str, Any]) -> Any:
+    """A ``KVCacheConfig`` of one layer per group, ``(layer name, spec)``, sharing one tensor."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=32, shapes=((2, 64),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
-    cfg = KVCacheConfig(
+    return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(
-                size=num_blocks * 2048, layers=["attn.0", "mamba.0"], layer_stride=0, block_stride=2048
+                size=num_blocks * block_stride,
+                layers=[name for name, _ in groups],
+                layer_stride=0,
+                block_stride=block_stride,
             )
         ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn.0"], full), KVCacheGroupSpec(["mamba.0"], mamba)],
+        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in groups],
     )
+
+
+def kv_cache_config(num_blocks: int = 64) -> Any:
+    """Full attention (block 16) + Mamba align (block 32), hashed at 32 tokens."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=((2, 64),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
+    cfg = two_group_cache_config(num_blocks, 2048, ("attn.0", full), ("mamba.0", mamba))
     cfg.hash_block_size = HASH
     cfg.cache_hit_alignment_tokens = HASH
     return cfg
@@ -105,9 +110,6 @@ def hybrid_config(
     """
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
         MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
@@ -149,15 +151,7 @@ def hybrid_config(
         )
     else:
         raise AssertionError(kind)
-    cfg = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=num_blocks * 4096, layers=["attn.0", "other.0"], layer_stride=0, block_stride=4096
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn.0"], attn), KVCacheGroupSpec(["other.0"], other)],
-    )
+    cfg = two_group_cache_config(num_blocks, 4096, ("attn.0", attn), ("other.0", other))
     vllm_harness.resolve_cache_block_sizes(cfg, vc)
     return vc, cfg
 
