@@ -2,11 +2,12 @@
 
 Each subsystem registers its own subcommands (``register(subparsers, bench_subparsers)``); this module only
 builds the parser, configures logging for the process (the library itself never does) and maps outcomes to
-exit codes:
+exit codes (one set for every command, :class:`hybridkv.cli.exit_codes.ExitCode`):
 
 - 0: success
 - 1: the command ran and found a problem (an audit violation, a failed check)
 - 2: bad usage or bad input (unknown flag, malformed store URL, missing file)
+- 130: interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import sys
 from collections.abc import Sequence
 
 from hybridkv import __version__
+from hybridkv.cli.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
+__all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "build_parser", "main"]
 
 # Modules that contribute subcommands. Each defines
 # ``register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None``
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args))
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, save_report
-
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 
 def register(
@@ -96,7 +95,7 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from hybridkv.lifecycle.bench import run_lifecycle_bench
+    from hybridkv.bench.lifecycle import run_lifecycle_bench
 
     report = run_lifecycle_bench(iterations=args.iterations, repeats=args.repeats)
     print(

@@ -9,22 +9,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, save_report
-from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
-from hybridkv.lifecycle.geometry import KEY_VERSION
-from hybridkv.store import Store, StoreError, open_store
-from hybridkv.store.bench import (
+from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.bench.store import (
     DEFAULT_BYTES_PER_ROUND,
     DEFAULT_VALUE_SIZES,
     bench_scratch_dir,
     default_store_urls,
     run_store_bench,
 )
+from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
+from hybridkv.lifecycle.geometry import KEY_VERSION
+from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.params import format_size, parse_size
-
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -7,45 +7,10 @@ import argparse
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
-from hybridkv.cli._output import format_table, pyplot_or_none, save_report
-from hybridkv.connector.tiny_models import FAMILIES
-
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
-
-_TTFT_COLUMNS = [
-    "family",
-    "connector",
-    "cold_ms",
-    "local_hit_ms",
-    "external_hit_ms",
-    "external_hit_tokens",
-    "loaded_mb",
-    "load_job_ms",
-    "load_job_idle_ms",
-    "copy_floor_ms",
-    "external_over_local",
-    "cold_over_external",
-    "overhead_over_floor",
-]
-
-_LOOKUP_COLUMNS = [
-    "geometry",
-    "store",
-    "prompt_tokens",
-    "num_keys",
-    "bare_p50_us",
-    "bare_p99_us",
-    "lifecycle_p50_us",
-    "lifecycle_p99_us",
-    "connector_p50_us",
-    "connector_p99_us",
-    "connector_over_bare_p50",
-    "connector_over_bare_p99",
-]
+from hybridkv.bench.report import format_table, save_report
+from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.testing.tiny_models import FAMILIES
 
 
 def _csv(text: str) -> list[str]:
@@ -121,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
 
 def handle_ttft(args: argparse.Namespace) -> int:
-    from hybridkv.connector.bench_ttft import DEFAULT_MODELS_DIR, default_scratch_dir, run_ttft_bench
+    from hybridkv.bench.ttft import TABLE_COLUMNS, default_scratch_dir, plot_report, run_ttft_bench
+    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
     families = _csv(args.family)
     unknown = sorted(set(families) - set(FAMILIES))
@@ -147,10 +113,10 @@ def handle_ttft(args: argparse.Namespace) -> int:
         f"prompt {report['prompt_tokens']} tokens, {report['rounds']} rounds, dtype {report['dtype']}, "
         f"size {report['size']} (medians; ratios from the same run)"
     )
-    print(format_table(report["rows"], _TTFT_COLUMNS))
+    print(format_table(report["rows"], TABLE_COLUMNS))
     for line in report["not_measured"]:
         print(f"not measured: {line}")
-    save_report(report, args.out, _plot_ttft, no_plot=args.no_plot)
+    save_report(report, args.out, plot_report, no_plot=args.no_plot)
     status = EXIT_OK
     for row in report["rows"]:
         if row["connector"] == "HybridStoreConnector" and not row["loaded_bytes"]:
@@ -160,8 +126,11 @@ def handle_ttft(args: argparse.Namespace) -> int:
 
 
 def handle_lookup(args: argparse.Namespace) -> int:
-    from hybridkv.connector.bench_lookup import DEFAULT_GEOMETRIES, DEFAULT_MODELS_DIR, run_lookup_bench
-    from hybridkv.store.bench import bench_scratch_dir
+    from hybridkv.bench.lookup import DEFAULT_GEOMETRIES, run_lookup_bench
+    from hybridkv.bench.lookup import TABLE_COLUMNS as LOOKUP_COLUMNS
+    from hybridkv.bench.lookup import plot_report as plot_lookup
+    from hybridkv.bench.store import bench_scratch_dir
+    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
     try:
         sizes = [int(text) for text in _csv(args.prompt_tokens)]
@@ -202,63 +171,6 @@ def handle_lookup(args: argparse.Namespace) -> int:
         except AssertionError as error:
             print(f"problem: {error}", file=sys.stderr)
             return EXIT_PROBLEM
-    print(format_table(report["rows"], _LOOKUP_COLUMNS))
-    save_report(report, args.out, _plot_lookup, no_plot=args.no_plot)
+    print(format_table(report["rows"], LOOKUP_COLUMNS))
+    save_report(report, args.out, plot_lookup, no_plot=args.no_plot)
     return EXIT_OK
-
-
-def _plot_ttft(report: dict[str, Any], path: Path) -> Path | None:
-    """Bars of cold / local / external TTFT per (family, connector), log scale; ``None`` without matplotlib."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    rows = report["rows"]
-    labels = [f"{row['family']}\n{row['connector'].split(' ')[0]}" for row in rows]
-    positions = list(range(len(rows)))
-    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.6), 4))
-    for offset, key, label in (
-        (-0.27, "cold_ms", "cold"),
-        (0.0, "local_hit_ms", "local hit"),
-        (0.27, "external_hit_ms", "external hit"),
-    ):
-        axes.bar([p + offset for p in positions], [row[key] or 0 for row in rows], width=0.27, label=label)
-    axes.set_yscale("log")
-    axes.set_xticks(positions, labels, fontsize=7)
-    axes.set_ylabel(f"TTFT ms ({report['prompt_tokens']} tokens)")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
-
-
-def _plot_lookup(report: dict[str, Any], path: Path) -> Path | None:
-    """p50 of bare exists vs the connector's lookup per prompt length, one line per (geometry, store)."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    figure, axes = plt.subplots(figsize=(7, 4))
-    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in report["rows"]:
-        series.setdefault((row["geometry"], row["store"].split("://")[0]), []).append(row)
-    for (geometry, scheme), rows in series.items():
-        xs = [row["prompt_tokens"] for row in rows]
-        axes.plot(
-            xs, [row["connector_p50_us"] for row in rows], marker="o", label=f"{geometry} {scheme} connector"
-        )
-        axes.plot(
-            xs,
-            [row["bare_p50_us"] for row in rows],
-            linestyle="--",
-            marker=".",
-            label=f"{geometry} {scheme} bare",
-        )
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel("prompt tokens")
-    axes.set_ylabel("p50 us")
-    axes.legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path

@@ -13,8 +13,8 @@ of ``kv_connector_extra_config`` are documented in :mod:`hybridkv.connector.conf
 
 Modules: ``connector`` (the facade vLLM calls), ``scheduler`` / ``worker`` (the two halves), ``metadata``
 (messages between them), ``geometry`` (vLLM config -> lifecycle key scheme), ``stats`` (counters,
-Prometheus), ``stores`` (opening the configured store), ``tiny_models`` (random-weight test models).
-vLLM is imported only when ``HybridStoreConnector`` is touched, so ``config`` and ``tiny_models`` stay
+Prometheus), ``stores`` (opening the configured store), ``datapath`` (block gather/scatter), ``plugin``
+(the vLLM entry point). vLLM is imported only when ``HybridStoreConnector`` is touched, so ``config`` stays
 importable without it.
 """
 

@@ -1,7 +1,10 @@
-"""Public test helpers: stateful Hypothesis fuzzers users can run against their own stores and configs.
+"""Public test helpers: stateful Hypothesis fuzzers users can run against their own stores and configs,
+and the tiny models and in-process vLLM engine the tests, benchmarks and demo share.
 
-Hypothesis is an optional dependency (``pip install hybridkv[testing]``); import the submodules directly:
+Hypothesis and vLLM are optional dependencies; import the submodules directly:
 
-- ``hybridkv.testing.store_fuzz``      -- store conformance ``RuleBasedStateMachine``
-- ``hybridkv.testing.lifecycle_fuzz``  -- lifecycle/geometry ``RuleBasedStateMachine``
+- ``hybridkv.testing.store_fuzz``      -- store conformance ``RuleBasedStateMachine`` (``hybridkv[testing]``)
+- ``hybridkv.testing.lifecycle_fuzz``  -- lifecycle/geometry ``RuleBasedStateMachine`` (``hybridkv[testing]``)
+- ``hybridkv.testing.tiny_models``     -- random-weight model families built locally (no download)
+- ``hybridkv.testing.vllm_harness``    -- config builders and an in-process vLLM engine with the connector
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from connector_helpers import make_vllm_objs
+from hybridkv.testing.cluster import make_vllm_objs
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from connector_helpers import kv_cache_config
 from hybridkv.connector.metadata import HybridStoreWorkerMetadata
 from hybridkv.connector.stats import HybridStoreStats
+from hybridkv.testing.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

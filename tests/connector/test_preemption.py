@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import pytest
-from connector_helpers import Cluster, hybrid_config
+from hybridkv.testing.cluster import Cluster, hybrid_config
 from test_scheduler_matrix import tokens
 
 pytestmark = pytest.mark.vllm

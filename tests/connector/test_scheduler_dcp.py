@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from connector_helpers import HASH
-from connector_helpers import kv_cache_config as _kv_cache_config
 from hybridkv.store import open_store
+from hybridkv.testing.cluster import HASH
+from hybridkv.testing.cluster import kv_cache_config as _kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

@@ -1,8 +1,9 @@
 """The connector inside vLLM's real ``Scheduler`` with simulated worker ranks over one shared store.
 
 Matrix: (a) full attention + Mamba align, DCP 1 (TP 2); (b) full attention + sliding window, DCP 1
-(TP 2); (c) MLA + Mamba align under DCP = TP = 2, 4, 8. A cold engine stores four prompts; a fresh engine
-(new ``Scheduler``: no device cache, same store) then, on every geometry:
+(TP 2); (c) MLA + Mamba align under DCP = TP = 2, 4, 8. Per geometry a cold engine stores four prompts
+(fixture ``stored``); each scenario then runs on a fresh engine (new ``Scheduler``: no device cache, same
+store), one test per scenario, each with its own prompt:
 
 - hit: the load covers exactly the boundary the store can serve (vLLM's prompt checkpoint), every group
   advances by it, and on every rank every restored KV slot / Mamba state equals what a recompute writes;
@@ -14,26 +15,30 @@ Matrix: (a) full attention + Mamba align, DCP 1 (TP 2); (b) full attention + sli
 - abort while loading: the lifecycle is evicted, vLLM holds the blocks until every rank finished, the
   late results are ignored;
 - preemption after loading (vLLM's ``_preempt_request``): a new incarnation, the device cache serves it;
-- afterwards nothing is pinned or live: block-pool ref counts zero, no jobs / lifecycles in the connector,
-  the audit log replays clean with every lifecycle terminated.
+- after every scenario the outputs equal the cold run's and nothing is pinned or live: block-pool ref counts
+  zero, no jobs / lifecycles in the connector, the audit log replays clean with every lifecycle terminated.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from connector_helpers import Cluster, hybrid_config
+from hybridkv.testing.cluster import Cluster, hybrid_config
 
 pytestmark = pytest.mark.vllm
 
 GEOMETRIES = [
-    pytest.param("full_mamba", 1, 2, id="full+mamba-dcp1"),
-    pytest.param("full_swa", 1, 2, id="full+swa-dcp1"),
-    pytest.param("mla_mamba", 2, 2, id="mla+mamba-dcp2"),
-    pytest.param("mla_mamba", 4, 4, id="mla+mamba-dcp4"),
-    pytest.param("mla_mamba", 8, 8, id="mla+mamba-dcp8"),
+    pytest.param(("full_mamba", 1, 2), id="full+mamba-dcp1"),
+    pytest.param(("full_swa", 1, 2), id="full+swa-dcp1"),
+    pytest.param(("mla_mamba", 2, 2), id="mla+mamba-dcp2"),
+    pytest.param(("mla_mamba", 4, 4), id="mla+mamba-dcp4"),
+    pytest.param(("mla_mamba", 8, 8), id="mla+mamba-dcp8"),
 ]
 
 PROMPT = 300
@@ -63,15 +68,24 @@ def served_boundary(cl: Cluster, n: int) -> int:
     return (n - 1) // a * a
 
 
-@pytest.mark.parametrize(("kind", "dcp", "tp"), GEOMETRIES)
-def test_matrix(kind: str, dcp: int, tp: int) -> None:
-    from hybridkv.store import open_store
-    from vllm.v1.request import RequestStatus
+@dataclass(frozen=True)
+class Stored:
+    """One geometry after the cold runs: its configs, the prompts in the store and the cold outputs."""
 
-    t0 = time.monotonic()
+    kind: str
+    dcp: int
+    vc: Any
+    kvc: Any
+    prompts: dict[str, list[int]]
+    cold_out: dict[str, list[int]]
+
+
+@pytest.fixture(scope="module", params=GEOMETRIES)
+def stored(request: pytest.FixtureRequest) -> Stored:
+    """A cold engine stores prompts a, b, c, d (one per scenario) on a fresh store."""
+    kind, dcp, tp = request.param
     vc, kvc = hybrid_config(kind, dcp=dcp, tp=tp)
     prompts = {name: tokens(seed) for seed, name in enumerate("abcd", start=1)}
-
     cold = Cluster(vc, kvc)
     try:
         for rid, toks in prompts.items():
@@ -91,14 +105,29 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
             assert pre.side.stats.totals.get("hit_tokens", 0) == 0
         finally:
             pre.shutdown()
+    return Stored(kind, dcp, vc, kvc, prompts, cold_out)
 
-    cl = Cluster(vc, kvc)
-    side = cl.side
-    store = open_store(vc.kv_transfer_config.kv_connector_extra_config["store"])
-    H = served_boundary(cl, PROMPT)
+
+@contextmanager
+def fresh_engine(stored: Stored, *rids: str) -> Iterator[Cluster]:
+    """A fresh engine on the stored geometry; on exit every request runs to the end, the outputs of
+    ``rids`` (named ``<prompt>2``) equal the cold run's, and nothing is left pinned or live."""
+    cl = Cluster(stored.vc, stored.kvc)
     try:
-        # -- hit --------------------------------------------------------------------------------------
-        cl.add("a2", prompts["a"])
+        yield cl
+        cl.run()
+        for rid in rids:
+            assert cl.outputs[rid] == stored.cold_out[rid[0]], rid
+        cl.assert_empty()
+    finally:
+        cl.shutdown()
+
+
+def test_hit_loads_the_served_boundary(stored: Stored) -> None:
+    with fresh_engine(stored, "a2") as cl:
+        side = cl.side
+        H = served_boundary(cl, PROMPT)
+        cl.add("a2", stored.prompts["a"])
         out = cl.step()
         assert "a2" not in out.num_scheduled_tokens  # async: waiting for remote KV
         assert [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads] == [("a2", H)]
@@ -109,12 +138,20 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         assert out.num_scheduled_tokens["a2"] == PROMPT - H
         assert side._reqs["a2"].lc.state == "VERIFIED"
 
-        # -- one rank fails one block ---------------------------------------------------------------------
-        # The last rank fails the second-to-last full-attention block k of the plan. The retry cap is
-        # k * span (no failed entry is needed below it); vLLM restarts the request from 0 and the one
-        # retry finds the best boundary <= the cap the store still serves on every group and rank (a
-        # Mamba state / sliding window saved by the cold run) and loads it.
-        cl.add("b2", prompts["b"])
+
+def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_boundary(stored: Stored) -> None:
+    # The last rank fails the second-to-last full-attention block k of the plan. The retry cap is
+    # k * span (no failed entry is needed below it); vLLM restarts the request from 0 and the one
+    # retry finds the best boundary <= the cap the store still serves on every group and rank (a
+    # Mamba state / sliding window saved by the cold run) and loads it.
+    from hybridkv.store import open_store
+
+    retry_hit = RETRY_HIT[stored.kind, stored.dcp]
+    store = open_store(stored.vc.kv_transfer_config.kv_connector_extra_config["store"])
+    with fresh_engine(stored, "b2") as cl:
+        side = cl.side
+        H = served_boundary(cl, PROMPT)
+        cl.add("b2", stored.prompts["b"])
         last = cl.tp - 1
         full = next(g for g in cl.geo.groups if g.kind.value == "full")
         k = (H - 1) // full.span - 1
@@ -151,15 +188,15 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         assert side.stats.totals["load_transient_faults"] == 1
         out = cl.step()  # the one capped retry: an earlier boundary, loaded and checked slot by slot
         retry = [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads]
-        assert retry == [("b2", RETRY_HIT[kind, dcp])], (retry, cap)
-        assert 0 < RETRY_HIT[kind, dcp] <= cap
+        assert retry == [("b2", retry_hit)], (retry, cap)
+        assert 0 < retry_hit <= cap
         assert "b2" not in out.num_scheduled_tokens  # waiting for the retry's load
-        assert cl.loads_checked["b2"] == RETRY_HIT[kind, dcp]  # equal to a recompute, every rank
+        assert cl.loads_checked["b2"] == retry_hit  # equal to a recompute, every rank
         assert side._reqs["b2"].lc.state == "VERIFIED"
         out = cl.step()  # the prefill resumes at the retry's boundary (maybe split at a Mamba checkpoint)
         n = out.num_scheduled_tokens["b2"]
-        assert 0 < n <= PROMPT - RETRY_HIT[kind, dcp]
-        assert cl.sched.requests["b2"].num_computed_tokens == RETRY_HIT[kind, dcp] + n
+        assert 0 < n <= PROMPT - retry_hit
+        assert cl.sched.requests["b2"].num_computed_tokens == retry_hit + n
         trail = [
             (r["src"], r["dst"]) for r in cl.audit.records if r["request_id"] == "b2" and r["wave"] is None
         ]
@@ -173,10 +210,15 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         truncated = next(r for r in cl.audit.records if r["request_id"] == "b2" and r["dst"] == "TRUNCATED")
         assert truncated["boundary"] == cap and truncated["detail"]["retry_cap"] == cap
 
-        # -- abort while loading ---------------------------------------------------------------------------
+
+def test_abort_while_loading_ignores_the_late_results(stored: Stored) -> None:
+    from vllm.v1.request import RequestStatus
+
+    with fresh_engine(stored) as cl:
+        side = cl.side
         for f in cl.faults:
             f.gate.clear()
-        cl.add("c2", prompts["c"])
+        cl.add("c2", stored.prompts["c"])
         out = cl.step(wait_loads=False)
         assert [j.req_id for j in out.kv_connector_metadata.loads] == ["c2"]
         cl.sched.finish_requests("c2", RequestStatus.FINISHED_ABORTED)
@@ -190,11 +232,16 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
                 break
         assert "c2" not in cl.sched.requests and "c2" not in cl.loads_checked
 
-        # -- preemption after loading -------------------------------------------------------------------
-        cl.add("d2", prompts["d"])
+
+def test_preemption_after_loading_starts_a_new_incarnation(stored: Stored) -> None:
+    from vllm.v1.request import RequestStatus
+
+    with fresh_engine(stored, "d2") as cl:
+        side = cl.side
+        cl.add("d2", stored.prompts["d"])
         cl.step()
         cl.step()
-        assert cl.loads_checked["d2"] == H
+        assert cl.loads_checked["d2"] == served_boundary(cl, PROMPT)
         req = cl.sched.requests["d2"]
         assert req.status == RequestStatus.RUNNING
         cl.sched.running.remove(req)
@@ -204,11 +251,3 @@ def test_matrix(kind: str, dcp: int, tp: int) -> None:
         # Back with its device-cached prefix: a new incarnation, which the store does not need to serve.
         assert verified.state == "EVICTED" and side._reqs["d2"].lc is not verified
         assert out.kv_connector_metadata.loads == []
-
-        cl.run()
-        for rid in ("a2", "b2", "d2"):
-            assert cl.outputs[rid] == cold_out[rid[0]], rid
-        cl.assert_empty()
-    finally:
-        cl.shutdown()
-    assert time.monotonic() - t0 < 60

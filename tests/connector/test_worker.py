@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.geometry import resolve_geometry
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
 from hybridkv.connector.worker import WorkerSide
 from hybridkv.store import open_store
+from hybridkv.testing.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from hybridkv.cli import main
-from hybridkv.cli.demo_cmds import render
 from hybridkv.demo import (
     Check,
     DemoOptions,
@@ -26,10 +25,12 @@ from hybridkv.demo import (
     RequestResult,
     chaos_url,
     make_prompt,
+    render,
     shared_prefix_length,
 )
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
-MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+MODELS_DIR = DEFAULT_MODELS_DIR
 # Small sizes: 4 full 128-token blocks plus a tail; keeps one run around 25 s on 2 cores.
 SMALL = ["--prompt-tokens", "600", "--max-tokens", "6"]
 

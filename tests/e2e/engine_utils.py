@@ -1,22 +1,23 @@
-"""Helpers for in-process vLLM engines with HybridStoreConnector (CPU build, tiny random models)."""
+"""Helpers for in-process vLLM engines with HybridStoreConnector (CPU build, tiny random models).
+
+A thin layer over :mod:`hybridkv.testing.vllm_harness` (the engine the benchmarks and the demo use too).
+"""
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from hybridkv.testing import vllm_harness
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
-MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+vllm_harness.prepare_inprocess_environment()
+
+MODELS_DIR = DEFAULT_MODELS_DIR
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -30,75 +31,32 @@ def engine(model_dir: Path, extra: dict[str, Any], *, module_path: bool = True) 
 
     ``module_path=False`` names the connector only, relying on the ``hybridkv`` vLLM plugin entry point.
     """
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=4,
-        max_num_batched_tokens=2048,
-        kv_cache_memory_bytes=64 << 20,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_connector_module_path="hybridkv.connector" if module_path else None,
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
-    )
-    try:
+    transfer = vllm_harness.connector_transfer_config(extra, module_path=module_path)
+    with vllm_harness.inprocess_engine(model_dir, transfer) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def generate(
     llm: Any, tokens: list[int], max_tokens: int = 8, *, cache_salt: str | None = None
 ) -> tuple[list[int], int]:
     """Greedy output tokens and ``num_cached_tokens`` of one prompt (with vLLM's ``cache_salt`` if given)."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request: dict[str, Any] = {"prompt_token_ids": tokens}
-    if cache_salt is not None:
-        request["cache_salt"] = cache_salt
-    out = llm.generate([request], sp, use_tqdm=False)[0]
+    out = vllm_harness.greedy(llm, tokens, max_tokens, cache_salt=cache_salt)
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
 def connectors(llm: Any) -> tuple[Any, Any]:
     """(scheduler-role, worker-role) connector objects of an in-process engine."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+    return vllm_harness.connector_halves(llm)
 
 
 def flush_saves(llm: Any) -> None:
-    """Wait until the worker wrote every queued save, then let the scheduler see the results."""
-    _, worker = connectors(llm)
-    worker.worker_side.flush()
+    """Wait until the worker wrote every queued save and the scheduler saw the results."""
+    vllm_harness.settle(llm)
 
 
 def reset_local_cache(llm: Any) -> None:
-    """Drop vLLM's device prefix cache (not the store); pins of in-flight saves must be released first."""
-    from vllm import SamplingParams
-
-    flush_saves(llm)
-    for _ in range(20):
-        if llm.reset_prefix_cache():
-            return
-        # One tiny request steps the engine so the scheduler receives the save results and unpins.
-        llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(max_tokens=1), use_tqdm=False)
-        flush_saves(llm)
-    raise AssertionError("device prefix cache could not be reset (blocks still pinned)")
+    """Drop vLLM's device prefix cache (not the store); pins of in-flight saves are released first."""
+    vllm_harness.drop_local_cache(llm)
 
 
 def audit(path: Path) -> list[dict[str, Any]]:

@@ -26,17 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+MODELS_DIR = DEFAULT_MODELS_DIR
 SCRIPT = Path(__file__).with_name("engine_script.py")
 EXIT_TIMEOUT_S = 240.0
 PROMPT = [random.Random(3).randrange(3, 500) for _ in range(300)]  # 2 full 128-token blocks + a tail
 
 
 def _model() -> str:
-    from hybridkv.connector.tiny_models import build_tiny_model
+    from hybridkv.testing.tiny_models import build_tiny_model
 
     return str(build_tiny_model("qwen3_next", MODELS_DIR))
 

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
+MODELS_DIR = DEFAULT_MODELS_DIR
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -170,7 +171,7 @@ def _wait_metric(base: str, name: str, at_least: float, **labels: str) -> dict[s
 
 
 def test_serve_cold_hot_reset_external_hit(tmp_path: Path) -> None:
-    from hybridkv.connector.tiny_models import build_tiny_model
+    from hybridkv.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen3_next", MODELS_DIR)
     store = f"file://{tmp_path}/store?capacity=256MiB"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import structlog
+from hybridkv.bench.store import measure_put_get, run_store_bench
 from hybridkv.cli import main
 from hybridkv.store import Status, open_store
-from hybridkv.store.bench import measure_put_get, run_store_bench
 
 from .conftest import MooncakeMaster
 

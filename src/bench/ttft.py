@@ -23,39 +23,49 @@ prefix caching off (as it requires), the same prompt sent twice: the second send
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import platform
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
-from hybridkv.store.bench import bench_scratch_dir, measure_memcpy
+from hybridkv.bench.report import pyplot_or_none
+from hybridkv.bench.store import bench_scratch_dir, measure_memcpy
+from hybridkv.testing import vllm_harness
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 
 __all__ = [
     "DEFAULT_FAMILIES",
-    "DEFAULT_MODELS_DIR",
+    "TABLE_COLUMNS",
     "default_scratch_dir",
+    "plot_report",
     "run_ttft_bench",
+]
+
+#: The columns ``hybridkv bench`` prints, in order.
+TABLE_COLUMNS = [
+    "family",
+    "connector",
+    "cold_ms",
+    "local_hit_ms",
+    "external_hit_ms",
+    "external_hit_tokens",
+    "loaded_mb",
+    "load_job_ms",
+    "load_job_idle_ms",
+    "copy_floor_ms",
+    "external_over_local",
+    "cold_over_external",
+    "overhead_over_floor",
 ]
 
 DEFAULT_FAMILIES = ("llama", "lfm2")
 #: Families vLLM's ExampleConnector can serve (it does not support the hybrid KV-cache manager).
 _EXAMPLE_FAMILIES = ("llama",)
-
-_ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: the connector's worker half is reachable
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM logs to stdout; keep the table readable
-}
 
 
 def default_scratch_dir() -> Any:
@@ -69,66 +79,17 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 
 
 def _engine_kwargs(prompt_tokens: int, kv_cache_bytes: int, dtype: str) -> dict[str, Any]:
-    max_len = max(2048, prompt_tokens + 64)
-    return {
-        "skip_tokenizer_init": True,
-        "dtype": dtype,
-        "max_model_len": max_len,
-        "max_num_seqs": 4,
-        "max_num_batched_tokens": max(2048, max_len),  # the whole prefill in one step
-        "kv_cache_memory_bytes": kv_cache_bytes,
-        "enforce_eager": True,
-        "seed": 0,
-    }
-
-
-@contextmanager
-def _engine(model_dir: Path, *, prefix_caching: bool, transfer: Any, **kwargs: Any) -> Iterator[Any]:
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(model_dir), enable_prefix_caching=prefix_caching, kv_transfer_config=transfer, **kwargs
+    return vllm_harness.engine_kwargs(
+        max_model_len=max(2048, prompt_tokens + 64), kv_cache_bytes=kv_cache_bytes, dtype=dtype
     )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _timed_generate(llm: Any, tokens: list[int]) -> tuple[float, int]:
     """Seconds of one ``llm.generate`` (``max_tokens=1``) and the request's ``num_cached_tokens``."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     start = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+    out = vllm_harness.greedy(llm, tokens, max_tokens=1)
     elapsed = time.perf_counter() - start
     return elapsed, int(out.num_cached_tokens or 0)
-
-
-def _connector_halves(llm: Any) -> tuple[Any, Any]:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
-
-
-def _settle(llm: Any) -> None:
-    """Write every queued save and hand the results to the scheduler (releases the source-block pins)."""
-    sched, _ = _connector_halves(llm)
-    sched.settle_saves()
-
-
-def _reset_device_cache(llm: Any) -> None:
-    from vllm import SamplingParams
-
-    for _ in range(20):
-        _settle(llm)
-        if llm.reset_prefix_cache():  # keeps the external tier (reset_connector=False)
-            return
-        llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    raise RuntimeError("vLLM's device prefix cache could not be reset (blocks still pinned)")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -221,15 +182,7 @@ def measure_hybridkv(
     seed: int = 1000,
 ) -> dict[str, Any]:
     """Cold / local-hit / external-hit TTFT samples of one engine with ``HybridStoreConnector``."""
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="HybridStoreConnector",
-        kv_connector_module_path="hybridkv.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"store": store_url, "lookup_budget_ms": 5000},
-    )
+    transfer = vllm_harness.connector_transfer_config({"store": store_url, "lookup_budget_ms": 5000})
     samples: dict[str, list[float]] = {"cold": [], "local": [], "external": []}
     cached: dict[str, list[int]] = {"cold": [], "local": [], "external": []}
     loaded_bytes: list[int] = []
@@ -237,14 +190,14 @@ def measure_hybridkv(
     load_job_s: list[float] = []
     load_job_idle_s: list[float] = []
     start = time.perf_counter()
-    with _engine(
+    with vllm_harness.inprocess_engine(
         model_dir,
         prefix_caching=True,
         transfer=transfer,
         **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     ) as llm:
         engine_start_s = time.perf_counter() - start
-        sched, worker = _connector_halves(llm)
+        sched, worker = vllm_harness.connector_halves(llm)
         timer = _LoadTimer(worker.worker_side)
         geo = sched.scheduler_side.geo.describe()
         # Round 0 warms every code path (cold, local hit, reset, external hit) on a short prompt; not counted.
@@ -252,15 +205,15 @@ def measure_hybridkv(
             n = min(prompt_tokens, warmup_tokens) if round_index == 0 else prompt_tokens
             tokens = _prompt(n, seed + round_index)
             cold_s, cold_cached = _timed_generate(llm, tokens)
-            _settle(llm)
+            vllm_harness.settle(llm)
             local_s, local_cached = _timed_generate(llm, tokens)
-            _reset_device_cache(llm)
+            vllm_harness.drop_local_cache(llm)
             totals = worker.worker_side.stats.totals
             bytes_before, keys_before = totals.get("load_bytes", 0), totals.get("load_keys", 0)
             jobs_before = len(timer.samples)
             ext_s, ext_cached = _timed_generate(llm, tokens)
             worker.worker_side.flush()
-            _settle(llm)
+            vllm_harness.settle(llm)
             totals = worker.worker_side.stats.totals
             if round_index == 0:
                 continue
@@ -318,7 +271,7 @@ def measure_example_connector(
     samples: dict[str, list[float]] = {"cold": [], "external": []}
     cached: dict[str, list[int]] = {"cold": [], "external": []}
     file_bytes: list[int] = []
-    with _engine(
+    with vllm_harness.inprocess_engine(
         model_dir,
         prefix_caching=False,
         transfer=transfer,
@@ -403,8 +356,8 @@ def run_ttft_bench(
     kv_cache_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Measure every family; one row per (family, connector) with medians and same-run ratios."""
-    for key, value in _ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    # One process, so the connector's worker half is reachable; vLLM logs to stdout: keep the table readable.
+    vllm_harness.prepare_inprocess_environment("ERROR")
     if rounds < 1 or prompt_tokens < 1:
         raise ValueError("need rounds >= 1 and prompt_tokens >= 1")
     resolved_dtype = resolve_dtype(dtype)
@@ -519,3 +472,28 @@ def run_ttft_bench(
         "loadavg_after": os.getloadavg(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Bars of cold / local / external TTFT per (family, connector), log scale; ``None`` without matplotlib."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    labels = [f"{row['family']}\n{row['connector'].split(' ')[0]}" for row in rows]
+    positions = list(range(len(rows)))
+    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.6), 4))
+    for offset, key, label in (
+        (-0.27, "cold_ms", "cold"),
+        (0.0, "local_hit_ms", "local hit"),
+        (0.27, "external_hit_ms", "external hit"),
+    ):
+        axes.bar([p + offset for p in positions], [row[key] or 0 for row in rows], width=0.27, label=label)
+    axes.set_yscale("log")
+    axes.set_xticks(positions, labels, fontsize=7)
+    axes.set_ylabel(f"TTFT ms ({report['prompt_tokens']} tokens)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -30,7 +30,6 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -43,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import FAMILIES, build_tiny_model
+from hybridkv.testing import vllm_harness
+from hybridkv.testing.tiny_models import FAMILIES, build_tiny_model
 
 __all__ = [
     "DEFAULT_CHAOS",
@@ -61,8 +61,6 @@ DEFAULT_CHAOS = "get_fail=0.5&corrupt=0.2&seed=7"
 _TOKEN_RANGE = (3, 500)
 #: KV-cache memory of the demo engine: ample for a few thousand tokens of the tiny models.
 _KV_CACHE_BYTES = 128 << 20
-#: A short prompt that steps the engine (no block hashes: no lookups, no saves of its own).
-_PUMP_PROMPT = [5, 6, 7]
 
 
 def _ignore(_message: str) -> None:
@@ -237,52 +235,34 @@ class _AuditTail:
 
 
 class _Engine:
-    """An in-process ``LLM`` with ``HybridStoreConnector``, plus the counters the demo reads."""
+    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.testing.vllm_harness``), plus the
+    counters the demo reads."""
 
     def __init__(
         self, model_dir: Path, store: str, namespace: str, audit_log: Path, max_model_len: int
     ) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        # The engine handle is reached into (in-process engine core, connector objects): typed loosely.
-        self.llm: Any = LLM(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            enable_prefix_caching=True,
-            dtype="bfloat16",
-            max_model_len=max_model_len,
-            max_num_seqs=4,
-            max_num_batched_tokens=max_model_len,
-            kv_cache_memory_bytes=_KV_CACHE_BYTES,
-            enforce_eager=True,
-            seed=0,
-            use_tqdm_on_load=False,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="HybridStoreConnector",
-                kv_connector_module_path="hybridkv.connector",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={
-                    "store": store,
-                    "namespace": namespace,
-                    "audit_log": str(audit_log),
-                },
-            ),
+        transfer = vllm_harness.connector_transfer_config(
+            {
+                "store": store,
+                "namespace": namespace,
+                "audit_log": str(audit_log),
+            }
         )
-        from hybridkv.connector.connector import HybridStoreConnector
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        client: Any = self.llm.llm_engine.engine_core  # InprocClient: the engine core lives in this process
-        sched = client.engine_core.scheduler.connector
-        worker = get_kv_transfer_group()
-        for role, obj in (("scheduler", sched), ("worker", worker)):
-            if not isinstance(obj, HybridStoreConnector):
-                raise TypeError(
-                    f"the engine's {role} connector is {type(obj).__name__}, not HybridStoreConnector"
-                )
-        self.sched_connector: HybridStoreConnector = sched
-        self.worker_connector: HybridStoreConnector = worker
+        self._stack = contextlib.ExitStack()
+        # The engine handle is reached into (in-process engine core, connector objects): typed loosely.
+        self.llm: Any = self._stack.enter_context(
+            vllm_harness.inprocess_engine(
+                model_dir,
+                transfer,
+                **vllm_harness.engine_kwargs(max_model_len=max_model_len, kv_cache_bytes=_KV_CACHE_BYTES),
+                use_tqdm_on_load=False,
+            )
+        )
+        try:
+            self.sched_connector, self.worker_connector = vllm_harness.connector_halves(self.llm)
+        except TypeError:
+            self._stack.close()
+            raise
         self.audit = _AuditTail(audit_log)
 
     # counters ------------------------------------------------------------------------------------
@@ -300,45 +280,23 @@ class _Engine:
         return totals
 
     # requests ------------------------------------------------------------------------------------
-    def settle(self, max_steps: int = 50) -> None:
-        """Let queued saves finish: the worker writes them, the scheduler sees the results (pins freed,
-        save waves terminal). Steps the engine with a short prompt while push work is pending."""
-        from vllm import SamplingParams
-
-        worker = self.worker_connector.worker_side
-        sched = self.sched_connector.scheduler_side
-        for _ in range(max_steps):
-            worker.flush()
-            if not sched.has_pending_push_work():
-                return
-            self.llm.generate(
-                [{"prompt_token_ids": _PUMP_PROMPT}],
-                SamplingParams(temperature=0, max_tokens=1),
-                use_tqdm=False,
-            )
-        raise RuntimeError(f"connector still has pending saves after {max_steps} engine steps")
+    def settle(self) -> None:
+        """Let queued saves finish (the worker writes them, the scheduler sees the results)."""
+        vllm_harness.settle(self.llm)
 
     def drop_local_cache(self) -> None:
-        """Empty vLLM's device prefix cache; the external store is kept (``reset_connector=False``)."""
-        self.settle()
-        for _ in range(20):
-            if self.llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
-                self.audit.skip()
-                return
-            self.settle()
-        raise RuntimeError("vLLM refused to reset its prefix cache 20 times (blocks still in use)")
+        """Empty vLLM's device prefix cache; the external store is kept."""
+        vllm_harness.drop_local_cache(self.llm)
+        self.audit.skip()
 
     def send(
         self, label: str, tokens: list[int], max_tokens: int, reference: list[int] | None
     ) -> RequestResult:
         """One greedy request, then settle its saves; the counters are this request's deltas."""
-        from vllm import SamplingParams
-
         self.audit.skip()
         before = self._totals()
         start = time.monotonic()
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        out = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        out = vllm_harness.greedy(self.llm, tokens, max_tokens)
         seconds = time.monotonic() - start
         records = [r for r in self.audit.read() if r.get("wave") is None]
         self.settle()
@@ -382,9 +340,7 @@ class _Engine:
         try:
             self.settle()
         finally:
-            self.llm.llm_engine.engine_core.shutdown()
-            del self.llm
-            gc.collect()
+            self._stack.close()
 
 
 # -- the scenario ----------------------------------------------------------------------------------
@@ -442,6 +398,152 @@ def _close(engine: _Engine | None, report: DemoReport) -> None:
         report.error = report.error or f"engine shutdown: {type(exc).__name__}: {exc}"
 
 
+@dataclass
+class _Run:
+    """What the phases share: the options, the report they fill, the model and the reference output."""
+
+    options: DemoOptions
+    report: DemoReport
+    model_dir: Path
+    max_model_len: int
+    prompt_a: list[int]
+    #: output of the cold run of prompt A (the reference); None until the cold phase produced it
+    cold_a: list[int] | None = None
+
+    def start(self, url: str, why: str) -> _Engine:
+        """A fresh engine on ``url``; its start time is reported as ``engine_start_<why>_s``."""
+        progress = self.options.progress
+        progress(f"starting vLLM engine ({why}; store {url})")
+        t = time.monotonic()
+        engine = _Engine(
+            self.model_dir, url, self.report.namespace, Path(self.report.audit_log), self.max_model_len
+        )
+        seconds = round(time.monotonic() - t, 2)
+        self.report.timings[f"engine_start_{why}_s"] = seconds
+        progress(f"engine ready in {seconds:.1f}s")
+        return engine
+
+
+def phase_cold(run: _Run) -> _Engine | None:
+    """Phase 1: prompt A on a fresh namespace is computed and saved. Returns the engine for phases 2-3."""
+    engine: _Engine | None = None
+    report, options = run.report, run.options
+    with _phase(
+        report, "cold", "cold: prompt A computed and saved to the external tier", report.store
+    ) as phase:
+        engine = run.start(report.store, "main")
+        report.geometry = engine.geometry()
+        options.progress("phase 1/5 cold")
+        r = engine.send("A", run.prompt_a, options.max_tokens, None)
+        run.cold_a = r.output_tokens
+        phase.requests.append(r)
+        phase.checks.append(
+            _check("nothing cached (cold)", r.cached_tokens == 0, f"cached {r.cached_tokens}")
+        )
+        phase.checks.append(_check("saved to the store", r.saved_bytes > 0, f"saved {r.saved_bytes} bytes"))
+    return engine
+
+
+def phase_shared(run: _Run, engine: _Engine) -> None:
+    """Phase 2: prompt B shares A's prefix up to A's last hit boundary: a prefix-cache hit."""
+    report, options = run.report, run.options
+    with _phase(report, "shared", "shared prefix: prompt B reuses A's prefix", report.store) as phase:
+        options.progress("phase 2/5 shared prefix")
+        shared = shared_prefix_length(options.prompt_tokens, engine.hit_alignment)
+        suffix = make_prompt(max(64, options.prompt_tokens // 8), options.seed + 1000)
+        prompt_b = run.prompt_a[:shared] + suffix
+        if shared == 0:
+            raise ValueError(
+                f"prompt A ({options.prompt_tokens} tokens) has no full hit block: the model's hits "
+                f"align to {engine.hit_alignment} tokens; use --prompt-tokens > {engine.hit_alignment}"
+            )
+        r = engine.send("B", prompt_b, options.max_tokens, None)
+        phase.requests.append(r)
+        phase.checks.append(
+            _check(
+                "prefix reused",
+                r.cached_tokens > 0,
+                f"B shares A's first {shared} tokens; cached {r.cached_tokens} "
+                f"(local {r.local_hit_tokens}, external {r.external_hit_tokens})",
+            )
+        )
+
+
+def phase_external(run: _Run, engine: _Engine) -> None:
+    """Phase 3: vLLM's local prefix cache is dropped (the store kept); A's prefix comes from the store."""
+    report, options = run.report, run.options
+    with _phase(
+        report, "external", "local prefix cache dropped: A comes back from the store", report.store
+    ) as phase:
+        options.progress("phase 3/5 local cache dropped, resend A")
+        engine.drop_local_cache()
+        r = engine.send("A again", run.prompt_a, options.max_tokens, run.cold_a)
+        phase.requests.append(r)
+        phase.checks.append(
+            _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
+        )
+        phase.checks.append(
+            _check("no local hits", r.local_hit_tokens == 0, f"local {r.local_hit_tokens} tokens")
+        )
+        phase.checks.append(_match_check(phase.requests))
+
+
+def phase_restart(run: _Run) -> None:
+    """Phase 4: a fresh engine on the same store; A's prefix comes from the store across the restart."""
+    report, options = run.report, run.options
+    engine: _Engine | None = None
+    with _phase(
+        report, "restart", "fresh engine, same store: A comes back from the store", report.store
+    ) as phase:
+        engine = run.start(report.store, "restart")
+        options.progress("phase 4/5 fresh engine, resend A")
+        r = engine.send("A (new engine)", run.prompt_a, options.max_tokens, run.cold_a)
+        phase.requests.append(r)
+        phase.checks.append(
+            _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
+        )
+        phase.checks.append(_match_check(phase.requests))
+    _close(engine, report)
+
+
+def phase_chaos(run: _Run) -> None:
+    """Phase 5: a fresh engine on the same bytes behind the ``faulty+`` wrapper: loads fail or are corrupt,
+    vLLM recomputes, the tokens are still identical."""
+    report, options = run.report, run.options
+    engine: _Engine | None = None
+    chaos_store = report.chaos_store
+    with _phase(report, "chaos", "chaos store: failed and corrupt reads, exact tokens", chaos_store) as phase:
+        engine = run.start(chaos_store, "chaos")
+        options.progress("the chaos store fails and corrupts reads on purpose: expect load warnings below")
+        for i in range(options.chaos_rounds):
+            options.progress(f"phase 5/5 chaos, round {i + 1}/{options.chaos_rounds}")
+            if i:
+                engine.drop_local_cache()
+            r = engine.send(f"A chaos #{i + 1}", run.prompt_a, options.max_tokens, run.cold_a)
+            phase.requests.append(r)
+        truncations = sum(r.truncations for r in phase.requests)
+        failed = sum(r.failed_keys for r in phase.requests)
+        phase.checks.append(
+            _check(
+                "faults seen",
+                truncations + failed > 0,
+                f"{truncations} truncated loads, {failed} failed keys",
+            )
+        )
+        phase.checks.append(_match_check(phase.requests))
+    _close(engine, report)
+
+
+def audit_phase(report: DemoReport) -> None:
+    """Replay the connector's audit log (``hybridkv.lifecycle.audit``) into ``report.audit``."""
+    from hybridkv.lifecycle.audit import audit_file
+
+    try:
+        report.audit = audit_file(Path(report.audit_log)).to_dict()
+    except OSError as exc:
+        report.audit = {"ok": False, "error": f"cannot read {report.audit_log}: {exc}"}
+
+
 def run_demo(options: DemoOptions) -> DemoReport:
     """Run the five phases (module docstring) and replay the audit log; see the module contracts."""
     options.validate()
@@ -483,119 +585,24 @@ def run_demo(options: DemoOptions) -> DemoReport:
         return report
     report.timings["import_vllm_s"] = round(time.monotonic() - t0, 2)
 
-    max_model_len = _max_model_len(options)
-    prompt_a = make_prompt(options.prompt_tokens, options.seed)
-    cold_a: list[int] | None = None
-
-    def start(url: str, why: str) -> _Engine:
-        progress(f"starting vLLM engine ({why}; store {url})")
-        t = time.monotonic()
-        engine = _Engine(model_dir, url, namespace, audit_log, max_model_len)
-        seconds = round(time.monotonic() - t, 2)
-        report.timings[f"engine_start_{why}_s"] = seconds
-        progress(f"engine ready in {seconds:.1f}s")
-        return engine
-
+    run = _Run(
+        options=options,
+        report=report,
+        model_dir=model_dir,
+        max_model_len=_max_model_len(options),
+        prompt_a=make_prompt(options.prompt_tokens, options.seed),
+    )
     # Engine 1: phases cold, shared, external.
-    engine: _Engine | None = None
-    with _phase(report, "cold", "cold: prompt A computed and saved to the external tier", store) as phase:
-        engine = start(store, "main")
-        report.geometry = engine.geometry()
-        progress("phase 1/5 cold")
-        r = engine.send("A", prompt_a, options.max_tokens, None)
-        cold_a = r.output_tokens
-        phase.requests.append(r)
-        phase.checks.append(
-            _check("nothing cached (cold)", r.cached_tokens == 0, f"cached {r.cached_tokens}")
-        )
-        phase.checks.append(_check("saved to the store", r.saved_bytes > 0, f"saved {r.saved_bytes} bytes"))
-
-    if engine is not None and cold_a is not None:
-        with _phase(report, "shared", "shared prefix: prompt B reuses A's prefix", store) as phase:
-            progress("phase 2/5 shared prefix")
-            shared = shared_prefix_length(options.prompt_tokens, engine.hit_alignment)
-            suffix = make_prompt(max(64, options.prompt_tokens // 8), options.seed + 1000)
-            prompt_b = prompt_a[:shared] + suffix
-            if shared == 0:
-                raise ValueError(
-                    f"prompt A ({options.prompt_tokens} tokens) has no full hit block: the model's hits "
-                    f"align to {engine.hit_alignment} tokens; use --prompt-tokens > {engine.hit_alignment}"
-                )
-            r = engine.send("B", prompt_b, options.max_tokens, None)
-            phase.requests.append(r)
-            phase.checks.append(
-                _check(
-                    "prefix reused",
-                    r.cached_tokens > 0,
-                    f"B shares A's first {shared} tokens; cached {r.cached_tokens} "
-                    f"(local {r.local_hit_tokens}, external {r.external_hit_tokens})",
-                )
-            )
-
-        with _phase(
-            report, "external", "local prefix cache dropped: A comes back from the store", store
-        ) as phase:
-            progress("phase 3/5 local cache dropped, resend A")
-            engine.drop_local_cache()
-            r = engine.send("A again", prompt_a, options.max_tokens, cold_a)
-            phase.requests.append(r)
-            phase.checks.append(
-                _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
-            )
-            phase.checks.append(
-                _check("no local hits", r.local_hit_tokens == 0, f"local {r.local_hit_tokens} tokens")
-            )
-            phase.checks.append(_match_check(phase.requests))
-
+    engine = phase_cold(run)
+    if engine is not None and run.cold_a is not None:
+        phase_shared(run, engine)
+        phase_external(run, engine)
     _close(engine, report)
-    engine = None
-
-    if cold_a is not None:
-        with _phase(
-            report, "restart", "fresh engine, same store: A comes back from the store", store
-        ) as phase:
-            engine = start(store, "restart")
-            progress("phase 4/5 fresh engine, resend A")
-            r = engine.send("A (new engine)", prompt_a, options.max_tokens, cold_a)
-            phase.requests.append(r)
-            phase.checks.append(
-                _check("external hits", r.external_hit_tokens > 0, f"external {r.external_hit_tokens} tokens")
-            )
-            phase.checks.append(_match_check(phase.requests))
-        _close(engine, report)
-        engine = None
-
-        chaos_store = report.chaos_store
-        with _phase(
-            report, "chaos", "chaos store: failed and corrupt reads, exact tokens", chaos_store
-        ) as phase:
-            engine = start(chaos_store, "chaos")
-            progress("the chaos store fails and corrupts reads on purpose: expect load warnings below")
-            for i in range(options.chaos_rounds):
-                progress(f"phase 5/5 chaos, round {i + 1}/{options.chaos_rounds}")
-                if i:
-                    engine.drop_local_cache()
-                r = engine.send(f"A chaos #{i + 1}", prompt_a, options.max_tokens, cold_a)
-                phase.requests.append(r)
-            truncations = sum(r.truncations for r in phase.requests)
-            failed = sum(r.failed_keys for r in phase.requests)
-            phase.checks.append(
-                _check(
-                    "faults seen",
-                    truncations + failed > 0,
-                    f"{truncations} truncated loads, {failed} failed keys",
-                )
-            )
-            phase.checks.append(_match_check(phase.requests))
-        _close(engine, report)
-        engine = None
+    if run.cold_a is not None:
+        phase_restart(run)
+        phase_chaos(run)
 
     progress(f"auditing {audit_log}")
-    try:
-        from hybridkv.lifecycle.audit import audit_file
-
-        report.audit = audit_file(audit_log).to_dict()
-    except OSError as exc:
-        report.audit = {"ok": False, "error": f"cannot read {audit_log}: {exc}"}
+    audit_phase(report)
     report.timings["total_s"] = round(time.monotonic() - started, 2)
     return report

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES: tuple[str, ...] = ("llama", "gemma3", "qwen3_next", "lfm2")
-#: Where the benchmarks build their models (the tests use the same variable).
+#: The one models directory: tests, benchmarks and tools build and reuse tiny models here
+#: (``$HYBRIDKV_TEST_MODELS``, else a fixed folder under /tmp).
 DEFAULT_MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
 
 #: Per family: the transformers config class and model class.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 import uuid
@@ -29,9 +30,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.bench.report import pyplot_or_none
+from hybridkv.testing import vllm_harness
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
-__all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "run_lookup_bench"]
+__all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "TABLE_COLUMNS", "plot_report", "run_lookup_bench"]
+
+#: The columns ``hybridkv bench`` prints, in order.
+TABLE_COLUMNS = [
+    "geometry",
+    "store",
+    "prompt_tokens",
+    "num_keys",
+    "bare_p50_us",
+    "bare_p99_us",
+    "lifecycle_p50_us",
+    "lifecycle_p99_us",
+    "connector_p50_us",
+    "connector_p99_us",
+    "connector_over_bare_p50",
+    "connector_over_bare_p99",
+]
 
 DEFAULT_GEOMETRIES = ("llama", "lfm2")
 DEFAULT_PROMPT_TOKENS = (1024, 4096, 16384)
@@ -42,15 +61,6 @@ _KV_HEADS, _HEAD_DIM, _LAYERS = 4, 128, 8  # the ttft bench model's attention
 def _configs(geometry: str, store_url: str, models_dir: Path) -> tuple[Any, Any]:
     """(VllmConfig, scheduler KVCacheConfig) for ``geometry`` with the connector on ``store_url``."""
     import torch
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -62,27 +72,20 @@ def _configs(geometry: str, store_url: str, models_dir: Path) -> tuple[Any, Any]
     if geometry not in DEFAULT_GEOMETRIES:
         raise ValueError(f"unknown lookup geometry {geometry!r}; expected one of {DEFAULT_GEOMETRIES}")
     model = build_tiny_model("llama", models_dir)  # names the model only; the groups come from below
-    vc = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", skip_tokenizer_init=True, seed=0),
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=1),
-        cache_config=CacheConfig(block_size=_BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_connector_module_path="hybridkv.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store": store_url, "lookup_budget_ms": 5000, "namespace": "bench"},
-        ),
-    )
     num_blocks = 1024
+    vc = vllm_harness.connector_vllm_config(
+        model,
+        {"store": store_url, "lookup_budget_ms": 5000, "namespace": "bench"},
+        block_size=_BLOCK,
+        num_blocks=num_blocks,
+        mamba_align=geometry == "lfm2",
+    )
     attn_layers = [f"model.layers.{i}.self_attn.attn" for i in range(_LAYERS)]
     full = FullAttentionSpec(
         block_size=_BLOCK, num_kv_heads=_KV_HEADS, head_size=_HEAD_DIM, dtype=torch.bfloat16
     )
     groups = [KVCacheGroupSpec(attn_layers, full)]
     if geometry == "lfm2":
-        vc.cache_config.mamba_cache_mode = "align"
         attn_layers = [f"model.layers.{i}.self_attn.attn" for i in range(1, _LAYERS, 2)]
         conv_layers = [f"model.layers.{i}.conv" for i in range(0, _LAYERS, 2)]
         state = MambaSpec(
@@ -103,26 +106,14 @@ def _configs(geometry: str, store_url: str, models_dir: Path) -> tuple[Any, Any]
         ],
         kv_cache_groups=groups,
     )
-    vc.cache_config.num_gpu_blocks = num_blocks
-    sched_bs, hash_bs = resolve_kv_cache_block_sizes(cfg, vc)
-    cfg.hash_block_size = hash_bs
-    cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(cfg, vc, sched_bs, hash_bs)
+    vllm_harness.resolve_cache_block_sizes(cfg, vc)
     return vc, cfg
 
 
 def _request(rid: str, num_tokens: int, hash_unit: int) -> Any:
-    import random
-
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
     rng = random.Random(num_tokens)
     tokens = [rng.randrange(3, 500) for _ in range(num_tokens)]
-    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(hash_unit, sha256))
+    return vllm_harness.block_hashed_request(rid, tokens, hash_unit)
 
 
 def _percentiles(samples_us: list[float]) -> dict[str, float]:
@@ -288,3 +279,35 @@ def run_lookup_bench(
         "rows": rows,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """p50 of bare exists vs the connector's lookup per prompt length, one line per (geometry, store)."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4))
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in report["rows"]:
+        series.setdefault((row["geometry"], row["store"].split("://")[0]), []).append(row)
+    for (geometry, scheme), rows in series.items():
+        xs = [row["prompt_tokens"] for row in rows]
+        axes.plot(
+            xs, [row["connector_p50_us"] for row in rows], marker="o", label=f"{geometry} {scheme} connector"
+        )
+        axes.plot(
+            xs,
+            [row["bare_p50_us"] for row in rows],
+            linestyle="--",
+            marker=".",
+            label=f"{geometry} {scheme} bare",
+        )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("p50 us")
+    axes.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

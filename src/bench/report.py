@@ -1,6 +1,6 @@
 """Shared output helpers for CLI commands: aligned tables and JSON reports.
 
-Imports nothing heavy: ``hybridkv.connector.datapath_bench`` (torch + numpy only) uses ``format_table``.
+Imports nothing heavy: ``hybridkv.bench.datapath`` (torch + numpy only) uses ``format_table``.
 """
 
 from __future__ import annotations

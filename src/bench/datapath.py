@@ -3,7 +3,7 @@
 torch + numpy only, so it runs on a bare GPU host::
 
     mkdir -p /tmp/pkg && ln -s $PWD/src /tmp/pkg/hybridkv
-    PYTHONPATH=/tmp/pkg python -m hybridkv.connector.datapath_bench --device cuda --out DIR
+    PYTHONPATH=/tmp/pkg python -m hybridkv.bench.datapath --device cuda --out DIR
 
 (or ``hybridkv bench datapath``). For each KV geometry and batch size it measures, in the same run:
 
@@ -22,7 +22,6 @@ GB/s are 1e9 bytes per second of the best of ``--repeats`` timed runs (after one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -35,8 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from hybridkv.cli._output import format_cell
-from hybridkv.cli._output import format_table as _format_table
+from hybridkv.bench.report import format_cell, write_json
+from hybridkv.bench.report import format_table as _format_table
 from hybridkv.connector.datapath import (
     DEFAULT_STAGE_BYTES,
     BlockMover,
@@ -250,7 +249,10 @@ def run_bench(
     per_page: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Measure every (geometry, batch); returns the JSON report (``rows`` plus environment)."""
+    """Measure every (geometry, batch); returns the JSON report (``rows`` plus environment).
+    ``device="auto"``: CUDA when available, else the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
@@ -329,55 +331,16 @@ def write_report(report: dict[str, Any], out: str) -> Path:
     target = Path(out)
     if target.suffix != ".json":
         target = target / f"datapath-{report['env']['device'].split(':')[0]}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    return target
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda if available; %(default)s)")
-    p.add_argument("--out", default="bench-results", help="report directory or .json path (%(default)s)")
-    p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="blocks per batch")
-    p.add_argument("--geometries", default="attn,mamba", help=f"comma-separated, of {sorted(GEOMETRIES)}")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; best kept")
-    p.add_argument("--stage-mib", type=int, default=DEFAULT_STAGE_BYTES // MiB, help="device staging MiB")
-    p.add_argument("--no-per-page", action="store_true", help="skip the naive per-page copy baseline")
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        batches = [int(x) for x in str(args.batches).split(",") if x.strip()]
-        geos = [x.strip() for x in str(args.geometries).split(",") if x.strip()]
-        unknown = [g for g in geos if g not in GEOMETRIES]
-        if unknown or not batches or min(batches) < 1:
-            raise ValueError(f"bad --geometries {unknown} or --batches {batches}")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    device = str(args.device)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        report = run_bench(
-            device,
-            geometries=geos,
-            batches=batches,
-            repeats=args.repeats,
-            stage_bytes=args.stage_mib * MiB,
-            per_page=not args.no_per_page,
-        )
-    except RuntimeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(format_table(report["rows"]))
-    print(f"report: {write_report(report, args.out)}")
-    return 0
+    return write_json(target, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridkv.connector.datapath_bench", description=__doc__)
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    """``python -m hybridkv.bench.datapath``: the same flags and output as ``hybridkv bench datapath``."""
+    from hybridkv.cli import datapath_cmds
+
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.bench.datapath", description=__doc__)
+    datapath_cmds.add_arguments(parser)
+    return datapath_cmds.handle_bench(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
