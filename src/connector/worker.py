@@ -14,7 +14,11 @@ Contracts:
   ``get_block_ids_with_load_errors`` is always empty.
 - Saves are enqueued in ``wait_for_save`` (on CPU the forward already finished, so the bytes are final; on
   CUDA a fence event is recorded on the compute stream there, and the save thread's device->host copies
-  wait on it; the scheduler pins the source blocks until every rank reports the job). They go out in PUT
+  wait on it; the scheduler pins the source blocks until every rank reports the job). One kind of block
+  is not final there: a full-attention *tail* saved under a boundary inside it (the key boundary is not a
+  multiple of the group's span), which the next steps keep appending to. On the host path it is copied in
+  ``wait_for_save`` (one page per group per such save) and the store gets that copy, so the checksum and
+  the stored bytes are one consistent snapshot; on CUDA the staging slab is that copy already. They go out in PUT
   waves of at most ``put_wave_bytes`` (CUDA: also one group and one staging slab per wave); at most
   ``_MAX_WAVES_IN_FLIGHT`` waves' bytes are queued per rank, beyond that a job is dropped and counted (a
   slow or full store never stalls the engine). ``NO_SPACE`` drops the wave; so does a staging pool that
@@ -42,6 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
@@ -56,7 +61,7 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.geometry import KeyScheme
+from hybridkv.lifecycle.geometry import GroupKind, KeyScheme
 from hybridkv.store.base import Status, collect_late_calls
 
 log = structlog.get_logger(__name__)
@@ -126,11 +131,12 @@ class WorkerSide:
         # Items: a load to run, a threading.Event to set once every load before it finished, or None to stop.
         self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | threading.Event | None] = queue.Queue()
         self._suspended = False  # sleep mode: the KV cache memory is released
-        # Items: (scheme, job, bytes, fence) to write, a threading.Event to set once everything before it is
-        # written (flush), or None to stop.
-        self._save_q: queue.Queue[tuple[KeyScheme, SaveJob, int, Fence] | threading.Event | None] = (
-            queue.Queue()
-        )
+        # Items: (scheme, job, bytes, fence, snapshots) to write, a threading.Event to set once everything
+        # before it is written (flush), or None to stop. ``snapshots``: position in ``job.blocks`` -> parts
+        # copied in ``wait_for_save`` (open tails, host path), used instead of the live pages.
+        self._save_q: queue.Queue[
+            tuple[KeyScheme, SaveJob, int, Fence, dict[int, list[np.ndarray]]] | threading.Event | None
+        ] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="hybridkv-load", daemon=True),
             threading.Thread(target=self._save_loop, name="hybridkv-save", daemon=True),
@@ -403,13 +409,27 @@ class WorkerSide:
                 if admit:
                     self._inflight_bytes += nbytes
             if admit:
-                self._save_q.put((meta.scheme, job, nbytes, fence))
+                self._save_q.put((meta.scheme, job, nbytes, fence, self._snapshot_open_tails(job)))
             else:
                 self.stats.add("put_wave_drops")
                 self._finish_save(
                     job,
                     [(self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "dropped") for ref in job.blocks],
                 )
+
+    def _snapshot_open_tails(self, job: SaveJob) -> dict[int, list[np.ndarray]]:
+        """Host path: private copies of the job's blocks the next steps may still write (see the module
+        docstring), by position in ``job.blocks``. Engine thread; one page copy per open tail."""
+        if self._staging is not None:
+            return {}
+        snapshots: dict[int, list[np.ndarray]] = {}
+        for i, ref in enumerate(job.blocks):
+            group = self.geo.groups[ref.sgid]
+            if group.kind is GroupKind.FULL and ref.key_boundary % group.span:
+                snapshots[i] = self._movers[ref.sgid].snapshot(ref.block_id)
+        if snapshots:
+            self.stats.add("save_tail_snapshots", len(snapshots))
+        return snapshots
 
     def _finish_save(self, job: SaveJob, results: list[tuple[int, int, int, int, str]]) -> None:
         with self._lock:
@@ -421,10 +441,10 @@ class WorkerSide:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            scheme, job, nbytes, fence = item
+            scheme, job, nbytes, fence, snapshots = item
             owned = _LateOwnership()
             try:
-                results = self._put_job(scheme, job, fence, owned)
+                results = self._put_job(scheme, job, fence, owned, snapshots)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
                 log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
                 results = [
@@ -444,7 +464,12 @@ class WorkerSide:
         self._finish_save(job, results)
 
     def _put_job(
-        self, scheme: KeyScheme, job: SaveJob, fence: Fence, owned: _LateOwnership
+        self,
+        scheme: KeyScheme,
+        job: SaveJob,
+        fence: Fence,
+        owned: _LateOwnership,
+        snapshots: dict[int, list[np.ndarray]],
     ) -> list[tuple[int, int, int, int, str]]:
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in job.blocks]
         status: dict[int, str] = {}
@@ -465,15 +490,15 @@ class WorkerSide:
                 and staged
                 and (sgid != job.blocks[wave[0]].sgid or len(wave) >= self._movers[sgid].max_blocks)
             ):
-                self._put_wave(job, keys, wave, status, fence, owned)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
                 wave, wave_bytes = [], 0
             wave.append(i)
             wave_bytes += self.block_nbytes(sgid)
             if wave_bytes >= self.cfg.put_wave_bytes:
-                self._put_wave(job, keys, wave, status, fence, owned)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
                 wave, wave_bytes = [], 0
         if wave:
-            self._put_wave(job, keys, wave, status, fence, owned)
+            self._put_wave(job, keys, wave, status, fence, owned, snapshots)
         return [
             (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status.get(i, "dropped"))
             for i, ref in enumerate(job.blocks)
@@ -487,6 +512,7 @@ class WorkerSide:
         status: dict[int, str],
         fence: Fence,
         owned: _LateOwnership,
+        snapshots: dict[int, list[np.ndarray]],
     ) -> None:
         for batches in self._batches(job.blocks, wave):
             held: list[tuple[StagedBlocks, list[int]]] = []
@@ -503,7 +529,7 @@ class WorkerSide:
                 order = [i for _, idxs in held for i in idxs]
                 if not order:
                     continue
-                values = [p for sb, _ in held for p in sb.parts]
+                values = [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
                 with collect_late_calls() as late:
                     statuses = self.store.put([keys[i] for i in order], values)
                 if late:  # the call still reads these values: keep their slabs out of the pool

@@ -74,9 +74,9 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
         w_tot = dict(worker.worker_side.stats.totals)
         again, _ = generate(llm, tokens, max_tokens=16)
     assert pages, "no load was reported: the test did not exercise a late get"
-    assert w_tot["late_store_calls"] >= 1 and w_tot["load_failed_keys"] > 0
     assert not late_after_report, (
         f"{len(late_after_report)} KV pages were written after their load was reported"
     )
+    assert w_tot.get("late_store_calls", 0) >= 1 and w_tot["load_failed_keys"] > 0
     assert cached == 0
     assert warm[: len(cold)] == cold and again == warm, "tokens differ after a late get"
