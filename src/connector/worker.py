@@ -128,6 +128,10 @@ class WorkerSide:
         # Jobs waiting for late store calls (see "Buffer ownership"); signalled on the lock when one returns.
         self._num_late_jobs = 0
         self._late_returned = threading.Condition(self._lock)
+        #: store calls that answered before returning and kept their buffers quarantined (tests, debugging)
+        self.num_late_store_calls = 0
+        #: open full-attention tails copied in ``wait_for_save`` (host path)
+        self.num_tail_snapshots = 0
         # Items: a load to run, a threading.Event to set once every load before it finished, or None to stop.
         self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | threading.Event | None] = queue.Queue()
         self._suspended = False  # sleep mode: the KV cache memory is released
@@ -296,8 +300,8 @@ class WorkerSide:
 
     def _after_late_calls(self, owned: _LateOwnership, then: Callable[[], None]) -> None:
         """Once every call in ``owned`` really returned: release its batches, then run ``then``."""
-        self.stats.add("late_store_calls", len(owned.calls))
         with self._lock:
+            self.num_late_store_calls += len(owned.calls)
             self._num_late_jobs += 1
         num_left = [len(owned.calls)]
         count_lock = threading.Lock()
@@ -427,8 +431,7 @@ class WorkerSide:
             group = self.geo.groups[ref.sgid]
             if group.kind is GroupKind.FULL and ref.key_boundary % group.span:
                 snapshots[i] = self._movers[ref.sgid].snapshot(ref.block_id)
-        if snapshots:
-            self.stats.add("save_tail_snapshots", len(snapshots))
+        self.num_tail_snapshots += len(snapshots)  # engine thread only
         return snapshots
 
     def _finish_save(self, job: SaveJob, results: list[tuple[int, int, int, int, str]]) -> None:

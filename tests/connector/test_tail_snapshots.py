@@ -70,7 +70,7 @@ def test_tail_saves_under_concurrent_decoding_never_read_back_corrupt(vllm_objs:
             )
             assert status[0].is_ok, f"save {n} read back {status[0].value}: a torn checksum"
             assert torch.equal(out, expected[n]), f"save {n} stored bytes other than those at wait_for_save"
-        assert ws.stats.totals.get("save_tail_snapshots") == NUM_SAVES
+        assert ws.num_tail_snapshots == NUM_SAVES
     finally:
         stop.set()
         ws.shutdown()
