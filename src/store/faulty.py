@@ -129,13 +129,18 @@ class FaultyBackend:
 
         def complete() -> None:
             time.sleep(self.late_ms / 1000.0)
+            result: object = None
+            error: BaseException | None = None
             try:
-                done.set_result(operation())
-            except BaseException as error:  # noqa: BLE001 -- the caller has gone; the handle carries it
+                result = operation()
+            except BaseException as raised:  # noqa: BLE001 -- the caller has gone; the handle carries it
+                error = raised
+            with self._lock:  # no longer pending before anyone waiting on ``done`` wakes up
+                self._late_threads.discard(threading.current_thread())
+            if error is not None:
                 done.set_exception(error)
-            finally:
-                with self._lock:
-                    self._late_threads.discard(threading.current_thread())
+            else:
+                done.set_result(result)
 
         thread = threading.Thread(target=complete, name=f"faulty-{what}", daemon=True)
         with self._lock:

@@ -3,8 +3,8 @@ touches a page after its load was reported, and the tokens stay identical.
 
 ``faulty+...?get_late=1&late_ms=N`` answers every get with ``TIMEOUT`` at once and writes the destination
 pages ``N`` ms later -- with a garbage pattern (``late_scribble``), so a write landing after vLLM freed and
-reused the blocks is visible. The test watches the worker's real KV tensors: every page of a reported load
-is snapshotted at the report; none may turn into the scribble afterwards.
+reused the blocks is visible. The test watches the worker's real KV tensors: at every load report no late
+operation may still be pending, and no page of a reported load may turn into the scribble afterwards.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from engine_utils import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
 from hybridkv.connector.tiny_models import build_tiny_model
-from hybridkv.store.faulty import SCRIBBLE_BYTE
+from hybridkv.store.faulty import SCRIBBLE_BYTE, FaultyBackend
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -29,11 +29,15 @@ def _scribbled(page: torch.Tensor) -> bool:
     return bool((page.contiguous().view(torch.uint8) == SCRIBBLE_BYTE).all())
 
 
-def _watch_reports(worker_side: Any) -> list[tuple[torch.Tensor, bool]]:
+def _watch_reports(worker_side: Any) -> tuple[list[tuple[torch.Tensor, bool]], list[int]]:
     """Hook the worker: for every load it reports, remember each of its pages and whether it was scribbled
-    at that moment. Returns the (live page, scribbled at report) list the hooks fill."""
+    at that moment, and how many late store operations were still pending then (any one may still write
+    the pages vLLM is about to free). Returns the two lists the hooks fill."""
     jobs: dict[str, Any] = {}
     pages: list[tuple[torch.Tensor, bool]] = []
+    pending_at_report: list[int] = []
+    faulty = worker_side.store.backend
+    assert isinstance(faulty, FaultyBackend), type(faulty).__name__
     finish_load, transfer_results = worker_side._finish_load, worker_side.transfer_results
 
     def recording_finish_load(job: Any, *args: Any, **kwargs: Any) -> None:
@@ -42,6 +46,8 @@ def _watch_reports(worker_side: Any) -> list[tuple[torch.Tensor, bool]]:
 
     def snapshotting_transfer_results() -> tuple[set[str], set[str]]:
         done, failed = transfer_results()
+        if done:
+            pending_at_report.append(faulty.num_late_pending)
         for request_id in done:
             for ref in jobs.pop(request_id).blocks:
                 for tensor in worker_side._movers[ref.sgid].tensors:
@@ -51,7 +57,7 @@ def _watch_reports(worker_side: Any) -> list[tuple[torch.Tensor, bool]]:
 
     worker_side._finish_load = recording_finish_load
     worker_side.transfer_results = snapshotting_transfer_results
-    return pages
+    return pages, pending_at_report
 
 
 def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_path: Path) -> None:
@@ -65,7 +71,7 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
         cold, _ = generate(llm, tokens)
         reset_local_cache(llm)
         _, worker = connectors(llm)
-        pages = _watch_reports(worker.worker_side)
+        pages, pending_at_report = _watch_reports(worker.worker_side)
         warm, cached = generate(llm, tokens, max_tokens=16)
         time.sleep(LATE_MS / 1000 + 0.5)  # any late write has landed by now
         late_after_report = [
@@ -75,6 +81,9 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
         num_late_calls = worker.worker_side.num_late_store_calls
         again, _ = generate(llm, tokens, max_tokens=16)
     assert pages, "no load was reported: the test did not exercise a late get"
+    assert pending_at_report == [0], (
+        f"a load was reported while late gets still owned its pages: {pending_at_report}"
+    )
     assert not late_after_report, (
         f"{len(late_after_report)} KV pages were written after their load was reported"
     )
