@@ -149,6 +149,12 @@ class FaultyBackend:
         register_late_call(done)
         return [Status.TIMEOUT] * num_keys
 
+    @property
+    def num_late_pending(self) -> int:
+        """Late operations that have not completed yet (they may still read or write caller buffers)."""
+        with self._lock:
+            return len(self._late_threads)
+
     def _split(
         self, keys: Sequence[str], probability: float, what: str
     ) -> tuple[list[int], list[Status | None]]:
