@@ -40,6 +40,8 @@ log = structlog.get_logger(__name__)
 
 #: the longest ``reset_prefix_cache`` waits for in-flight saves to settle before vLLM checks its blocks
 SETTLE_TIMEOUT_S = 10.0
+#: the longest ``unregister_kv_caches`` (sleep) waits for transfers that still own KV memory
+SUSPEND_TIMEOUT_S = 30.0
 
 
 def hit_source(store: str) -> CacheHitSource:
@@ -63,6 +65,15 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             tc.kv_connector_extra_config, model=str(vllm_config.model_config.model)
         )
+        if tc.kv_load_failure_policy != "recompute" and len(kv_cache_config.kv_cache_groups) > 1:
+            # A hybrid model's loads fail request-level (failed_recving); under "fail" vLLM turns each one
+            # (an entry evicted since the lookup, a store timeout) into an error for the user instead of a
+            # recompute, so a best-effort cache would fail requests that need no external bytes at all.
+            raise ValueError(
+                f"hybridkv: kv_load_failure_policy={tc.kv_load_failure_policy!r} with a hybrid model "
+                f"({len(kv_cache_config.kv_cache_groups)} KV cache groups) would fail a request whenever "
+                f"its external load fails; set kv_load_failure_policy='recompute'"
+            )
         if tc.kv_load_failure_policy != "recompute":
             log.warning(
                 "hybridkv: kv_load_failure_policy is not 'recompute'; a failed load will fail its request",
@@ -107,9 +118,18 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return True  # the external tier lives outside the KV cache; the worker drains before it is released
 
     def unregister_kv_caches(self) -> None:
-        """Before the KV cache memory is released: finish queued loads and saves, then touch nothing."""
-        if not self.worker_side.suspend():
-            log.warning("hybridkv: transfers still running when the KV cache was released for sleep")
+        """Before the KV cache memory is released: finish queued loads and saves and wait for late store
+        calls, then touch nothing.
+
+        Raises ``RuntimeError`` (the worker stays awake) when some transfer still owns KV memory after
+        ``SUSPEND_TIMEOUT_S``: releasing that memory under a running copy would corrupt whatever is mapped
+        there next, so sleep is refused instead and may be retried.
+        """
+        if not self.worker_side.suspend(SUSPEND_TIMEOUT_S):
+            raise RuntimeError(
+                f"hybridkv: store transfers still own KV cache memory after {SUSPEND_TIMEOUT_S:.0f} s; "
+                "refusing to release it for sleep (retry once the store answers)"
+            )
 
     def restore_kv_caches(self) -> None:
         self.worker_side.resume()

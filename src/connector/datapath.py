@@ -449,6 +449,16 @@ class BlockMover:
             after=after,
         )
 
+    def snapshot(self, block_id: int) -> list[np.ndarray]:
+        """Direct path: a private copy of ``block_id``'s parts (one per layer tensor), taken now.
+
+        For a block the engine may still write while the store reads it (a partial tail that the next
+        steps append to): the checksum and the stored bytes must come from one consistent copy.
+        """
+        assert self.staging is None, "staged batches are already private copies (see gather)"
+        self._check([block_id])
+        return [np.array(self._host_page(k, block_id)[0], copy=True) for k in range(len(self.tensors))]
+
     # ------------------------------------------------------------------ direct path
     def _host_page(self, k: int, block_id: int) -> tuple[np.ndarray, bool]:
         """Block ``block_id``'s page of tensor ``k`` as uint8 numpy: a view if contiguous, else a copy."""

@@ -14,22 +14,39 @@ Contracts:
   ``get_block_ids_with_load_errors`` is always empty.
 - Saves are enqueued in ``wait_for_save`` (on CPU the forward already finished, so the bytes are final; on
   CUDA a fence event is recorded on the compute stream there, and the save thread's device->host copies
-  wait on it; the scheduler pins the source blocks until every rank reports the job). They go out in PUT
+  wait on it; the scheduler pins the source blocks until every rank reports the job). One kind of block
+  is not final there: a full-attention *tail* saved under a boundary inside it (the key boundary is not a
+  multiple of the group's span), which the next steps keep appending to. On the host path it is copied in
+  ``wait_for_save`` (one page per group per such save) and the store gets that copy, so the checksum and
+  the stored bytes are one consistent snapshot; on CUDA the staging slab is that copy already. They go out in PUT
   waves of at most ``put_wave_bytes`` (CUDA: also one group and one staging slab per wave); at most
   ``_MAX_WAVES_IN_FLIGHT`` waves' bytes are queued per rank, beyond that a job is dropped and counted (a
   slow or full store never stalls the engine). ``NO_SPACE`` drops the wave; so does a staging pool that
   stays exhausted for ``_SAVE_STAGING_WAIT_S`` (counted as ``put_wave_drops``).
 - Loads (CUDA): store -> pinned slab -> device blocks, in batches of at most one slab; the host->device
   copies wait on a fence recorded in ``start_load_kv`` and have completed before the job is reported.
+- Buffer ownership: a KV page range or staging slab handed to a store call belongs to that call until it
+  has really returned. A call that answered ``TIMEOUT`` but goes on (``hybridkv.store.base.
+  collect_late_calls``) keeps its buffers quarantined: its slabs go back to the pool only when it returns,
+  and a job whose KV pages it may still touch is reported only then -- a load on the host path (the call
+  writes the pages themselves; vLLM keeps a request's blocks while it waits for its load, even when it is
+  aborted), and every save (the scheduler's pins on the source blocks hold until the report). A CUDA load
+  whose late call writes only its slab is reported failed at once. ``flush`` and ``suspend`` wait for late
+  calls too.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
@@ -44,8 +61,8 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.geometry import KeyScheme
-from hybridkv.store.base import Status
+from hybridkv.lifecycle.geometry import GroupKind, KeyScheme
+from hybridkv.store.base import Status, collect_late_calls
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +75,19 @@ _STAGING_SLABS = 3
 _SAVE_STAGING_WAIT_S = 0.5
 #: CUDA: how long the load thread waits for a free slab before failing the job (the request recomputes).
 _LOAD_STAGING_WAIT_S = 5.0
+
+
+@dataclass
+class _LateOwnership:
+    """What store calls that answered before returning still own: their completion handles and the staged
+    batches (slabs) they read or write. Nothing here is reused until every call in ``calls`` is done."""
+
+    calls: list[Future[object]] = field(default_factory=list)
+    batches: list[StagedBlocks] = field(default_factory=list)
+
+    def take(self, late: list[Future[object]], batches: list[StagedBlocks]) -> None:
+        self.calls.extend(late)
+        self.batches.extend(batches)
 
 
 def _ranks() -> tuple[int, int]:
@@ -95,14 +125,22 @@ class WorkerSide:
         self._save_results: dict[int, list[tuple[int, int, int, int, str]]] = {}
         self._saves_done: list[int] = []
         self._inflight_bytes = 0
+        # Jobs waiting for late store calls (see "Buffer ownership"); signalled on the lock when one returns.
+        self._num_late_jobs = 0
+        self._late_returned = threading.Condition(self._lock)
+        #: store calls that answered before returning and kept their buffers quarantined (tests, debugging)
+        self.num_late_store_calls = 0
+        #: open full-attention tails copied in ``wait_for_save`` (host path)
+        self.num_tail_snapshots = 0
         # Items: a load to run, a threading.Event to set once every load before it finished, or None to stop.
         self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence] | threading.Event | None] = queue.Queue()
         self._suspended = False  # sleep mode: the KV cache memory is released
-        # Items: (scheme, job, bytes, fence) to write, a threading.Event to set once everything before it is
-        # written (flush), or None to stop.
-        self._save_q: queue.Queue[tuple[KeyScheme, SaveJob, int, Fence] | threading.Event | None] = (
-            queue.Queue()
-        )
+        # Items: (scheme, job, bytes, fence, snapshots) to write, a threading.Event to set once everything
+        # before it is written (flush), or None to stop. ``snapshots``: position in ``job.blocks`` -> parts
+        # copied in ``wait_for_save`` (open tails, host path), used instead of the live pages.
+        self._save_q: queue.Queue[
+            tuple[KeyScheme, SaveJob, int, Fence, dict[int, list[np.ndarray]]] | threading.Event | None
+        ] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._load_loop, name="hybridkv-load", daemon=True),
             threading.Thread(target=self._save_loop, name="hybridkv-save", daemon=True),
@@ -214,13 +252,20 @@ class WorkerSide:
             self._load_finished.notify_all()
 
     def suspend(self, timeout: float = 30.0) -> bool:
-        """Sleep mode (vLLM 0.33 ``unregister_kv_caches``): finish every queued load and save, then refuse
-        to touch the KV cache until ``resume``. Returns False if the queues did not drain in ``timeout``."""
+        """Sleep mode (vLLM 0.33 ``unregister_kv_caches``): finish every queued load and save and wait for
+        every late store call to return, then refuse to touch the KV cache until ``resume``.
+
+        Returns False when that did not happen within ``timeout``: some transfer may still read or write KV
+        memory, so the caller must not release it (the worker is then left awake, as if never suspended).
+        """
         self._suspended = True
+        deadline = time.monotonic() + timeout
         loads_drained = threading.Event()
         self._load_q.put(loads_drained)
-        drained = loads_drained.wait(timeout)
-        return self.flush(timeout) and drained
+        drained = loads_drained.wait(timeout) and self.flush(max(0.0, deadline - time.monotonic()))
+        if not drained:
+            self._suspended = False
+        return drained
 
     def resume(self) -> None:
         """Wake-up (vLLM 0.33 ``restore_kv_caches``): the KV cache is mapped again at the same addresses."""
@@ -232,8 +277,9 @@ class WorkerSide:
                 item.set()
                 continue
             scheme, job, fence = item
+            owned = _LateOwnership()
             try:
-                ok, results = self._load_job(scheme, job, fence)
+                ok, results = self._load_job(scheme, job, fence, owned)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
                 log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
                 ok = False
@@ -241,10 +287,49 @@ class WorkerSide:
                     (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "transfer_failed")
                     for ref in job.blocks
                 ]
-            self._finish_load(job, ok, results)
+            if not owned.calls:
+                self._finish_load(job, ok, results)
+            elif self._staging is not None:
+                # The late call writes only its slab: the job is over for the KV pages, the slab is not.
+                self._finish_load(job, ok, results)
+                self._after_late_calls(owned, lambda: None)
+            else:
+                # The late call writes the request's KV pages: report only once it returned, so vLLM cannot
+                # free (and reuse) them before.
+                self._after_late_calls(owned, functools.partial(self._finish_load, job, ok, results))
+
+    def _after_late_calls(self, owned: _LateOwnership, then: Callable[[], None]) -> None:
+        """Once every call in ``owned`` really returned: release its batches, then run ``then``."""
+        with self._lock:
+            self.num_late_store_calls += len(owned.calls)
+            self._num_late_jobs += 1
+        num_left = [len(owned.calls)]
+        count_lock = threading.Lock()
+
+        def returned(_call: Future[object]) -> None:
+            with count_lock:
+                num_left[0] -= 1
+                if num_left[0]:
+                    return
+            for batch in owned.batches:
+                batch.release()
+            try:
+                then()
+            finally:
+                with self._lock:
+                    self._num_late_jobs -= 1
+                    self._late_returned.notify_all()
+
+        for call in owned.calls:
+            call.add_done_callback(returned)
+
+    def _wait_late_calls(self, timeout: float) -> bool:
+        """Wait until no job waits for a late store call; False after ``timeout`` seconds."""
+        with self._lock:
+            return self._late_returned.wait_for(lambda: self._num_late_jobs == 0, timeout)
 
     def _load_job(
-        self, scheme: KeyScheme, job: LoadJob, fence: Fence
+        self, scheme: KeyScheme, job: LoadJob, fence: Fence, owned: _LateOwnership
     ) -> tuple[bool, list[tuple[int, int, int, int, str]]]:
         refs = job.blocks
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
@@ -266,9 +351,16 @@ class WorkerSide:
                 order = [i for _, idxs in held for i in idxs]
                 if not order:
                     continue
-                got = self.store.get_into([keys[i] for i in order], [p for sb, _ in held for p in sb.parts])
+                with collect_late_calls() as late:
+                    got = self.store.get_into(
+                        [keys[i] for i in order], [p for sb, _ in held for p in sb.parts]
+                    )
                 for i, st in zip(order, got, strict=True):
                     statuses[i] = st
+                if late:  # the call still writes these destinations: never commit nor release them here
+                    owned.take(late, [sb for sb, _ in held])
+                    held = []
+                    continue
                 for sb, idxs in held:
                     flags = [statuses[i] is Status.OK for i in idxs]
                     sb.commit(flags)
@@ -325,13 +417,26 @@ class WorkerSide:
                 if admit:
                     self._inflight_bytes += nbytes
             if admit:
-                self._save_q.put((meta.scheme, job, nbytes, fence))
+                self._save_q.put((meta.scheme, job, nbytes, fence, self._snapshot_open_tails(job)))
             else:
                 self.stats.add("put_wave_drops")
                 self._finish_save(
                     job,
                     [(self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "dropped") for ref in job.blocks],
                 )
+
+    def _snapshot_open_tails(self, job: SaveJob) -> dict[int, list[np.ndarray]]:
+        """Host path: private copies of the job's blocks the next steps may still write (see the module
+        docstring), by position in ``job.blocks``. Engine thread; one page copy per open tail."""
+        if self._staging is not None:
+            return {}
+        snapshots: dict[int, list[np.ndarray]] = {}
+        for i, ref in enumerate(job.blocks):
+            group = self.geo.groups[ref.sgid]
+            if group.kind is GroupKind.FULL and ref.key_boundary % group.span:
+                snapshots[i] = self._movers[ref.sgid].snapshot(ref.block_id)
+        self.num_tail_snapshots += len(snapshots)  # engine thread only
+        return snapshots
 
     def _finish_save(self, job: SaveJob, results: list[tuple[int, int, int, int, str]]) -> None:
         with self._lock:
@@ -343,20 +448,36 @@ class WorkerSide:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            scheme, job, nbytes, fence = item
+            scheme, job, nbytes, fence, snapshots = item
+            owned = _LateOwnership()
             try:
-                results = self._put_job(scheme, job, fence)
+                results = self._put_job(scheme, job, fence, owned, snapshots)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
                 log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
                 results = [
                     (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "transfer_failed")
                     for ref in job.blocks
                 ]
-            with self._lock:
-                self._inflight_bytes -= nbytes
-            self._finish_save(job, results)
+            if owned.calls:
+                # A late put still reads the source pages (host) or its slab (CUDA): the job's pins, slabs
+                # and in-flight bytes are released only once it returned.
+                self._after_late_calls(owned, functools.partial(self._end_save, job, nbytes, results))
+            else:
+                self._end_save(job, nbytes, results)
 
-    def _put_job(self, scheme: KeyScheme, job: SaveJob, fence: Fence) -> list[tuple[int, int, int, int, str]]:
+    def _end_save(self, job: SaveJob, nbytes: int, results: list[tuple[int, int, int, int, str]]) -> None:
+        with self._lock:
+            self._inflight_bytes -= nbytes
+        self._finish_save(job, results)
+
+    def _put_job(
+        self,
+        scheme: KeyScheme,
+        job: SaveJob,
+        fence: Fence,
+        owned: _LateOwnership,
+        snapshots: dict[int, list[np.ndarray]],
+    ) -> list[tuple[int, int, int, int, str]]:
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in job.blocks]
         status: dict[int, str] = {}
         # Insert-if-absent makes duplicates harmless; asking first saves reading and sending the bytes.
@@ -376,22 +497,29 @@ class WorkerSide:
                 and staged
                 and (sgid != job.blocks[wave[0]].sgid or len(wave) >= self._movers[sgid].max_blocks)
             ):
-                self._put_wave(job, keys, wave, status, fence)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
                 wave, wave_bytes = [], 0
             wave.append(i)
             wave_bytes += self.block_nbytes(sgid)
             if wave_bytes >= self.cfg.put_wave_bytes:
-                self._put_wave(job, keys, wave, status, fence)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
                 wave, wave_bytes = [], 0
         if wave:
-            self._put_wave(job, keys, wave, status, fence)
+            self._put_wave(job, keys, wave, status, fence, owned, snapshots)
         return [
             (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status.get(i, "dropped"))
             for i, ref in enumerate(job.blocks)
         ]
 
     def _put_wave(
-        self, job: SaveJob, keys: list[str], wave: list[int], status: dict[int, str], fence: Fence
+        self,
+        job: SaveJob,
+        keys: list[str],
+        wave: list[int],
+        status: dict[int, str],
+        fence: Fence,
+        owned: _LateOwnership,
+        snapshots: dict[int, list[np.ndarray]],
     ) -> None:
         for batches in self._batches(job.blocks, wave):
             held: list[tuple[StagedBlocks, list[int]]] = []
@@ -408,8 +536,12 @@ class WorkerSide:
                 order = [i for _, idxs in held for i in idxs]
                 if not order:
                     continue
-                values = [p for sb, _ in held for p in sb.parts]
-                statuses = self.store.put([keys[i] for i in order], values)
+                values = [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
+                with collect_late_calls() as late:
+                    statuses = self.store.put([keys[i] for i in order], values)
+                if late:  # the call still reads these values: keep their slabs out of the pool
+                    owned.take(late, [sb for sb, _ in held])
+                    held = []
             finally:
                 for sb, _ in held:
                     sb.release()
@@ -435,10 +567,12 @@ class WorkerSide:
         return None if wm.is_empty() else wm
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every save queued so far is written (shutdown; tests). False on timeout."""
+        """Wait until every save queued so far is written and every late store call (load or save) has
+        returned (shutdown; sleep; tests). False on timeout."""
+        deadline = time.monotonic() + timeout
         marker = threading.Event()
         self._save_q.put(marker)
-        return marker.wait(timeout)
+        return marker.wait(timeout) and self._wait_late_calls(max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
         self.flush()

@@ -17,12 +17,20 @@ Contract (all backends, checked by ``hybridkv.testing.store_fuzz``):
   destination is one writable buffer or a sequence of writable buffers (scattered in order). Anything
   supporting the Python buffer protocol works (``bytes``, ``bytearray``, ``memoryview``, numpy arrays,
   CPU torch tensors via ``.numpy()``). Backends copy directly between these buffers and their storage.
+- **Buffer ownership.** The caller's buffers belong to a call until it has really returned. A call that
+  answers ``TIMEOUT`` while its work goes on (a deadline runner abandoned it: it may still read a value's
+  parts or write a destination) registers a completion handle with :func:`register_late_call`; a caller
+  that reuses or frees buffers collects those handles with :func:`collect_late_calls` and keeps the
+  buffers out of use until every handle is done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -47,6 +55,40 @@ class Status(enum.Enum):
     @property
     def is_ok(self) -> bool:
         return self is Status.OK
+
+
+#: Per thread: the stack of open ``collect_late_calls`` lists (innermost last).
+_late_collectors = threading.local()
+
+
+@contextlib.contextmanager
+def collect_late_calls() -> Iterator[list[Future[object]]]:
+    """Collect the completion handles of calls made inside the block that answered while still running.
+
+    Usage: ``with collect_late_calls() as late: statuses = store.get_into(keys, destinations)``; if
+    ``late`` is not empty, the destinations (for ``put``: the values) may still be read or written until
+    every future in it is done. Nests; per thread (a store call reports on the thread that made it).
+    """
+    stack: list[list[Future[object]]] | None = getattr(_late_collectors, "stack", None)
+    if stack is None:
+        stack = _late_collectors.stack = []
+    late: list[Future[object]] = []
+    stack.append(late)
+    try:
+        yield late
+    finally:
+        popped = stack.pop()
+        assert popped is late, "collect_late_calls blocks closed out of order"
+
+
+def register_late_call(done: Future[object]) -> None:
+    """Called by a store (on the caller's thread) when it answers a call whose work goes on until ``done``.
+
+    Every open ``collect_late_calls`` block of this thread gets the handle. Without one, nobody reuses
+    the buffers early (the caller did not ask), so there is nothing to record.
+    """
+    for late in getattr(_late_collectors, "stack", ()):
+        late.append(done)
 
 
 class StoreError(Exception):

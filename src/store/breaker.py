@@ -105,7 +105,14 @@ class CircuitBreaker:
 
 
 class DeadlineExceeded(Exception):
-    """The call did not finish within its deadline; it keeps running in a worker thread."""
+    """The call did not finish within its deadline; it keeps running in a worker thread.
+
+    ``done`` resolves when the call really returns: until then it may still use the buffers it was given.
+    """
+
+    def __init__(self, message: str, done: Future[object]) -> None:
+        super().__init__(message)
+        self.done = done
 
 
 class DeadlineRunner:
@@ -140,7 +147,7 @@ class DeadlineRunner:
         except FutureTimeout:
             with self._lock:
                 self.num_abandoned += 1
-            raise DeadlineExceeded(f"call did not finish within {timeout_s:.3f} s") from None
+            raise DeadlineExceeded(f"call did not finish within {timeout_s:.3f} s", future) from None
 
     def _work(self) -> None:
         while True:

@@ -1,4 +1,5 @@
-"""``faulty+URL?get_fail=P&put_fail=P&exists_fail=P&corrupt=P&delay_ms=N&seed=S``: a chaos wrapper.
+"""``faulty+URL?get_fail=P&put_fail=P&exists_fail=P&corrupt=P&delay_ms=N&get_late=P&put_late=P&late_ms=N&seed=S``:
+a chaos wrapper.
 
 A product feature, meant for staging: it wraps the backend of any other URL and, per key, with the given
 probabilities,
@@ -10,6 +11,13 @@ probabilities,
   ``CORRUPT``. (With ``checksum=none`` only header damage is detectable; a payload flip is then returned as
   ``OK`` -- that is what ``none`` means.)
 - ``delay_ms``: sleeps before each batch call.
+- ``get_late`` / ``put_late``: per batch call, misses the deadline the way an abandoned Mooncake call does:
+  answers ``TIMEOUT`` for every key at once, and ``late_ms`` (default 200) milliseconds later completes
+  the operation on a background thread -- a late put reads the caller's values then (and stores them), a
+  late get writes the caller's destinations then. With ``late_scribble=1`` (the default) a late get
+  overwrites the destinations' payload bytes with a fixed garbage pattern after the read, so a caller that
+  reused them before the call returned computes on visibly wrong bytes. The call's completion handle is
+  registered with ``hybridkv.store.base.register_late_call``.
 
 Decisions come from one ``random.Random(seed)`` drawn in call order, so a single-threaded run with a given
 seed injects the same faults every time. The caller's buffers are never modified on ``put``.
@@ -20,12 +28,27 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
-from hybridkv.store.base import Status, StoreStats, with_extra
+from hybridkv.store.base import Status, StoreStats, register_late_call, with_extra
 from hybridkv.store.framed import Backend, FrameParts
 
-FAULTY_PARAMS = ("get_fail", "put_fail", "exists_fail", "corrupt", "delay_ms", "seed")
+FAULTY_PARAMS = (
+    "get_fail",
+    "put_fail",
+    "exists_fail",
+    "corrupt",
+    "delay_ms",
+    "get_late",
+    "put_late",
+    "late_ms",
+    "late_scribble",
+    "seed",
+)
+
+#: What a late get with ``late_scribble`` leaves in its destinations' payload bytes.
+SCRIBBLE_BYTE = 0xA5
 
 
 class FaultyBackend:
@@ -41,6 +64,10 @@ class FaultyBackend:
         exists_fail: float = 0.0,
         corrupt: float = 0.0,
         delay_ms: float = 0.0,
+        get_late: float = 0.0,
+        put_late: float = 0.0,
+        late_ms: float = 200.0,
+        late_scribble: bool = True,
         seed: int = 0,
     ) -> None:
         for name, probability in (
@@ -48,6 +75,8 @@ class FaultyBackend:
             ("put_fail", put_fail),
             ("exists_fail", exists_fail),
             ("corrupt", corrupt),
+            ("get_late", get_late),
+            ("put_late", put_late),
         ):
             assert 0.0 <= probability <= 1.0, f"faulty {name}={probability} outside [0, 1]"
         self.url = url
@@ -57,14 +86,21 @@ class FaultyBackend:
         self.exists_fail = exists_fail
         self.corrupt = corrupt
         self.delay_ms = delay_ms
+        self.get_late = get_late
+        self.put_late = put_late
+        self.late_ms = late_ms
+        self.late_scribble = late_scribble
         self._random = random.Random(seed)
         self._lock = threading.Lock()
+        self._late_threads: set[threading.Thread] = set()
         self.num_injected: dict[str, int] = {
             "exists_fail": 0,
             "get_fail": 0,
             "put_fail": 0,
             "corrupt_put": 0,
             "corrupt_get": 0,
+            "late_get": 0,
+            "late_put": 0,
         }
 
     def _draw(self, probability: float) -> bool:
@@ -85,7 +121,43 @@ class FaultyBackend:
         if self.delay_ms > 0:
             time.sleep(self.delay_ms / 1000.0)
 
-    def _split(self, keys: Sequence[str], probability: float, what: str) -> tuple[list[int], list[Status | None]]:
+    def _late(self, what: str, num_keys: int, operation: Callable[[], object]) -> list[Status]:
+        """Answer ``TIMEOUT`` now; run ``operation`` ``late_ms`` later on a thread (see the module docstring)."""
+        self._count(what)
+        done: Future[object] = Future()
+        done.set_running_or_notify_cancel()
+
+        def complete() -> None:
+            time.sleep(self.late_ms / 1000.0)
+            result: object = None
+            error: BaseException | None = None
+            try:
+                result = operation()
+            except BaseException as raised:  # noqa: BLE001 -- the caller has gone; the handle carries it
+                error = raised
+            with self._lock:  # no longer pending before anyone waiting on ``done`` wakes up
+                self._late_threads.discard(threading.current_thread())
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        thread = threading.Thread(target=complete, name=f"faulty-{what}", daemon=True)
+        with self._lock:
+            self._late_threads.add(thread)
+        thread.start()
+        register_late_call(done)
+        return [Status.TIMEOUT] * num_keys
+
+    @property
+    def num_late_pending(self) -> int:
+        """Late operations that have not completed yet (they may still read or write caller buffers)."""
+        with self._lock:
+            return len(self._late_threads)
+
+    def _split(
+        self, keys: Sequence[str], probability: float, what: str
+    ) -> tuple[list[int], list[Status | None]]:
         """Indices that pass through, and a result list pre-filled with injected failures."""
         results: list[Status | None] = [None] * len(keys)
         passing: list[int] = []
@@ -112,6 +184,12 @@ class FaultyBackend:
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         self._delay()
+        if keys and self._draw(self.put_late):
+            key_list, frame_list = list(keys), list(frames)
+            return self._late("late_put", len(keys), lambda: self._put_frames(key_list, frame_list))
+        return self._put_frames(keys, frames)
+
+    def _put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         passing, results = self._split(keys, self.put_fail, "put_fail")
         inner_frames: list[FrameParts] = []
         for index in passing:
@@ -134,8 +212,27 @@ class FaultyBackend:
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         self._delay()
+        if keys and self._draw(self.get_late):
+            key_list, frame_list = list(keys), list(frames)
+
+            def late_get() -> list[Status]:
+                statuses = self._get_frames_into(key_list, frame_list)
+                if self.late_scribble:
+                    for frame in frame_list:
+                        for part in frame[1:]:  # the payload (frame[0] is the header)
+                            part[:] = bytes([SCRIBBLE_BYTE]) * part.nbytes
+                return statuses
+
+            return self._late("late_get", len(keys), late_get)
+        return self._get_frames_into(keys, frames)
+
+    def _get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         passing, results = self._split(keys, self.get_fail, "get_fail")
-        inner = self.inner.get_frames_into([keys[i] for i in passing], [frames[i] for i in passing]) if passing else []
+        inner = (
+            self.inner.get_frames_into([keys[i] for i in passing], [frames[i] for i in passing])
+            if passing
+            else []
+        )
         for index, status in zip(passing, inner):
             if status is Status.OK and self._draw(self.corrupt):
                 self._count("corrupt_get")
@@ -171,4 +268,10 @@ class FaultyBackend:
         return with_extra(inner, {"inner_url": inner.url, **injected}, url=self.url)
 
     def close(self) -> None:
+        """Waits (at most ``late_ms`` + 5 s) for late operations, then closes the inner backend."""
+        with self._lock:
+            threads = list(self._late_threads)
+        deadline = time.monotonic() + self.late_ms / 1000.0 + 5.0
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self.inner.close()

@@ -13,10 +13,12 @@ master (each call ~4.3 s, then -900) or a hung one (each call blocks until ``MC_
 most ``timeout_ms`` once; then calls fail fast with ``TRANSFER_FAILED`` without touching Mooncake until
 ``breaker_reset_s`` has passed, when one probe call (preceded by the instant ``health_check``) may close it.
 
-Caveat: a call abandoned at its deadline keeps running inside Mooncake. For ``get_into`` that means the
-destination may still be written after ``TIMEOUT`` was returned, until Mooncake's own timeout
+A call abandoned at its deadline keeps running inside Mooncake: a ``get_into`` may still write its
+destinations, a ``put`` still read its values, after ``TIMEOUT`` was returned, until Mooncake's own timeout
 (``MC_RPC_TIMEOUT_MS``, set to ``timeout_ms`` when unset) ends it. The backend keeps the buffers referenced
-until then; ``stats().extra["num_abandoned_calls"]`` counts such calls.
+until then and registers the call's completion handle (``hybridkv.store.base.register_late_call``), so a
+caller that collects it keeps those buffers out of use until the call has returned;
+``stats().extra["num_abandoned_calls"]`` counts such calls.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import structlog
-from hybridkv.store.base import Status, StoreError, StoreStats
+from hybridkv.store.base import Status, StoreError, StoreStats, register_late_call
 from hybridkv.store.breaker import Admission, CircuitBreaker, DeadlineExceeded, DeadlineRunner
 from hybridkv.store.framed import FrameParts
 
@@ -184,7 +186,8 @@ class MooncakeBackend:
                 codes = self._runner.run(call, self.timeout_ms / 1000.0)
             else:
                 codes = call()
-        except DeadlineExceeded:
+        except DeadlineExceeded as late:
+            register_late_call(late.done)  # the call still owns the caller's buffers until it returns
             self._breaker.on_failure()
             log.warning("store.mooncake.deadline", url=self.url, op=op, timeout_ms=self.timeout_ms)
             return [Status.TIMEOUT] * num_keys

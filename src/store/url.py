@@ -11,8 +11,9 @@ URL                                                    parameters (all optional)
                                                        ``timeout_ms`` (2000; 0 = no deadline thread),
                                                        ``breaker_failures`` (1), ``breaker_reset_s`` (5),
                                                        ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
-``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``
-                                                       (probabilities), ``delay_ms``, ``seed``
+``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``,
+                                                       ``get_late``, ``put_late`` (probabilities),
+                                                       ``delay_ms``, ``late_ms``, ``late_scribble``, ``seed``
 =====================================================  =======================================================
 
 Every scheme also takes ``checksum=xxh3|crc32|none|auto`` (default ``auto``: xxh3 when ``xxhash`` is
@@ -87,6 +88,10 @@ def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
         "exists_fail": params.probability("exists_fail"),
         "corrupt": params.probability("corrupt"),
         "delay_ms": params.number("delay_ms", 0.0),
+        "get_late": params.probability("get_late"),
+        "put_late": params.probability("put_late"),
+        "late_ms": params.number("late_ms", 200.0),
+        "late_scribble": params.integer("late_scribble", 1, minimum=0) != 0,
         "seed": params.integer("seed", 0, minimum=-(1 << 63)),
     }
     params.finish()

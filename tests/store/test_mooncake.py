@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 from hybridkv.store import Status, open_store
+from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import MooncakeBackend, status_of_code
 
@@ -130,4 +131,29 @@ def test_breaker_bounds_a_hung_master(private_mooncake_master: MooncakeMaster) -
         destination = bytearray(1)
         assert store.get_into(["mc/k"], [destination]) == [Status.OK] and destination == b"v"
     finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_timed_out_get_hands_back_the_handle_of_the_call_still_running(
+    private_mooncake_master: MooncakeMaster,
+) -> None:
+    """``TIMEOUT`` while Mooncake still owns the destination: the caller gets a handle that resolves when the
+    call really returns, and only then may it reuse the buffer (hard rule: never touch KV after a report)."""
+    master = private_mooncake_master
+    # A deadline well below Mooncake's own RPC timeout: the abandoned call outlives it.
+    store = open_store(master.url(timeout_ms=RPC_TIMEOUT_MS // 4, breaker_failures=5))
+    try:
+        assert store.put(["mc/k"], [b"v"]) == [Status.OK]
+        master.freeze()
+        with collect_late_calls() as late:
+            statuses = store.get_into(["mc/k"], [bytearray(1)])
+        assert statuses == [Status.TIMEOUT], statuses
+        assert len(late) == 1, "a timed-out get must hand back its completion handle"
+        assert not late[0].done(), "the handle resolved at the deadline, not when the call returned"
+        late[0].exception(timeout=RPC_TIMEOUT_MS / 1000 * 10)  # it does return (Mooncake's RPC timeout)
+        master.thaw()
+        _wait_until_ok(store, deadline_s=20.0)
+    finally:
+        master.thaw()
         store.close()
