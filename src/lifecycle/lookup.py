@@ -10,7 +10,9 @@ agreed boundary and the same load plan from far fewer keys, in a few rounds:
    every rank"; it is never trusted for a load.
 2. **confirm** (usually one round): the agreed boundary under the guessed availability is computed with
    the same fixed point as vLLM's coordinator; then every key of its load plan (every group the plan
-   loads, on every rank) is checked. All present: that is the answer.
+   loads, on every rank) is checked. All present: that is the answer. The first confirm also checks the
+   few probed Mamba states just below that boundary (``MAX_STEP_BACK_STATES``), so a step back -- or the
+   retry of a truncated load -- usually needs no further round trip.
 3. **step back** (bounded): a confirm that finds a hole (an entry evicted on some rank, a wave stored on
    some ranks only) turns those keys into known facts and recomputes -- the boundary can only shrink.
    After ``max_confirm_rounds`` confirms, one **scan** checks every candidate key at or below the current
@@ -39,10 +41,12 @@ from hybridkv.lifecycle.geometry import (
     _resolve,
 )
 
-__all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "ExistsFn", "LookupSearch", "lookup_cap"]
+__all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "MAX_STEP_BACK_STATES", "ExistsFn", "LookupSearch", "lookup_cap"]
 
 ExistsFn = Callable[[Sequence[str]], Sequence[bool]]
 
+#: Probed states below the chosen boundary confirmed with its plan (per state group).
+MAX_STEP_BACK_STATES = 16
 #: Confirm rounds before the one scan of every unknown candidate key below the current boundary.
 DEFAULT_MAX_CONFIRM_ROUNDS = 2
 
@@ -75,6 +79,8 @@ class LookupSearch:
     num_round_trips: int = field(default=0, init=False)
     num_keys: int = field(default=0, init=False)
     _num_confirms: int = field(default=0, init=False)
+    #: keys handed out by ``next_keys`` and not fed yet (asking again returns them, not a new round)
+    _pending: tuple[str, ...] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         geometry = self.scheme.geometry
@@ -141,6 +147,11 @@ class LookupSearch:
         """The keys to check next (one batched ``exists``), or None: ``result`` holds the answer."""
         if self.result is not None:
             return None
+        if self._pending is None:
+            self._pending = self._next_keys()
+        return self._pending
+
+    def _next_keys(self) -> tuple[str, ...] | None:
         known = self.known
         probes = {self._probe_key(g, b) for g, b in self._pairs if self._unit_first[g] == g}.difference(known)
         if probes:
@@ -162,7 +173,9 @@ class LookupSearch:
                 return None
             if self._num_confirms < self.max_confirm_rounds:
                 self._num_confirms += 1
-                return unknown
+                if self._num_confirms == 1:
+                    unknown += self._step_back_keys(guess.boundary)
+                return tuple(dict.fromkeys(unknown))
             scan = tuple(
                 key
                 for g, b in self._pairs
@@ -174,9 +187,31 @@ class LookupSearch:
                 return scan
             return unknown  # pragma: no cover -- the plan's keys are candidate keys <= its boundary
 
+    def _step_back_keys(self, boundary: int) -> tuple[str, ...]:
+        """Every rank's key of the ``MAX_STEP_BACK_STATES`` probed states just below ``boundary``.
+
+        State groups (Mamba) are saved at a few hand-off boundaries only. Confirming the nearest ones with
+        the plan makes a step back (a hole found by this confirm, or a truncated load's retry below its
+        cap) answerable from facts, without another round trip.
+        """
+        geometry = self.scheme.geometry
+        keys: list[str] = []
+        for group_index in range(geometry.num_groups):
+            if geometry.groups[group_index].kind is not GroupKind.MAMBA:
+                continue
+            found = [
+                b
+                for g, b in reversed(self._pairs)
+                if g == group_index and b < boundary and self.known.get(self._probe_key(g, b))
+            ]
+            for b in found[:MAX_STEP_BACK_STATES]:
+                keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
+        return tuple(keys)
+
     def feed(self, keys: Sequence[str], exists: Sequence[bool]) -> None:
         """Record one round's answers (an error for a key counts as absent)."""
         assert len(keys) == len(exists), f"exists() returned {len(exists)} results for {len(keys)} keys"
+        self._pending = None
         self.num_round_trips += 1
         self.num_keys += len(keys)
         self.known.update(zip(keys, exists))

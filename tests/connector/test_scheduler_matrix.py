@@ -26,7 +26,7 @@ import time
 import pytest
 from connector_helpers import Cluster, hybrid_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
 GEOMETRIES = [
     pytest.param("full_mamba", 1, 2, id="full+mamba-dcp1"),
