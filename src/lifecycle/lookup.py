@@ -39,6 +39,7 @@ from hybridkv.lifecycle.geometry import (
     LookupCandidates,
     LookupResult,
     _resolve,
+    cdiv,
 )
 
 __all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "MAX_STEP_BACK_STATES", "ExistsFn", "LookupSearch", "lookup_cap"]
@@ -188,23 +189,37 @@ class LookupSearch:
             return unknown  # pragma: no cover -- the plan's keys are candidate keys <= its boundary
 
     def _step_back_keys(self, boundary: int) -> tuple[str, ...]:
-        """Every rank's key of the ``MAX_STEP_BACK_STATES`` probed states just below ``boundary``.
+        """Every rank's key of the probed entries a short step back below ``boundary`` needs.
 
-        State groups (Mamba) are saved at a few hand-off boundaries only. Confirming the nearest ones with
-        the plan makes a step back (a hole found by this confirm, or a truncated load's retry below its
-        cap) answerable from facts, without another round trip.
+        Mamba: the ``MAX_STEP_BACK_STATES`` nearest probed states (states are saved at a few hand-off
+        boundaries only). Sliding window: the blocks of the windows of as many block boundaries below.
+        Confirming them with the plan makes a step back (a hole found by this confirm, or a truncated
+        load's retry below its cap) answerable from facts, without another round trip.
         """
         geometry = self.scheme.geometry
         keys: list[str] = []
-        for group_index in range(geometry.num_groups):
-            if geometry.groups[group_index].kind is not GroupKind.MAMBA:
-                continue
-            found = [
-                b
-                for g, b in reversed(self._pairs)
-                if g == group_index and b < boundary and self.known.get(self._probe_key(g, b))
-            ]
-            for b in found[:MAX_STEP_BACK_STATES]:
+        for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+            if group.kind is GroupKind.FULL:
+                continue  # every block below the boundary is in the plan already
+            if group.kind is GroupKind.MAMBA:
+                found = [
+                    b
+                    for g, b in reversed(self._pairs)
+                    if g == group_index and b < boundary and self.known.get(self._probe_key(g, b))
+                ]
+                boundaries = found[:MAX_STEP_BACK_STATES]
+            else:
+                # Sliding window: the windows of the last MAX_STEP_BACK_STATES block boundaries below.
+                assert group.sliding_window is not None
+                reach = (MAX_STEP_BACK_STATES + cdiv(group.sliding_window - 1, span) + 1) * span
+                boundaries = [
+                    b
+                    for g, b in self._pairs
+                    if g == group_index
+                    and boundary - reach <= b < boundary
+                    and self.known.get(self._probe_key(g, b))
+                ]
+            for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
         return tuple(keys)
 
