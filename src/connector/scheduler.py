@@ -237,6 +237,9 @@ class SchedulerSide:
                 self.stats.add("lookup_errors")
                 log.warning("hybridkv lookup failed; miss", request_id=request.request_id, error=task.error)
                 return self._unavailable(r, task.error)
+            if task.error is None and task.inputs == inputs and task.search.result is not None:
+                # The prefetch answered exactly this ask: nothing to compute on the scheduler thread.
+                return lc.finish_search(task.search.result).boundary
             task = None
         if task is None:
             # No store call in flight for this request: its facts may already answer (the prefetch).

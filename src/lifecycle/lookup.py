@@ -99,47 +99,59 @@ class LookupSearch:
         )
         unit_first = {g: unit[0] for unit in geometry.lookup_units for g in unit}
         self._unit_first = unit_first
-        self._num_ranks = len(geometry.topology.ranks)
-        # (group, boundary) pairs plan_lookup would list, in the same order.
-        pairs: list[tuple[int, int]] = []
-        for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-            fine = geometry.is_fine_span[group_index]
-            step = geometry.hash_unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
-            for boundary in range((local // step + 1) * step, cap + 1, step):
-                if group.kind is GroupKind.MAMBA and not fine and boundary % geometry.hit_alignment:
-                    continue
-                pairs.append((group_index, boundary))
-        self._pairs = pairs
+        self._local = local
+        self._cap = cap
+        self._hex = [block_hash.hex() for block_hash in self.block_hashes]
+        self._probed = False
+        #: (group, boundary) -> whether present on every rank, from facts only (no probe)
+        self._exact: dict[tuple[int, int], bool] = {}
+
+    def _boundaries(self, group_index: int) -> range | list[int]:
+        """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
+        geometry = self.scheme.geometry
+        group, span = geometry.groups[group_index], geometry.spans[group_index]
+        fine = geometry.is_fine_span[group_index]
+        step = geometry.hash_unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
+        boundaries = range((self._local // step + 1) * step, self._cap + 1, step)
+        if group.kind is GroupKind.MAMBA and not fine:
+            return [b for b in boundaries if b % geometry.hit_alignment == 0]
+        return boundaries
 
     # -- keys -----------------------------------------------------------------------------------------
 
     def _rank_keys(self, group_index: int, boundary: int) -> list[str]:
-        prefixes = self.scheme._group_rank_prefixes[group_index]
-        hash_hex = self.block_hashes[boundary // self.scheme.geometry.hash_unit - 1].hex()
-        return [prefix + hash_hex for prefix in prefixes]
+        hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+        return [prefix + hash_hex for prefix in self.scheme._group_rank_prefixes[group_index]]
 
     def _probe_key(self, group_index: int, boundary: int) -> str:
         prefix = self.scheme._group_rank_prefixes[self._unit_first[group_index]][0]
-        return prefix + self.block_hashes[boundary // self.scheme.geometry.hash_unit - 1].hex()
+        return prefix + self._hex[boundary // self.scheme.geometry.hash_unit - 1]
 
     # -- the search -----------------------------------------------------------------------------------
+
+    def _exact_verdict(self, group_index: int, boundary: int) -> bool | None:
+        """Present on every rank (True), absent on some (False), or not known yet (None)."""
+        verdict = self._exact.get((group_index, boundary))
+        if verdict is None:
+            known = self.known
+            facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
+            if False in facts:
+                verdict = False
+            elif None in facts:
+                return None
+            else:
+                verdict = True
+            self._exact[(group_index, boundary)] = verdict  # facts only grow: a verdict never changes
+        return verdict
 
     def _guess(self) -> LookupResult:
         """The fixed point under the current facts: exact where known, the probe elsewhere."""
         known = self.known
-        verdicts: dict[tuple[int, int], bool] = {}
 
         def available_in_store(group_index: int, boundary: int) -> bool:
-            verdict = verdicts.get((group_index, boundary))
+            verdict = self._exact_verdict(group_index, boundary)
             if verdict is None:
-                facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
-                if False in facts:
-                    verdict = False
-                elif None not in facts:
-                    verdict = True
-                else:
-                    verdict = known.get(self._probe_key(group_index, boundary), False)
-                verdicts[(group_index, boundary)] = verdict
+                return known.get(self._probe_key(group_index, boundary), False)
             return verdict
 
         return _resolve(self._candidates, available_in_store)
@@ -154,24 +166,36 @@ class LookupSearch:
 
     def _next_keys(self) -> tuple[str, ...] | None:
         known = self.known
-        probes = {self._probe_key(g, b) for g, b in self._pairs if self._unit_first[g] == g}.difference(known)
-        if probes:
-            return tuple(sorted(probes))
+        if not self._probed:
+            geometry = self.scheme.geometry
+            probes = [
+                key
+                for unit in geometry.lookup_units
+                for b in self._boundaries(unit[0])
+                if (key := self._probe_key(unit[0], b)) not in known
+            ]
+            self._probed = True  # fed next (or the search ends with its task): never listed again
+            if probes:
+                return tuple(probes)
         while True:
             guess = self._guess()
             if guess.plan is None:
                 # No hit even with guessed availability; real availability is a subset: no hit.
                 self.result = guess
                 return None
-            unknown = tuple(key for _, key in guess.plan.entries if key not in known)
-            if not unknown:
-                # Every entry of the plan was seen present on its rank (a known absent one would have
+            pairs = dict.fromkeys((load.group_index, load.key_boundary) for load in guess.plan.loads)
+            unknown_pairs = [pair for pair in pairs if self._exact_verdict(*pair) is None]
+            if not unknown_pairs:
+                # Every entry of the plan was seen present on every rank (one known absent would have
                 # made its boundary unavailable).
-                assert all(known[key] for _, key in guess.plan.entries), (
+                assert all(self._exact_verdict(*pair) for pair in pairs), (
                     f"plan for boundary {guess.boundary} uses an entry known to be absent"
                 )
                 self.result = guess
                 return None
+            unknown = tuple(
+                key for pair in unknown_pairs for key in self._rank_keys(*pair) if key not in known
+            )
             if self._num_confirms < self.max_confirm_rounds:
                 self._num_confirms += 1
                 if self._num_confirms == 1:
@@ -179,7 +203,8 @@ class LookupSearch:
                 return tuple(dict.fromkeys(unknown))
             scan = tuple(
                 key
-                for g, b in self._pairs
+                for g in range(self.scheme.geometry.num_groups)
+                for b in self._boundaries(g)
                 if b <= guess.boundary
                 for key in self._rank_keys(g, b)
                 if key not in known
@@ -204,8 +229,8 @@ class LookupSearch:
             if group.kind is GroupKind.MAMBA:
                 found = [
                     b
-                    for g, b in reversed(self._pairs)
-                    if g == group_index and b < boundary and self.known.get(self._probe_key(g, b))
+                    for b in reversed(self._boundaries(group_index))
+                    if b < boundary and self.known.get(self._probe_key(group_index, b))
                 ]
                 boundaries = found[:MAX_STEP_BACK_STATES]
             else:
@@ -214,10 +239,8 @@ class LookupSearch:
                 reach = (MAX_STEP_BACK_STATES + cdiv(group.sliding_window - 1, span) + 1) * span
                 boundaries = [
                     b
-                    for g, b in self._pairs
-                    if g == group_index
-                    and boundary - reach <= b < boundary
-                    and self.known.get(self._probe_key(g, b))
+                    for b in self._boundaries(group_index)
+                    if boundary - reach <= b < boundary and self.known.get(self._probe_key(group_index, b))
                 ]
             for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
