@@ -60,7 +60,11 @@ def k3_configs(store_url: str | None, models_dir: Path, *, num_blocks: int = 819
     )
 
     model = build_tiny_model(
-        "llama", models_dir, num_key_value_heads=1, num_attention_heads=8, max_position_embeddings=_MAX_MODEL_LEN
+        "llama",
+        models_dir,
+        num_key_value_heads=1,
+        num_attention_heads=8,
+        max_position_embeddings=_MAX_MODEL_LEN,
     )
     transfer = None
     if store_url is not None:
@@ -102,7 +106,9 @@ def k3_configs(store_url: str | None, models_dir: Path, *, num_blocks: int = 819
     cfg = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * 4096, layers=["attn.0", "ssm.0"], layer_stride=0, block_stride=4096)
+            KVCacheTensor(
+                size=num_blocks * 4096, layers=["attn.0", "ssm.0"], layer_stride=0, block_stride=4096
+            )
         ],
         kv_cache_groups=[KVCacheGroupSpec(["attn.0"], mla), KVCacheGroupSpec(["ssm.0"], mamba)],
     )
@@ -119,7 +125,11 @@ def k3_scheduler(store_url: str | None, models_dir: Path) -> Any:
 
     vc, cfg = k3_configs(store_url, models_dir)
     return Scheduler(
-        vc, cfg, StructuredOutputManager(vc), block_size=cfg.hash_block_size, hash_block_size=cfg.hash_block_size
+        vc,
+        cfg,
+        StructuredOutputManager(vc),
+        block_size=cfg.hash_block_size,
+        hash_block_size=cfg.hash_block_size,
     )
 
 
@@ -165,7 +175,9 @@ def full_scan_hit(scheme: Any, store: Any, request: Any) -> int:
 def _stream(num_requests: int, max_tokens: int, seed: int) -> list[tuple[int, int, bool]]:
     """(family, prompt tokens, hit?) per request: half hit a stored prefix, half miss; long prompts."""
     rng = random.Random(seed)
-    sizes = [max_tokens, max_tokens // 4] + [rng.randrange(max_tokens // 16, max_tokens + 1) for _ in range(num_requests)]
+    sizes = [max_tokens, max_tokens // 4] + [
+        rng.randrange(max_tokens // 16, max_tokens + 1) for _ in range(num_requests)
+    ]
     return [(i, max(K3_BLOCK * 8, sizes[i] - sizes[i] % K3_BLOCK), i % 2 == 0) for i in range(num_requests)]
 
 
@@ -175,7 +187,11 @@ def _percentile(samples: Sequence[float], q: float) -> float:
 
 
 def _drive(
-    store_url: str | None, stream: list[tuple[int, int, bool]], models_dir: Path, per_step: int, prefixes: dict[int, float]
+    store_url: str | None,
+    stream: list[tuple[int, int, bool]],
+    models_dir: Path,
+    per_step: int,
+    prefixes: dict[int, float],
 ) -> dict[str, Any]:
     from hybridkv.store import open_store
     from vllm.v1.request import RequestStatus
@@ -186,7 +202,9 @@ def _drive(
     expected_hits = 0
     if side is not None:
         assert store_url is not None
-        inner = open_store(store_url.split("+", 1)[1].split("?", 1)[0] if store_url.startswith("faulty+") else store_url)
+        inner = open_store(
+            store_url.split("+", 1)[1].split("?", 1)[0] if store_url.startswith("faulty+") else store_url
+        )
         for req, (fam, n, hit) in zip(requests, stream):
             if hit:
                 store_prefix(side.scheme, inner, req.block_hashes, int(n * prefixes.get(fam, 0.75)))

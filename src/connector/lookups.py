@@ -44,6 +44,8 @@ class LookupTask:
     #: (num_tokens, num_computed_tokens, max_boundary) the search answers for.
     inputs: tuple[int, int, int | None]
     submitted_s: float = field(default_factory=time.monotonic)
+    #: seconds of store calls this search has waited for (its CPU work and queueing do not count)
+    store_s: float = 0.0
     done: bool = False
     cancelled: bool = False
     error: str | None = None
@@ -160,7 +162,8 @@ class LookupService:
             return
         finally:
             self._call_started_s = None
-        if time.monotonic() - started > self.budget_s:
+        elapsed = time.monotonic() - started
+        if elapsed > self.budget_s:
             self.breaker.on_failure()  # slow: a few in a row open the circuit
         else:
             self.breaker.on_success()
@@ -169,5 +172,6 @@ class LookupService:
             self.num_exists_calls += 1
             self.num_keys_checked += len(keys)
             for task, task_keys in batch:
+                task.store_s += elapsed
                 if not task.cancelled:
                     task.search.feed(task_keys, [present[key] for key in task_keys])

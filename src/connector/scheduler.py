@@ -59,6 +59,10 @@ log = structlog.get_logger(__name__)
 #: slow round (a GC pause, a store failover) does not make the cache cold; a store that keeps failing is
 #: not hammered, and is probed again after a second.
 _BREAKER_FAILURES = 3
+#: A lookup is a miss once the store took ``lookup_budget_ms`` to answer its rounds, or a call of the
+#: store is hung past it; the search's own CPU work and its queueing behind other searches (a busy host)
+#: count only against this many budgets of wall time since the request's first ask.
+_MAX_WAIT_BUDGETS = 20
 _BREAKER_OPEN_S = 1.0
 
 
@@ -250,9 +254,14 @@ class SchedulerSide:
                 return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
             r.task = task = LookupTask(request.request_id, search, inputs)
             self.lookups.submit(task)
+        budget_s = self.cfg.lookup_budget_ms / 1000.0
         if r.waiting_since is None:
             r.waiting_since = now
-        elif now - r.waiting_since > self.cfg.lookup_budget_ms / 1000.0:
+        elif (
+            task.store_s > budget_s
+            or self.lookups.stalled(now)
+            or now - r.waiting_since > _MAX_WAIT_BUDGETS * budget_s
+        ):
             self.stats.add("lookup_errors")
             log.warning(
                 "hybridkv lookup over budget; miss",
