@@ -10,7 +10,7 @@ Keys (all optional):
 ``audit_log``       path of a JSON-lines audit file for state transitions, or ``null`` (no file).
 ``put_wave_bytes``  bytes of one PUT wave per rank (int, or a string like ``"64MiB"``); > 0. At most four
                     waves' bytes are queued per rank; a save beyond that is dropped and counted.
-``lookup_budget_ms``  the longest the scheduler waits on one existence check; > 0.
+``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0.
 ``verify_checksums``  verify value checksums on load (bool).
 ==================  =====================================================================================
 
