@@ -125,25 +125,31 @@ class LookupService:
             self._round(active)
 
     def _round(self, active: list[LookupTask]) -> None:
+        # The searches' CPU work runs outside the lock (a task is the worker's alone while in flight), so
+        # ``submit`` from the scheduler thread never waits for it; ``sleep(0)`` hands the GIL back to the
+        # scheduler thread between searches.
         batch: list[tuple[LookupTask, tuple[str, ...]]] = []
         union: dict[str, None] = {}
-        with self._cond:
-            for task in active:
-                if task.cancelled:
-                    self._finish(task, "cancelled")
-                    continue
-                task_keys = task.search.next_keys()
-                if task_keys is None:
-                    self._finish(task)
-                else:
-                    batch.append((task, task_keys))
-                    union.update(dict.fromkeys(task_keys))
-        if not batch:
-            return
-        if self.breaker.before_call() is Admission.REJECT:
+        finished: list[tuple[LookupTask, str | None]] = []
+        for task in active:
+            if task.cancelled:
+                finished.append((task, "cancelled"))
+                continue
+            task_keys = task.search.next_keys()
+            time.sleep(0)
+            if task_keys is None:
+                finished.append((task, None))
+            else:
+                batch.append((task, task_keys))
+                union.update(dict.fromkeys(task_keys))
+        if batch and self.breaker.before_call() is Admission.REJECT:
+            finished.extend((task, "circuit open") for task, _ in batch)
+            batch = []
+        if finished:
             with self._cond:
-                for task, _ in batch:
-                    self._finish(task, "circuit open")
+                for task, error in finished:
+                    self._finish(task, error)
+        if not batch:
             return
         keys = list(union)
         started = time.monotonic()
@@ -168,10 +174,9 @@ class LookupService:
         else:
             self.breaker.on_success()
         present = {key: status.is_ok for key, status in zip(keys, statuses)}
-        with self._cond:
-            self.num_exists_calls += 1
-            self.num_keys_checked += len(keys)
-            for task, task_keys in batch:
-                task.store_s += elapsed
-                if not task.cancelled:
-                    task.search.feed(task_keys, [present[key] for key in task_keys])
+        self.num_exists_calls += 1
+        self.num_keys_checked += len(keys)
+        for task, task_keys in batch:
+            task.store_s += elapsed
+            if not task.cancelled:
+                task.search.feed(task_keys, [present[key] for key in task_keys])

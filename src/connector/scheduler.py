@@ -79,6 +79,8 @@ class _Req:
     search_inputs: tuple[int, int, int | None] | None = None
     #: the search in flight on the lookup worker (the prefetch, or ``search``)
     task: LookupTask | None = None
+    #: the request's block hashes in hex (key suffixes), shared by its searches
+    block_hex: list[str] | None = None
     #: when vLLM first asked for the current lookup and got "ask again"
     waiting_since: float | None = None
     load: LoadJob | None = None
@@ -160,6 +162,7 @@ class SchedulerSide:
             search = LookupSearch(
                 self.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
             )
+            r.block_hex = search.block_hex
             r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
             self.lookups.submit(r.task)
 
@@ -228,10 +231,13 @@ class SchedulerSide:
                 # The truncation removed these from the store; the rest of the facts still stand.
                 r.known.update(dict.fromkeys(lc.resolution.invalid_keys, False))
             r.search = None
-            search = lc.start_search(request.block_hashes, request.num_tokens, inputs[1], known=r.known)
+            search = lc.start_search(
+                request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
+            )
             if search is None:
                 return 0  # retries exhausted: MISS for the rest of this incarnation
             r.search, r.search_inputs, r.waiting_since = search, inputs, None
+            r.block_hex = search.block_hex
         search = r.search
         assert search is not None
         task = r.task

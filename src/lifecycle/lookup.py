@@ -76,6 +76,8 @@ class LookupSearch:
     #: key -> present (on that key's rank); shared by the searches of one request incarnation.
     known: dict[str, bool] = field(default_factory=dict)
     max_confirm_rounds: int = DEFAULT_MAX_CONFIRM_ROUNDS
+    #: ``[h.hex() for h in block_hashes]`` when the caller has it (searches of one request share it)
+    block_hex: list[str] | None = None
     result: LookupResult | None = field(default=None, init=False)
     num_round_trips: int = field(default=0, init=False)
     num_keys: int = field(default=0, init=False)
@@ -101,7 +103,9 @@ class LookupSearch:
         self._unit_first = unit_first
         self._local = local
         self._cap = cap
-        self._hex = [block_hash.hex() for block_hash in self.block_hashes]
+        if self.block_hex is None or len(self.block_hex) < len(self.block_hashes):
+            self.block_hex = [block_hash.hex() for block_hash in self.block_hashes]
+        self._hex = self.block_hex
         self._probed = False
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}

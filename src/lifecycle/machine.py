@@ -370,6 +370,7 @@ class RequestLifecycle(_Model):
         num_computed_tokens: int,
         *,
         known: dict[str, bool] | None = None,
+        block_hex: list[str] | None = None,
     ) -> LookupSearch | None:
         """Enter ``LOOKUP`` and start a probing search (``LookupSearch``: a few batched rounds instead
         of the full scan's one call with every key), capped like ``start_lookup``; None when retries
@@ -385,6 +386,7 @@ class RequestLifecycle(_Model):
             num_computed_tokens,
             max_boundary=self.max_boundary,
             known={} if known is None else known,
+            block_hex=block_hex,
         )
 
     def finish_lookup(self, exists: Sequence[bool]) -> LookupResult:
