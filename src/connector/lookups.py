@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["LookupService", "LookupTask"]
+__all__ = ["MAX_KEYS_PER_ROUND", "LookupService", "LookupTask"]
+
+#: Keys of one batched ``exists``; searches beyond it wait for the next round (one search may exceed it).
+MAX_KEYS_PER_ROUND = 16384
 
 
 @dataclass(eq=False)
@@ -139,6 +142,8 @@ class LookupService:
             time.sleep(0)
             if task_keys is None:
                 finished.append((task, None))
+            elif batch and len(union) + len(task_keys) > MAX_KEYS_PER_ROUND:
+                continue  # next round: one call stays short, so it is not mistaken for a hung store
             else:
                 batch.append((task, task_keys))
                 union.update(dict.fromkeys(task_keys))

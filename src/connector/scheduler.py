@@ -273,7 +273,9 @@ class SchedulerSide:
                 "hybridkv lookup over budget; miss",
                 request_id=request.request_id,
                 budget_ms=self.cfg.lookup_budget_ms,
-                error=task.error,
+                store_ms=round(task.store_s * 1000.0, 1),
+                waited_ms=round((now - r.waiting_since) * 1000.0, 1),
+                store_call_hung=self.lookups.stalled(now),
             )
             return self._unavailable(r, "over lookup budget")
         return None
