@@ -8,9 +8,9 @@ candidate key present in the store (a full hit: the most keys a lookup checks an
 - ``bare``: ``store.exists(keys)`` for the lookup's candidate keys (one batched call),
 - ``lifecycle``: the lifecycle alone -- ``new_request`` + ``start_lookup`` (candidate keys from the block
   hashes) + ``finish_lookup`` (agreed boundary and load plan) on precomputed existence answers,
-- ``connector``: the whole ``SchedulerSide.lookup`` of the real connector (what vLLM's
-  ``get_num_new_matched_tokens`` runs): tracking, lifecycle, the batched ``exists`` on the lookup thread
-  within ``lookup_budget_ms``, the answer.
+- ``connector``: the whole lookup of the real connector (what vLLM's ``get_num_new_matched_tokens``
+  runs, asked again until answered): tracking, lifecycle, the probing search's batched ``exists`` rounds
+  on the lookup thread, the answer.
 
 ``SchedulerSide`` is built from real vLLM config objects (``VllmConfig`` over a tiny local model, a
 ``KVCacheConfig`` with the geometry's groups; block sizes resolved by vLLM's own functions), so no engine
@@ -197,8 +197,10 @@ def measure_lookup(
             answer: list[int] = []
 
             def connector(request: Any = request, answer: list[int] = answer) -> None:
-                num, _ = side.lookup(request, 0)
-                answer.append(num or 0)
+                # Asked again, as vLLM does each step, until the background search has the answer.
+                while (num := side.lookup(request, 0)[0]) is None:
+                    side.lookups.wait_idle(60.0)
+                answer.append(num)
 
             def finish(request: Any = request) -> None:
                 side.request_finished(request)

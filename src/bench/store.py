@@ -66,14 +66,18 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
         start = time.perf_counter()
         put_statuses = store.put(keys, sources)
         put_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
+        assert all(s is Status.OK for s in put_statuses), (
+            f"{store.url}: bench put failed: {set(put_statuses)}"
+        )
         start = time.perf_counter()
         get_statuses = store.get_into(keys, destinations)
         get_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
-        assert np.array_equal(sources[0], destinations[0]) and np.array_equal(sources[-1], destinations[-1]), (
-            f"{store.url}: bench read back different bytes"
+        assert all(s is Status.OK for s in get_statuses), (
+            f"{store.url}: bench get failed: {set(get_statuses)}"
         )
+        assert np.array_equal(sources[0], destinations[0]) and np.array_equal(
+            sources[-1], destinations[-1]
+        ), f"{store.url}: bench read back different bytes"
         store.remove(keys)
         best_put = max(best_put, total / max(put_elapsed, 1e-9) / 1e9)
         best_get = max(best_get, total / max(get_elapsed, 1e-9) / 1e9)
@@ -125,7 +129,8 @@ def run_store_bench(
 ) -> dict[str, Any]:
     """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy."""
     memcpy_by_size = {
-        size: measure_memcpy(size, num_values_for(size, bytes_per_round), repeats=repeats) for size in value_sizes
+        size: measure_memcpy(size, num_values_for(size, bytes_per_round), repeats=repeats)
+        for size in value_sizes
     }
     rows: list[dict[str, Any]] = []
     for url in urls:

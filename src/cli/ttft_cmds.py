@@ -84,6 +84,31 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     lookup.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
     lookup.set_defaults(func=handle_lookup)
 
+    scheduler = bench_subparsers.add_parser(
+        "scheduler",
+        help="vLLM's real Scheduler with and without the connector at K3-like geometry (schedule() p50/p99)",
+        description="MLA block 64 x DCP 8 + Mamba, hash unit 64; a stream of long prompts (hits and misses) "
+        "added a few per step; schedule() p50/p99 without the connector and per store URL, lookups per "
+        "second, store round trips and keys per lookup, hit tokens vs the synchronous full scan.",
+    )
+    scheduler.add_argument(
+        "--store",
+        dest="stores",
+        action="append",
+        metavar="URL",
+        help="store URL to measure (repeatable; default: faulty+memory://...?delay_ms=5)",
+    )
+    scheduler.add_argument("--requests", type=int, default=12, help="requests in the stream (%(default)s)")
+    scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
+    scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
+    scheduler.add_argument(
+        "--models-dir", default=None, help="where the tiny model for vLLM's config is built"
+    )
+    scheduler.add_argument(
+        "--out", default="bench-results/scheduler.json", help="JSON report path (%(default)s)"
+    )
+    scheduler.set_defaults(func=handle_scheduler)
+
 
 def handle_ttft(args: argparse.Namespace) -> int:
     from hybridkv.bench.ttft import TABLE_COLUMNS, default_scratch_dir, plot_report, run_ttft_bench
@@ -174,3 +199,32 @@ def handle_lookup(args: argparse.Namespace) -> int:
     print(format_table(report["rows"], LOOKUP_COLUMNS))
     save_report(report, args.out, plot_lookup, no_plot=args.no_plot)
     return EXIT_OK
+
+
+def handle_scheduler(args: argparse.Namespace) -> int:
+    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
+    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+
+    if args.requests < 1 or args.max_tokens < 4096 or args.per_step < 1:
+        print("error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    urls = args.stores or [f"faulty+memory://bench-sched-{uuid.uuid4().hex[:8]}?delay_ms=5"]
+    models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
+    report = run_scheduler_bench(
+        urls,
+        num_requests=args.requests,
+        max_tokens=args.max_tokens,
+        per_step=args.per_step,
+        models_dir=models_dir,
+    )
+    print(
+        f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens"
+    )
+    print(format_table(report["rows"], SCHEDULER_COLUMNS))
+    save_report(report, args.out, lambda _report, _path: None, no_plot=True)
+    status = EXIT_OK
+    for row in report["rows"][1:]:
+        if row["hit_tokens"] != row["full_scan_hit_tokens"]:
+            print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)
+            status = EXIT_PROBLEM
+    return status

@@ -11,7 +11,7 @@ Keys (all optional):
 ``put_wave_bytes``  bytes of one PUT wave per rank (int, or a size like ``"64MiB"``: binary ``KiB``/``MiB``,
                     decimal ``KB``/``MB``, a bare ``64m`` is rejected as ambiguous); > 0. At most four
                     waves' bytes are queued per rank; a save beyond that is dropped and counted.
-``lookup_budget_ms``  the longest the scheduler waits on one existence check; > 0.
+``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0.
 ``verify_checksums``  verify value checksums on load (bool).
 ==================  =====================================================================================
 

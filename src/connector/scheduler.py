@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
+from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -54,8 +56,9 @@ from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
 from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, cdiv, plan_save
+from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
-from hybridkv.store.breaker import Admission, BreakerState, CircuitBreaker
+from hybridkv.store.breaker import BreakerState, CircuitBreaker
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -65,7 +68,15 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_BREAKER_OPEN_S = 5.0
+#: Consecutive failed or over-budget lookup rounds that open the lookup circuit, and for how long. One
+#: slow round (a GC pause, a store failover) does not make the cache cold; a store that keeps failing is
+#: not hammered, and is probed again after a second.
+_BREAKER_FAILURES = 3
+#: A lookup is a miss once the store took ``lookup_budget_ms`` to answer its rounds, or a call of the
+#: store is hung past it; the search's own CPU work and its queueing behind other searches (a busy host)
+#: count only against this many budgets of wall time since the request's first ask.
+_MAX_WAIT_BUDGETS = 20
+_BREAKER_OPEN_S = 1.0
 #: Store maintenance calls (invalidation removes, namespace resets) queued or running at most.
 _MAINTENANCE_QUEUE = 64
 #: The longest ``reset_cache`` waits for the namespace removal before answering (the engine core waits).
@@ -78,6 +89,17 @@ class _Req:
     lc: RequestLifecycle
     #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
     memo: tuple[tuple[int, int, int | None], int] | None = None
+    #: existence facts (key -> present) gathered by this incarnation's searches
+    known: dict[str, bool] = field(default_factory=dict)
+    #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
+    search: LookupSearch | None = None
+    search_inputs: tuple[int, int, int | None] | None = None
+    #: the search in flight on the lookup worker (the prefetch, or ``search``)
+    task: LookupTask | None = None
+    #: the request's block hashes in hex (key suffixes), shared by its searches
+    block_hex: list[str] | None = None
+    #: when vLLM first asked for the current lookup and got "ask again"
+    waiting_since: float | None = None
     load: LoadJob | None = None
     load_results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
     load_ranks: set[int] = field(default_factory=set)
@@ -111,7 +133,6 @@ class SchedulerSide:
         )
         self.scheme = self.geo.scheme
         self.store = open_connector_store(cfg)
-        self.geo.publish_manifest(self.store)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()
@@ -123,11 +144,12 @@ class SchedulerSide:
         self._next_job = 1
         self._events: list[Any] = []
         self._pool: Any = None
-        # One failed or over-budget lookup opens it: lookups are MISS without touching the store until a
-        # probe after _BREAKER_OPEN_S succeeds.
-        self.lookup_breaker = CircuitBreaker(num_failures_to_open=1, reset_s=_BREAKER_OPEN_S)
+        # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
+        self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
+        self.lookups = LookupService(
+            self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
+        )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
         self._maintenance = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="hybridkv-maintenance"
@@ -144,6 +166,8 @@ class SchedulerSide:
         #: until a reset succeeds
         self._reset_failed = False
         self.reset_wait_s = RESET_WAIT_S
+        # Off the scheduler thread: engine start never waits on the store.
+        self._submit_maintenance(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
         # kv_role: a producer saves, a consumer loads, kv_both does both.
         tc = vllm_config.kv_transfer_config
         self.can_save = bool(tc.is_kv_producer)
@@ -167,8 +191,17 @@ class SchedulerSide:
         self._pool = pool
 
     def track(self, request: Request) -> None:
-        """Start following a request (``on_new_request``): its prompt blocks may be saved."""
-        self._track(request)
+        """Start following a request (``on_new_request``): its prompt blocks may be saved, and its lookup
+        starts now, in the background, so the answer is usually in when vLLM first asks."""
+        r = self._track(request)
+        if self.can_load and r.task is None and r.lc.current is State.NEW and self._store_usable():
+            # The local hit is not known yet: search from 0 (its facts serve any local hit).
+            search = LookupSearch(
+                self.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
+            )
+            r.block_hex = search.block_hex
+            r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
+            self.lookups.submit(r.task)
 
     def _track(self, request: Request) -> _Req:
         r = self._reqs.get(request.request_id)
@@ -181,7 +214,7 @@ class SchedulerSide:
     @property
     def lookup_breaker_open(self) -> bool:
         """Whether lookups answer "miss" without asking the store (until the next probe)."""
-        return self.lookup_breaker.state is BreakerState.OPEN
+        return self.lookup_breaker.state is BreakerState.OPEN or self.lookups.stalled()
 
     @property
     def namespace_closed(self) -> bool:
@@ -189,24 +222,20 @@ class SchedulerSide:
         entry from before the reset is ever served."""
         return self._resets_pending > 0 or self._reset_failed
 
-    def _exists(self, keys: tuple[str, ...]) -> list[bool] | None:
-        """One batched existence check within the budget; None when the store failed or was too slow."""
-        if self.namespace_closed:
-            return None
-        if self.lookup_breaker.before_call() is Admission.REJECT:
-            return None
-        fut = self._executor.submit(self.store.exists, list(keys))
-        try:
-            statuses = fut.result(timeout=self.cfg.lookup_budget_ms / 1000.0)
-        except Exception as exc:  # noqa: BLE001 -- timeout or store error: a miss, never an engine error
-            self.lookup_breaker.on_failure()
-            self.stats.add("lookup_errors")
-            log.warning("hybridkv lookup failed; circuit open", error=repr(exc), seconds=_BREAKER_OPEN_S)
-            return None
-        self.lookup_breaker.on_success()
-        return [s.is_ok for s in statuses]
+    def _store_usable(self) -> bool:
+        return (
+            self.lookup_breaker.state is not BreakerState.OPEN
+            and not self.lookups.stalled()
+            and not self.namespace_closed
+        )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: never waits on the store.
+
+        Answers ``(None, False)`` ("ask again": vLLM keeps the request waiting and schedules the others)
+        while the request's search is in flight, and "miss" once it has waited ``lookup_budget_ms`` since
+        the first such answer, or at once while the store is unusable (circuit open, a call hung).
+        """
         r = self._track(request)
         if not self.can_load:
             return 0, False
@@ -218,23 +247,18 @@ class SchedulerSide:
             r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
             r.lc = self.machine.new_request(request.request_id)
             r.memo, r.load = None, None
+            # Its facts stay: the new incarnation answers from them without a round trip when they
+            # suffice (confirmed entries are as good as a fresh check: every load is verified anyway).
+            self._abandon_search(r)
         lc = r.lc
         memo_key = (request.num_tokens, num_computed_tokens, lc.max_boundary)
         if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
             boundary = r.memo[1]
         else:
-            candidates = lc.start_lookup(request.block_hashes, request.num_tokens, num_computed_tokens)
-            if candidates is None:
-                boundary = 0  # retries exhausted: MISS for the rest of this incarnation
-            elif not candidates.keys:
-                boundary = lc.finish_lookup([]).boundary
-            else:
-                exists = self._exists(candidates.keys)
-                if exists is None:
-                    lc.lookup_unavailable("store unavailable or over lookup budget")
-                    boundary = 0
-                else:
-                    boundary = lc.finish_lookup(exists).boundary
+            answer = self._answer(r, memo_key)
+            if answer is None:
+                return None, False
+            boundary = answer
             self.stats.add("lookups")
             r.memo = (memo_key, boundary)
             if lc.current is State.PARTIAL_HIT:
@@ -243,6 +267,79 @@ class SchedulerSide:
         if ext <= 0 or lc.current is not State.PARTIAL_HIT:
             return 0, False
         return ext, True
+
+    def _answer(self, r: _Req, inputs: tuple[int, int, int | None]) -> int | None:
+        """The agreed boundary for ``inputs``, or None while the search is in flight."""
+        lc = r.lc
+        request = r.request
+        now = time.monotonic()
+        if lc.current is not State.LOOKUP or r.search_inputs != inputs:
+            if lc.current is State.TRUNCATED and lc.resolution is not None:
+                # The truncation removed these from the store; the rest of the facts still stand.
+                r.known.update(dict.fromkeys(lc.resolution.invalid_keys, False))
+            r.search = None
+            search = lc.start_search(
+                request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
+            )
+            if search is None:
+                return 0  # retries exhausted: MISS for the rest of this incarnation
+            r.search, r.search_inputs, r.waiting_since = search, inputs, None
+            r.block_hex = search.block_hex
+        search = r.search
+        assert search is not None
+        if self.namespace_closed:
+            # Facts learnt before the reset may name removed entries: no answer until it has finished.
+            return self._unavailable(r, "namespace reset in progress")
+        task = r.task
+        if task is not None and task.done:
+            r.task = None
+            if task.error is not None and task.search is search:
+                self.stats.add("lookup_errors")
+                log.warning("hybridkv lookup failed; miss", request_id=request.request_id, error=task.error)
+                return self._unavailable(r, task.error)
+            if task.error is None and task.inputs == inputs and task.search.result is not None:
+                # The prefetch answered exactly this ask: nothing to compute on the scheduler thread.
+                return lc.finish_search(task.search.result).boundary
+            task = None
+        if task is None:
+            # No store call in flight for this request: its facts may already answer (the prefetch).
+            if search.next_keys() is None:
+                assert search.result is not None
+                return lc.finish_search(search.result).boundary
+            if not self._store_usable():
+                return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
+            r.task = task = LookupTask(request.request_id, search, inputs)
+            self.lookups.submit(task)
+        budget_s = self.cfg.lookup_budget_ms / 1000.0
+        if r.waiting_since is None:
+            r.waiting_since = now
+        elif (
+            task.store_s > budget_s
+            or self.lookups.stalled(now)
+            or now - r.waiting_since > _MAX_WAIT_BUDGETS * budget_s
+        ):
+            self.stats.add("lookup_errors")
+            log.warning(
+                "hybridkv lookup over budget; miss",
+                request_id=request.request_id,
+                budget_ms=self.cfg.lookup_budget_ms,
+                store_ms=round(task.store_s * 1000.0, 1),
+                waited_ms=round((now - r.waiting_since) * 1000.0, 1),
+                store_call_hung=self.lookups.stalled(now),
+            )
+            return self._unavailable(r, "over lookup budget")
+        return None
+
+    def _unavailable(self, r: _Req, reason: str) -> int:
+        self._abandon_search(r)
+        r.known = {}  # an abandoned task may still write to the old facts
+        r.lc.lookup_unavailable(reason)
+        return 0
+
+    def _abandon_search(self, r: _Req) -> None:
+        if r.task is not None:
+            r.task.cancelled = True
+        r.task, r.search, r.search_inputs, r.waiting_since = None, None, None, None
 
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -646,6 +743,14 @@ class SchedulerSide:
             self._reset_epoch += 1
             self._resets_pending += 1
         prefix = self.scheme.prefix
+        for r in self._reqs.values():
+            r.known = {}  # what lookups learnt about the store predates the reset
+
+        def remove_namespace() -> int:
+            removed = self.store.remove_prefix(prefix)
+            # The manifest went with the namespace; engines on this deployment still write it.
+            self.geo.publish_manifest(self.store)
+            return removed
 
         def cleared(fut: concurrent.futures.Future[Any]) -> None:
             from vllm.distributed.kv_events import AllBlocksCleared
@@ -663,7 +768,7 @@ class SchedulerSide:
                     "hybridkv reset_cache failed; lookups miss until a reset succeeds", error=repr(exc)
                 )
 
-        fut = self._submit_maintenance(lambda: self.store.remove_prefix(prefix), cleared)
+        fut = self._submit_maintenance(remove_namespace, cleared)
         if fut is None:
             with self._lock:
                 self._resets_pending -= 1
@@ -683,8 +788,8 @@ class SchedulerSide:
             for j in self._jobs.values():
                 self._pool.free_blocks(list(reversed(j.pinned)))
         self._jobs.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
         self._maintenance.shutdown(wait=False, cancel_futures=True)
+        self.lookups.close()
         if self.audit is not None:
             self.audit.close()
         self.store.close()

@@ -45,6 +45,7 @@ from hybridkv.lifecycle.geometry import (
     SavePlan,
     plan_lookup,
 )
+from hybridkv.lifecycle.lookup import LookupSearch
 from transitions import EventData, Machine
 
 if TYPE_CHECKING:
@@ -293,8 +294,10 @@ class _Model:
 class RequestLifecycle(_Model):
     """The load side of one request incarnation. Methods map onto the connector's scheduler hooks:
 
-    - ``get_num_new_matched_tokens``: ``start_lookup`` (one ``store.exists(candidates.keys)``), then
-      ``finish_lookup`` (or ``lookup_unavailable`` when the store is down).
+    - ``get_num_new_matched_tokens``: ``start_search`` (a few batched ``store.exists`` rounds, run off
+      the scheduler thread while the state is ``LOOKUP``), then ``finish_search`` (or
+      ``lookup_unavailable`` when the store is down or too slow). ``start_lookup`` / ``finish_lookup``
+      are the full scan (every candidate key in one call): the reference the search is tested against.
     - ``update_state_after_alloc``: ``start_load`` when vLLM took the external tokens, else ``decline``.
     - ``update_connector_output`` (all ranks reported): ``finish_load``.
     - request finished / aborted / preempted: ``evict``.
@@ -321,11 +324,10 @@ class RequestLifecycle(_Model):
 
     # -- scheduler hooks ---------------------------------------------------------------------------
 
-    def start_lookup(
-        self, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
-    ) -> LookupCandidates | None:
-        """Enter ``LOOKUP`` and list the keys to check, or return None when this incarnation may not
-        hit any more (retries exhausted: the state is ``MISS`` and the answer is 0 tokens)."""
+    def _begin_lookup(self, num_computed_tokens: int) -> bool:
+        """Enter ``LOOKUP`` (or stay there: asked again while the existence check is in flight).
+
+        False when this incarnation may not hit any more (retries exhausted: the state is ``MISS``)."""
         state = self.current
         if state is State.TRUNCATED:
             if self.num_retries < self._machine.max_load_retries:
@@ -334,16 +336,24 @@ class RequestLifecycle(_Model):
             else:
                 self.exhausted = True
                 self._machine.fire(self, "give_up")
-                return None
+                return False
         elif state in (State.MISS, State.PARTIAL_HIT):
             if self.exhausted:
-                return None
+                return False
             self._machine.fire(self, "start_lookup")
-        elif state is State.LOOKUP:
-            pass  # asked again while the existence check is pending
-        else:
+        elif state is not State.LOOKUP:
             self._machine.fire(self, "start_lookup")
         self.num_computed_tokens = num_computed_tokens
+        return True
+
+    def start_lookup(
+        self, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
+    ) -> LookupCandidates | None:
+        """Enter ``LOOKUP`` and list every key to check (the full scan: one ``exists`` of all of them),
+        or return None when this incarnation may not hit any more (retries exhausted: the state is
+        ``MISS`` and the answer is 0 tokens)."""
+        if not self._begin_lookup(num_computed_tokens):
+            return None
         self.candidates = plan_lookup(
             self._machine.scheme,
             block_hashes,
@@ -353,14 +363,48 @@ class RequestLifecycle(_Model):
         )
         return self.candidates
 
+    def start_search(
+        self,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        num_computed_tokens: int,
+        *,
+        known: dict[str, bool] | None = None,
+        block_hex: list[str] | None = None,
+    ) -> LookupSearch | None:
+        """Enter ``LOOKUP`` and start a probing search (``LookupSearch``: a few batched rounds instead
+        of the full scan's one call with every key), capped like ``start_lookup``; None when retries
+        are exhausted. ``known``: existence facts of earlier searches of this request to build on.
+        Finish with ``finish_search(search.result)``."""
+        if not self._begin_lookup(num_computed_tokens):
+            return None
+        self.candidates = None
+        return LookupSearch(
+            self._machine.scheme,
+            tuple(block_hashes),
+            num_tokens,
+            num_computed_tokens,
+            max_boundary=self.max_boundary,
+            known={} if known is None else known,
+            block_hex=block_hex,
+        )
+
     def finish_lookup(self, exists: Sequence[bool]) -> LookupResult:
-        """Resolve the existence results: ``PARTIAL_HIT`` with a plan, or ``MISS``."""
+        """Resolve the full scan's existence results: ``PARTIAL_HIT`` with a plan, or ``MISS``."""
         assert self.candidates is not None, f"request {self.request_id!r}: finish_lookup without start_lookup"
-        result = self.candidates.resolve(exists)
+        return self.finish_search(self.candidates.resolve(exists))
+
+    def finish_search(self, result: LookupResult) -> LookupResult:
+        """Record a lookup's answer (a search's ``result``): ``PARTIAL_HIT`` with a plan, or ``MISS``."""
+        assert self.current is State.LOOKUP, (
+            f"request {self.request_id!r}: a lookup answer in state {self.state} (no lookup in flight)"
+        )
         self.lookup = result
         self.boundary = result.boundary
         if self._machine.sink is not None:  # audit detail: not worth computing when nobody records it
-            plan_blocks = result.plan.group_num_blocks() if result.plan else (0,) * len(result.group_hit_tokens)
+            plan_blocks = (
+                result.plan.group_num_blocks() if result.plan else (0,) * len(result.group_hit_tokens)
+            )
             self.group_detail = [
                 {"group": g, "hit_tokens": hit, "blocks": blocks}
                 for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks))

@@ -126,7 +126,9 @@ class DeadlineRunner:
     def __init__(self, *, name: str, max_workers: int = 8) -> None:
         self._name = name
         self._max_workers = max_workers
-        self._jobs: queue.SimpleQueue[tuple[Future[object], Callable[[], object]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Future[object], Callable[[], object]] | None] = (
+            queue.SimpleQueue()
+        )
         self._lock = threading.Lock()
         self._num_workers = 0
         self._num_idle = 0
@@ -139,7 +141,9 @@ class DeadlineRunner:
             if self._num_idle == 0 and self._num_workers < self._max_workers:
                 self._num_workers += 1
                 self._num_idle += 1
-                threading.Thread(target=self._work, name=f"{self._name}-{self._num_workers}", daemon=True).start()
+                threading.Thread(
+                    target=self._work, name=f"{self._name}-{self._num_workers}", daemon=True
+                ).start()
             self._num_idle -= 1  # reserve an idle worker (possibly negative: the job waits in the queue)
         self._jobs.put((future, call))
         try:

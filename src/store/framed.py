@@ -76,7 +76,9 @@ class JustInTimeBackend(Backend, Protocol):
     Wrappers that alter bytes between the backend and the check (``faulty+``) must not offer these.
     """
 
-    def put_frames_sealed(self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook) -> list[Status]: ...
+    def put_frames_sealed(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook
+    ) -> list[Status]: ...
 
     def get_frames_verified(
         self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook
@@ -111,7 +113,9 @@ def _byte_view(buffer: object) -> memoryview:
     try:
         return _flat(memoryview(buffer))  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"value part of type {type(buffer).__name__} does not support the buffer protocol") from None
+        raise TypeError(
+            f"value part of type {type(buffer).__name__} does not support the buffer protocol"
+        ) from None
 
 
 def _flat(view: memoryview) -> memoryview:
@@ -166,7 +170,8 @@ class FramedStore:
         if _is_just_in_time(backend):
             # Header placeholders; the backend seals each frame right before copying it (see JustInTimeBackend).
             frames = [
-                [memoryview(bytearray(header_size(key))), *value_to_parts(value)] for key, value in zip(keys, values)
+                [memoryview(bytearray(header_size(key))), *value_to_parts(value)]
+                for key, value in zip(keys, values)
             ]
 
             def seal(index: int) -> None:
@@ -198,7 +203,9 @@ class FramedStore:
                 return self._frame_ok(keys[index], frames[index])
 
             results = self._checked_results(
-                "get_into", keys, backend.get_frames_verified(keys, frames, verify)  # type: ignore[attr-defined]
+                "get_into",
+                keys,
+                backend.get_frames_verified(keys, frames, verify),  # type: ignore[attr-defined]
             )
         else:
             results = self._checked_results("get_into", keys, backend.get_frames_into(keys, frames))
@@ -234,7 +241,9 @@ class FramedStore:
     def stats(self) -> StoreStats:
         self._check_open()
         stats = self._backend.stats()
-        return with_extra(stats, {"checksum": self._checksum.url_name, "num_corrupt_reads": self._num_corrupt})
+        return with_extra(
+            stats, {"checksum": self._checksum.url_name, "num_corrupt_reads": self._num_corrupt}
+        )
 
     def close(self) -> None:
         if self._closed:

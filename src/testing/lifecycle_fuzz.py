@@ -43,6 +43,7 @@ from hybridkv.lifecycle.geometry import (
     LoadPlan,
     Topology,
     cdiv,
+    plan_lookup,
     plan_save,
 )
 from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
@@ -198,6 +199,17 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.store))
     @rule(data=st.data())
+    def store_evicts_middle(self, data: st.DataObject) -> None:
+        """A hole in the middle of a saved prefix (LRU eviction, a lost node): one entry of one group at
+        an interior boundary, on some ranks or all, while the entries on both sides stay."""
+        parts = data.draw(st.sampled_from(sorted(self.store))).split("/")
+        group, block_hash = int(parts[3].removeprefix("g")), bytes.fromhex(parts[-1])
+        ranks = [r.tp_rank for r in self.geometry.topology.ranks]
+        lost = data.draw(st.lists(st.sampled_from(ranks), min_size=1, unique=True), label="ranks lost")
+        self.store.difference_update(self.scheme.key(group, rank, block_hash) for rank in lost)
+
+    @precondition(lambda self: bool(self.store))
+    @rule(data=st.data())
     def store_evicts(self, data: st.DataObject) -> None:
         victims = data.draw(st.lists(st.sampled_from(sorted(self.store)), max_size=6, unique=True))
         self.store.difference_update(victims)
@@ -266,8 +278,15 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def _lookup(self, data: st.DataObject, req: _Req, local: int, *, may_be_unavailable: bool) -> None:
         req.num_computed_tokens = local
         was_truncated = req.lifecycle.current is State.TRUNCATED
-        candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
-        if candidates is None:
+        # The connector's probing search (a few batched rounds), or the full scan; the search must
+        # answer exactly what the full scan answers over the same store, holes included.
+        probing = data.draw(st.booleans(), label="probing search")
+        search = candidates = None
+        if probing:
+            search = req.lifecycle.start_search(req.hashes, req.num_tokens, local)
+        else:
+            candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
+        if search is None and candidates is None:
             assert was_truncated or req.lifecycle.exhausted, "a lookup was refused without a reason"
             assert req.lifecycle.current is State.MISS
             return
@@ -275,7 +294,20 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             req.lifecycle.lookup_unavailable("timeout")
             assert req.lifecycle.num_external_tokens == 0
             return
-        result = req.lifecycle.finish_lookup([key in self.store for key in candidates.keys])
+        if search is not None:
+            found = search.run(lambda keys: [key in self.store for key in keys])
+            full = plan_lookup(
+                self.scheme, req.hashes, req.num_tokens, local, max_boundary=search.max_boundary
+            )
+            expected = full.resolve([key in self.store for key in full.keys])
+            assert (found.boundary, found.plan) == (expected.boundary, expected.plan), (
+                f"probing search found {found.boundary}, the full scan {expected.boundary}"
+            )
+            event(f"search: {search.num_round_trips} round trips")
+            result = req.lifecycle.finish_search(found)
+        else:
+            assert candidates is not None
+            result = req.lifecycle.finish_lookup([key in self.store for key in candidates.keys])
         req.retrying = was_truncated
         geometry = self.geometry
         assert result.boundary % geometry.hit_alignment == 0, f"boundary {result.boundary} is not aligned"

@@ -40,7 +40,11 @@ _FAILURES = frozenset({Status.TRANSFER_FAILED, Status.TIMEOUT})
 def key_pool(max_value_size: int) -> list[tuple[str, int]]:
     """The keys the machine uses, each with its fixed value size; prefixes exercise ``remove_prefix``."""
     sizes = sorted({0, 1, 33, min(1000, max_value_size), max_value_size})
-    return [(f"{prefix}{index}-{size}", size) for prefix in ("a/", "b/", "ключ/") for index, size in enumerate(sizes)]
+    return [
+        (f"{prefix}{index}-{size}", size)
+        for prefix in ("a/", "b/", "ключ/")
+        for index, size in enumerate(sizes)
+    ]
 
 
 def make_store_machine(
@@ -108,7 +112,9 @@ def make_store_machine(
                 self.possible.setdefault(key, set()).add(value)
                 self.certain.add(key)
             elif status is Status.NO_SPACE:
-                assert allows_eviction or allows_failures, f"put({key!r}) returned NO_SPACE without a capacity"
+                assert allows_eviction or allows_failures, (
+                    f"put({key!r}) returned NO_SPACE without a capacity"
+                )
             else:
                 self._check_failure_allowed("put", key, status)
                 self.possible.setdefault(key, set()).add(value)  # it may have landed
@@ -146,9 +152,13 @@ def make_store_machine(
             destinations: list[bytearray | list[bytearray]] = []
             for key in batch:
                 size = key_to_size[key]
-                destinations.append([bytearray(size // 3), bytearray(size - size // 3)] if split else bytearray(size))
+                destinations.append(
+                    [bytearray(size // 3), bytearray(size - size // 3)] if split else bytearray(size)
+                )
             statuses = self.store.get_into(batch, destinations)
-            assert len(statuses) == len(batch), f"get_into returned {len(statuses)} results for {len(batch)} keys"
+            assert len(statuses) == len(batch), (
+                f"get_into returned {len(statuses)} results for {len(batch)} keys"
+            )
             for key, destination, status in zip(batch, destinations, statuses):
                 data = b"".join(destination) if isinstance(destination, list) else bytes(destination)
                 self._check_read(key, status, data)
@@ -168,24 +178,36 @@ def make_store_machine(
         @rule(batch=st.lists(keys, min_size=1, max_size=6))
         def exists(self, batch: list[str]) -> None:
             statuses = self.store.exists(batch)
-            assert len(statuses) == len(batch), f"exists returned {len(statuses)} results for {len(batch)} keys"
+            assert len(statuses) == len(batch), (
+                f"exists returned {len(statuses)} results for {len(batch)} keys"
+            )
             for key, status in zip(batch, statuses):
                 if status is Status.OK:
-                    assert key in self.possible, f"exists({key!r}) is OK but the key was never put or was removed"
+                    assert key in self.possible, (
+                        f"exists({key!r}) is OK but the key was never put or was removed"
+                    )
                 elif status is Status.NOT_FOUND:
-                    assert allows_eviction or key not in self.certain, f"exists({key!r}) NOT_FOUND but it is stored"
+                    assert allows_eviction or key not in self.certain, (
+                        f"exists({key!r}) NOT_FOUND but it is stored"
+                    )
                 else:
                     self._check_failure_allowed("exists", key, status)
 
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
             statuses = self.store.remove(batch)
-            assert len(statuses) == len(batch), f"remove returned {len(statuses)} results for {len(batch)} keys"
+            assert len(statuses) == len(batch), (
+                f"remove returned {len(statuses)} results for {len(batch)} keys"
+            )
             for key, status in zip(batch, statuses):
                 if status is Status.OK:
-                    assert key in self.possible, f"remove({key!r}) is OK but the key was never put or was removed"
+                    assert key in self.possible, (
+                        f"remove({key!r}) is OK but the key was never put or was removed"
+                    )
                 elif status is Status.NOT_FOUND:
-                    assert allows_eviction or key not in self.certain, f"remove({key!r}) NOT_FOUND but it is stored"
+                    assert allows_eviction or key not in self.certain, (
+                        f"remove({key!r}) NOT_FOUND but it is stored"
+                    )
                 else:
                     self._check_failure_allowed("remove", key, status)
                     self.certain.discard(key)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.vllm]
 
 @pytest.fixture(autouse=True)
 def _ttft_cmds_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hybridkv.cli as cli
+    from hybridkv import cli
 
     if "hybridkv.cli.ttft_cmds" not in cli._COMMAND_MODULES:
         monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "hybridkv.cli.ttft_cmds"))
@@ -28,7 +28,9 @@ def _main(argv: list[str]) -> int:
     return main(argv)
 
 
-def test_bench_lookup_reports_ratio_per_store_and_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_lookup_reports_ratio_per_store_and_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "lookup.json"
     code = _main(
         [

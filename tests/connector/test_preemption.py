@@ -15,7 +15,7 @@ import pytest
 from hybridkv.testing.cluster import Cluster, hybrid_config
 from test_scheduler_matrix import tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
 
 def _store_cold(vc: object, kvc: object, prompts: dict[str, list[int]], max_tokens: int = 4) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from hybridkv.testing.cluster import Cluster, hybrid_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
 GEOMETRIES = [
     pytest.param(("full_mamba", 1, 2), id="full+mamba-dcp1"),

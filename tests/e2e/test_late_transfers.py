@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 from engine_utils import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.connector.tiny_models import build_tiny_model
 from hybridkv.store.faulty import SCRIBBLE_BYTE, FaultyBackend
+from hybridkv.testing.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -10,6 +10,4 @@ from hybridkv.testing.lifecycle_fuzz import LifecycleFuzzMachine
 from hypothesis import settings
 
 TestLifecycleFuzz = LifecycleFuzzMachine.TestCase
-TestLifecycleFuzz.settings = settings(
-    settings.default, max_examples=max(400, settings.default.max_examples)
-)
+TestLifecycleFuzz.settings = settings(settings.default, max_examples=max(400, settings.default.max_examples))

@@ -23,7 +23,17 @@ def _restore_logging_config() -> Iterator[None]:
     structlog.configure(**config)
 
 
-TINY = ["--sizes", "4KiB,16KiB", "--bytes-per-round", "64KiB", "--repeats", "1", "--exists-calls", "20", "--no-plot"]
+TINY = [
+    "--sizes",
+    "4KiB,16KiB",
+    "--bytes-per-round",
+    "64KiB",
+    "--repeats",
+    "1",
+    "--exists-calls",
+    "20",
+    "--no-plot",
+]
 
 
 def test_bench_cli_writes_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,7 +85,11 @@ def test_bench_functions_with_tiny_sizes(memory_url: str) -> None:
 @pytest.mark.slow
 def test_bench_runs_against_mooncake(mooncake_master: MooncakeMaster) -> None:
     report = run_store_bench(
-        [mooncake_master.url()], value_sizes=[64 << 10, 1 << 20], bytes_per_round=4 << 20, repeats=1, num_exists_calls=50
+        [mooncake_master.url()],
+        value_sizes=[64 << 10, 1 << 20],
+        bytes_per_round=4 << 20,
+        repeats=1,
+        num_exists_calls=50,
     )
     assert [row["value_size"] for row in report["rows"]] == [64 << 10, 1 << 20]
     assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in report["rows"])

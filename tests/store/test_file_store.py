@@ -18,7 +18,9 @@ def test_directory_is_private_and_names_are_hashed(tmp_path: Path) -> None:
     assert store.put([key], [b"x" * 10]) == [Status.OK]
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     names = [path.name for path in directory.rglob("*") if path.is_file()]
-    assert not any("passwd" in name or "model" in name for name in names), f"raw key used as a file name: {names}"
+    assert not any("passwd" in name or "model" in name for name in names), (
+        f"raw key used as a file name: {names}"
+    )
     assert list(store.iter_keys("model@")) == [key], "the real key must be recoverable from the frame"
     assert not list((directory / "tmp").iterdir()), "temp files must not outlive a put"
 
@@ -62,7 +64,9 @@ def _writer_reader(url: str, worker: int, num_rounds: int, queue: multiprocessin
             if status is not Status.OK:
                 problems.append(f"worker {worker}: put {key} -> {status}")
         destinations = [bytearray(len(value)) for value in values]
-        for key, value, destination, status in zip(keys, values, destinations, store.get_into(keys, destinations)):
+        for key, value, destination, status in zip(
+            keys, values, destinations, store.get_into(keys, destinations)
+        ):
             if status is Status.OK and destination != value:
                 problems.append(f"worker {worker}: {key} read wrong bytes")
             elif status not in (Status.OK, Status.NOT_FOUND):  # NOT_FOUND: evicted by the other process
@@ -78,7 +82,9 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/s?capacity=100KiB"
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_writer_reader, args=(url, worker, 150, queue)) for worker in range(2)]
+    processes = [
+        context.Process(target=_writer_reader, args=(url, worker, 150, queue)) for worker in range(2)
+    ]
     start = time.monotonic()
     for process in processes:
         process.start()

@@ -28,10 +28,16 @@ def _file(params: str = "capacity=64MiB") -> FramedStore:
 
 
 TestMemoryStore = make_store_machine(_memory, allows_eviction=False).TestCase
-TestMemoryStoreUnderCapacity = make_store_machine(lambda: _memory("?capacity=12KiB"), allows_eviction=True).TestCase
+TestMemoryStoreUnderCapacity = make_store_machine(
+    lambda: _memory("?capacity=12KiB"), allows_eviction=True
+).TestCase
 TestFileStore = make_store_machine(_file, allows_eviction=False).TestCase
-TestFileStoreUnderCapacity = make_store_machine(lambda: _file("capacity=12KiB"), allows_eviction=True).TestCase
-TestFileStoreCrc32 = make_store_machine(lambda: _file("capacity=64MiB&checksum=crc32"), allows_eviction=False).TestCase
+TestFileStoreUnderCapacity = make_store_machine(
+    lambda: _file("capacity=12KiB"), allows_eviction=True
+).TestCase
+TestFileStoreCrc32 = make_store_machine(
+    lambda: _file("capacity=64MiB&checksum=crc32"), allows_eviction=False
+).TestCase
 TestFaultyMemoryStore = make_store_machine(
     lambda: open_store(
         f"faulty+memory://fuzz-{uuid.uuid4().hex}?corrupt=0.2&get_fail=0.1&put_fail=0.1&exists_fail=0.1"
@@ -42,9 +48,7 @@ TestFaultyMemoryStore = make_store_machine(
     allows_failures=True,
 ).TestCase
 TestFaultyFileStore = make_store_machine(
-    lambda: open_store(
-        f"faulty+file://{_fresh_dir()}/s?capacity=16KiB&corrupt=0.3&seed=11"
-    ),
+    lambda: open_store(f"faulty+file://{_fresh_dir()}/s?capacity=16KiB&corrupt=0.3&seed=11"),
     allows_eviction=True,
     allows_corruption=True,
 ).TestCase

@@ -1,0 +1,310 @@
+"""vLLM's real ``Scheduler`` with and without the connector at production geometry (``hybridkv bench
+scheduler``), as pure functions returning dicts.
+
+The geometry is Kimi-K3-like (``k3_configs``): MLA with block 64 sharded by DCP 8 (a 512-token span),
+a replicated Mamba / linear-attention state in align mode with block 64, hash unit 64, TP 8. A stream of
+requests (prompts up to 128K tokens; a mix of hits on prefixes a previous request saved and misses) is
+added a few per step; every ``schedule()`` call is timed. Scheduled requests are finished right away (the
+bench measures the scheduler's decision, not prefill), so the pool never fills.
+
+Per store URL (e.g. ``faulty+memory://...?delay_ms=5``: a store with that much latency per call), and
+once without the connector, it reports: ``schedule()`` p50/p99, lookups per second, store round trips and
+keys per lookup (p50/max; the probing search), hit tokens found, and the hit tokens the synchronous full
+scan (every candidate key in one call, the old lookup) finds over the same store contents.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+
+__all__ = ["K3_BLOCK", "K3_DCP", "SCHEDULER_COLUMNS", "k3_configs", "k3_request", "run_scheduler_bench"]
+
+#: the table columns of ``hybridkv bench scheduler``
+SCHEDULER_COLUMNS = [
+    "store",
+    "num_steps",
+    "schedule_p50_ms",
+    "schedule_p99_ms",
+    "p99_ratio",
+    "lookups_per_s",
+    "round_trips_p50",
+    "round_trips_max",
+    "keys_p50",
+    "keys_max",
+    "hit_tokens",
+    "full_scan_hit_tokens",
+    "lookup_errors",
+]
+
+K3_BLOCK = 64
+K3_DCP = 8
+_MAX_MODEL_LEN = 131072 + 1024
+_CHUNK = 8192  # saved Mamba states: one per prefill chunk end
+
+
+def k3_configs(store_url: str | None, models_dir: Path, *, num_blocks: int = 8192) -> tuple[Any, Any]:
+    """(VllmConfig, scheduler KVCacheConfig): MLA block 64 x DCP 8 + Mamba align block 64, TP 8.
+
+    ``store_url`` None: no connector. Everything else is vLLM's default (``lookup_budget_ms`` too).
+    """
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+        MLAAttentionSpec,
+    )
+
+    model = build_tiny_model(
+        "llama",
+        models_dir,
+        num_key_value_heads=1,
+        num_attention_heads=8,
+        max_position_embeddings=_MAX_MODEL_LEN,
+    )
+    transfer = None
+    if store_url is not None:
+        transfer = KVTransferConfig(
+            kv_connector="HybridStoreConnector",
+            kv_connector_module_path="hybridkv.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"store": store_url, "namespace": "k3"},
+        )
+    vc = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model),
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            seed=0,
+            max_model_len=_MAX_MODEL_LEN,
+        ),
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=K3_DCP, decode_context_parallel_size=K3_DCP),
+        cache_config=CacheConfig(block_size=K3_BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_model_len=_MAX_MODEL_LEN,
+            max_num_batched_tokens=_CHUNK,
+            max_num_seqs=64,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=transfer,
+    )
+    vc.cache_config.mamba_cache_mode = "align"
+    vc.cache_config.num_gpu_blocks = num_blocks
+    mla = MLAAttentionSpec(
+        block_size=K3_BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16, cache_dtype_str="auto"
+    )
+    mamba = MambaSpec(
+        block_size=K3_BLOCK, shapes=((4,), (8,)), dtypes=(torch.int16, torch.int32), mamba_cache_mode="align"
+    )
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=num_blocks * 4096, layers=["attn.0", "ssm.0"], layer_stride=0, block_stride=4096
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["attn.0"], mla), KVCacheGroupSpec(["ssm.0"], mamba)],
+    )
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(cfg, vc)
+    cfg.hash_block_size = hash_bs
+    cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(cfg, vc, sched_bs, hash_bs)
+    return vc, cfg
+
+
+def k3_scheduler(store_url: str | None, models_dir: Path) -> Any:
+    """vLLM's real ``Scheduler`` over ``k3_configs`` (no workers)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc, cfg = k3_configs(store_url, models_dir)
+    return Scheduler(
+        vc,
+        cfg,
+        StructuredOutputManager(vc),
+        block_size=cfg.hash_block_size,
+        hash_block_size=cfg.hash_block_size,
+    )
+
+
+def k3_request(request_id: str, family: int, num_tokens: int) -> Any:
+    """A request whose prompt is the first ``num_tokens`` tokens of ``family`` (families share nothing)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    rng = random.Random(family)
+    tokens = [rng.randrange(3, 30000) for _ in range(num_tokens)]
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    return Request(request_id, tokens, sp, None, block_hasher=get_request_block_hasher(K3_BLOCK, sha256))
+
+
+def store_prefix(scheme: Any, store: Any, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+    """Write what a previous request of ``num_tokens`` tokens saved: every MLA block, a Mamba state at
+    every chunk end and at its end, on every rank. Returns the number of keys written."""
+    geometry = scheme.geometry
+    unit = geometry.hash_unit
+    span = geometry.spans[0]
+    ranks = [r.tp_rank for r in geometry.topology.ranks]
+    entries = [(0, b) for b in range(span, num_tokens + 1, span)]
+    states = sorted({*range(_CHUNK, num_tokens + 1, _CHUNK), num_tokens - num_tokens % unit})
+    entries += [(1, b) for b in states if b > 0]
+    keys = [scheme.key(g, r, block_hashes[b // unit - 1]) for g, b in entries for r in ranks]
+    statuses = store.put(keys, [b"k3"] * len(keys))
+    assert all(s.is_ok for s in statuses), f"bench put failed: {set(statuses)}"
+    return len(keys)
+
+
+def full_scan_hit(scheme: Any, store: Any, request: Any) -> int:
+    """The synchronous full scan's answer (every candidate key in one ``exists``): the old lookup."""
+    from hybridkv.lifecycle.geometry import plan_lookup
+
+    candidates = plan_lookup(scheme, request.block_hashes, request.num_tokens, 0)
+    exists = [s.is_ok for s in store.exists(list(candidates.keys))] if candidates.keys else []
+    return candidates.resolve(exists).num_external_tokens
+
+
+def _stream(num_requests: int, max_tokens: int, seed: int) -> list[tuple[int, int, bool]]:
+    """(family, prompt tokens, hit?) per request: half hit a stored prefix, half miss; long prompts."""
+    rng = random.Random(seed)
+    sizes = [max_tokens, max_tokens // 4] + [
+        rng.randrange(max_tokens // 16, max_tokens + 1) for _ in range(num_requests)
+    ]
+    return [(i, max(K3_BLOCK * 8, sizes[i] - sizes[i] % K3_BLOCK), i % 2 == 0) for i in range(num_requests)]
+
+
+def _percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _drive(
+    store_url: str | None,
+    stream: list[tuple[int, int, bool]],
+    models_dir: Path,
+    per_step: int,
+    prefixes: dict[int, float],
+) -> dict[str, Any]:
+    from hybridkv.store import open_store
+    from vllm.v1.request import RequestStatus
+
+    sched = k3_scheduler(store_url, models_dir)
+    side = sched.connector.scheduler_side if sched.connector is not None else None
+    requests = [k3_request(f"r{i}-{uuid.uuid4().hex[:4]}", fam, n) for i, (fam, n, _) in enumerate(stream)]
+    expected_hits = 0
+    if side is not None:
+        assert store_url is not None
+        inner = open_store(
+            store_url.split("+", 1)[1].split("?", 1)[0] if store_url.startswith("faulty+") else store_url
+        )
+        for req, (fam, n, hit) in zip(requests, stream):
+            if hit:
+                store_prefix(side.scheme, inner, req.block_hashes, int(n * prefixes.get(fam, 0.75)))
+        expected_hits = sum(full_scan_hit(side.scheme, inner, req) for req in requests)
+    step_s: list[float] = []
+    answered: set[str] = set()
+    hit_tokens = 0
+    pending = list(requests)
+    started = time.monotonic()
+    while pending or sched.waiting or sched.running:
+        for req in pending[:per_step]:
+            sched.add_request(req)
+        pending = pending[per_step:]
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        step_s.append(time.perf_counter() - t0)
+        done = set(out.num_scheduled_tokens)
+        if out.kv_connector_metadata is not None:
+            for load in out.kv_connector_metadata.loads:
+                hit_tokens += load.boundary
+                done.add(load.req_id)
+        answered |= done
+        if done:
+            sched.finish_requests(done, RequestStatus.FINISHED_ABORTED)
+        time.sleep(0.001)  # the forward pass this bench leaves out
+        assert time.monotonic() - started < 600, "the scheduler stopped making progress"
+    wall_s = time.monotonic() - started
+    row: dict[str, Any] = {
+        "store": store_url or "(no connector)",
+        "connector": side is not None,
+        "num_requests": len(requests),
+        "num_steps": len(step_s),
+        "schedule_p50_ms": statistics.median(step_s) * 1e3,
+        "schedule_p99_ms": _percentile(step_s, 0.99) * 1e3,
+        "schedule_max_ms": max(step_s) * 1e3,
+        "wall_s": wall_s,
+    }
+    if side is not None:
+        costs = list(side.lookups.recent_costs)
+        trips = [c[0] for c in costs] or [0]
+        keys = [c[1] for c in costs] or [0]
+        row.update(
+            {
+                "lookups_per_s": side.lookups.num_searches / wall_s,
+                "round_trips_p50": statistics.median(trips),
+                "round_trips_max": max(trips),
+                "keys_p50": statistics.median(keys),
+                "keys_max": max(keys),
+                "store_calls": side.lookups.num_exists_calls,
+                "hit_tokens": hit_tokens,
+                "full_scan_hit_tokens": expected_hits,
+                "lookup_errors": side.stats.totals.get("lookup_errors", 0),
+            }
+        )
+    sched.shutdown()
+    return row
+
+
+def run_scheduler_bench(
+    store_urls: Sequence[str],
+    *,
+    num_requests: int = 12,
+    max_tokens: int = 131072,
+    per_step: int = 2,
+    models_dir: Path = DEFAULT_MODELS_DIR,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One row without the connector, one per store URL; ratios against the no-connector row."""
+    stream = _stream(num_requests, max_tokens, seed)
+    prefixes = {fam: random.Random(seed + fam).choice([0.5, 0.75, 1.0]) for fam, _, _ in stream}
+    base = _drive(None, stream, models_dir, per_step, prefixes)
+    rows = [base]
+    for url in store_urls:
+        row = _drive(url, stream, models_dir, per_step, prefixes)
+        row["p99_ratio"] = row["schedule_p99_ms"] / base["schedule_p99_ms"]
+        row["p50_ratio"] = row["schedule_p50_ms"] / base["schedule_p50_ms"]
+        rows.append(row)
+    return {
+        "benchmark": "scheduler",
+        "geometry": f"MLA block {K3_BLOCK} x DCP {K3_DCP} + Mamba align block {K3_BLOCK}, hash unit {K3_BLOCK}",
+        "num_requests": num_requests,
+        "max_prompt_tokens": max_tokens,
+        "requests_per_step": per_step,
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "rows": rows,
+    }

@@ -1,0 +1,266 @@
+"""A lookup in a bounded number of batched existence checks: probe, confirm, and (rarely) scan.
+
+``plan_lookup(...).resolve(exists)`` (``hybridkv.lifecycle.geometry``) asks for every key a lookup may
+need -- every candidate boundary x every group x every rank -- in one call. At production geometry (a
+128K-token prompt, hash unit 64, DCP 8, two groups) that is ~32K keys. ``LookupSearch`` finds the same
+agreed boundary and the same load plan from far fewer keys, in a few rounds:
+
+1. **probe** (one round): one key per (lookup unit, candidate boundary) -- the unit's first group on
+   rank 0. Entries are saved on every rank by the same wave, so a probe is a good guess of "exists on
+   every rank"; it is never trusted for a load.
+2. **confirm** (usually one round): the agreed boundary under the guessed availability is computed with
+   the same fixed point as vLLM's coordinator; then every key of its load plan (every group the plan
+   loads, on every rank) is checked. All present: that is the answer. The first confirm also checks the
+   few probed Mamba states just below that boundary (``MAX_STEP_BACK_STATES``), so a step back -- or the
+   retry of a truncated load -- usually needs no further round trip.
+3. **step back** (bounded): a confirm that finds a hole (an entry evicted on some rank, a wave stored on
+   some ranks only) turns those keys into known facts and recomputes -- the boundary can only shrink.
+   After ``max_confirm_rounds`` confirms, one **scan** checks every candidate key at or below the current
+   boundary that is still unknown, which makes every fact the fixed point can look at exact.
+
+Contract: the answer equals the full scan's answer over the same store contents (the fixed point only
+shrinks as availability shrinks, and every key of the returned plan was seen present on every rank);
+round trips: 2 when the store holds a clean prefix (or nothing), at most ``max_confirm_rounds + 2``
+otherwise, plus one per extra scan in the (theoretical) case a scan uncovers a longer boundary.
+
+``known`` (key -> present) may be shared by several searches of one request: a prefetch started when
+the request was queued (local hit unknown, so 0) answers a later ask with the real local hit without
+another round trip when it already covers that plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.lifecycle.geometry import (
+    GroupKind,
+    KeyScheme,
+    LookupCandidates,
+    LookupResult,
+    _resolve,
+    cdiv,
+)
+
+__all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "MAX_STEP_BACK_STATES", "ExistsFn", "LookupSearch", "lookup_cap"]
+
+ExistsFn = Callable[[Sequence[str]], Sequence[bool]]
+
+#: Probed states below the chosen boundary confirmed with its plan (per state group).
+MAX_STEP_BACK_STATES = 16
+#: Confirm rounds before the one scan of every unknown candidate key below the current boundary.
+DEFAULT_MAX_CONFIRM_ROUNDS = 2
+
+
+def lookup_cap(scheme: KeyScheme, num_hashes: int, num_tokens: int, max_boundary: int | None = None) -> int:
+    """The largest boundary a lookup may return: one token is always left to compute."""
+    cap = min(num_tokens - 1, num_hashes * scheme.geometry.hash_unit)
+    if max_boundary is not None:
+        cap = min(cap, max_boundary)
+    return max(cap, 0)
+
+
+@dataclass
+class LookupSearch:
+    """One request's lookup as a sequence of batched existence checks.
+
+    Drive it with ``next_keys()`` (the keys of the next round, or None when ``result`` is set) and
+    ``feed(keys, exists)``. Pure: no store, no clock, no threads.
+    """
+
+    scheme: KeyScheme
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    num_computed_tokens: int
+    max_boundary: int | None = None
+    #: key -> present (on that key's rank); shared by the searches of one request incarnation.
+    known: dict[str, bool] = field(default_factory=dict)
+    max_confirm_rounds: int = DEFAULT_MAX_CONFIRM_ROUNDS
+    #: ``[h.hex() for h in block_hashes]`` when the caller has it (searches of one request share it)
+    block_hex: list[str] | None = None
+    result: LookupResult | None = field(default=None, init=False)
+    num_round_trips: int = field(default=0, init=False)
+    num_keys: int = field(default=0, init=False)
+    _num_confirms: int = field(default=0, init=False)
+    #: keys handed out by ``next_keys`` and not fed yet (asking again returns them, not a new round)
+    _pending: tuple[str, ...] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        geometry = self.scheme.geometry
+        cap = lookup_cap(self.scheme, len(self.block_hashes), self.num_tokens, self.max_boundary)
+        local = self.num_computed_tokens - self.num_computed_tokens % geometry.scheduler_block_size
+        # keys=(): the full scan's key list is exactly what this search avoids building.
+        self._candidates = LookupCandidates(
+            scheme=self.scheme,
+            block_hashes=self.block_hashes,
+            num_tokens=self.num_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            max_boundary=cap,
+            keys=(),
+            group_boundary_to_index={},
+        )
+        unit_first = {g: unit[0] for unit in geometry.lookup_units for g in unit}
+        self._unit_first = unit_first
+        self._local = local
+        self._cap = cap
+        if self.block_hex is None or len(self.block_hex) < len(self.block_hashes):
+            self.block_hex = [block_hash.hex() for block_hash in self.block_hashes]
+        self._hex = self.block_hex
+        self._probed = False
+        #: (group, boundary) -> whether present on every rank, from facts only (no probe)
+        self._exact: dict[tuple[int, int], bool] = {}
+
+    def _boundaries(self, group_index: int) -> range | list[int]:
+        """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
+        geometry = self.scheme.geometry
+        group, span = geometry.groups[group_index], geometry.spans[group_index]
+        fine = geometry.is_fine_span[group_index]
+        step = geometry.hash_unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
+        boundaries = range((self._local // step + 1) * step, self._cap + 1, step)
+        if group.kind is GroupKind.MAMBA and not fine:
+            return [b for b in boundaries if b % geometry.hit_alignment == 0]
+        return boundaries
+
+    # -- keys -----------------------------------------------------------------------------------------
+
+    def _rank_keys(self, group_index: int, boundary: int) -> list[str]:
+        hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+        return [prefix + hash_hex for prefix in self.scheme._group_rank_prefixes[group_index]]
+
+    def _probe_key(self, group_index: int, boundary: int) -> str:
+        prefix = self.scheme._group_rank_prefixes[self._unit_first[group_index]][0]
+        return prefix + self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+
+    # -- the search -----------------------------------------------------------------------------------
+
+    def _exact_verdict(self, group_index: int, boundary: int) -> bool | None:
+        """Present on every rank (True), absent on some (False), or not known yet (None)."""
+        verdict = self._exact.get((group_index, boundary))
+        if verdict is None:
+            known = self.known
+            facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
+            if False in facts:
+                verdict = False
+            elif None in facts:
+                return None
+            else:
+                verdict = True
+            self._exact[(group_index, boundary)] = verdict  # facts only grow: a verdict never changes
+        return verdict
+
+    def _guess(self) -> LookupResult:
+        """The fixed point under the current facts: exact where known, the probe elsewhere."""
+        known = self.known
+
+        def available_in_store(group_index: int, boundary: int) -> bool:
+            verdict = self._exact_verdict(group_index, boundary)
+            if verdict is None:
+                return known.get(self._probe_key(group_index, boundary), False)
+            return verdict
+
+        return _resolve(self._candidates, available_in_store)
+
+    def next_keys(self) -> tuple[str, ...] | None:
+        """The keys to check next (one batched ``exists``), or None: ``result`` holds the answer."""
+        if self.result is not None:
+            return None
+        if self._pending is None:
+            self._pending = self._next_keys()
+        return self._pending
+
+    def _next_keys(self) -> tuple[str, ...] | None:
+        known = self.known
+        if not self._probed:
+            geometry = self.scheme.geometry
+            probes = [
+                key
+                for unit in geometry.lookup_units
+                for b in self._boundaries(unit[0])
+                if (key := self._probe_key(unit[0], b)) not in known
+            ]
+            self._probed = True  # fed next (or the search ends with its task): never listed again
+            if probes:
+                return tuple(probes)
+        while True:
+            guess = self._guess()
+            if guess.plan is None:
+                # No hit even with guessed availability; real availability is a subset: no hit.
+                self.result = guess
+                return None
+            pairs = dict.fromkeys((load.group_index, load.key_boundary) for load in guess.plan.loads)
+            unknown_pairs = [pair for pair in pairs if self._exact_verdict(*pair) is None]
+            if not unknown_pairs:
+                # Every entry of the plan was seen present on every rank (one known absent would have
+                # made its boundary unavailable).
+                assert all(self._exact_verdict(*pair) for pair in pairs), (
+                    f"plan for boundary {guess.boundary} uses an entry known to be absent"
+                )
+                self.result = guess
+                return None
+            unknown = tuple(
+                key for pair in unknown_pairs for key in self._rank_keys(*pair) if key not in known
+            )
+            if self._num_confirms < self.max_confirm_rounds:
+                self._num_confirms += 1
+                if self._num_confirms == 1:
+                    unknown += self._step_back_keys(guess.boundary)
+                return tuple(dict.fromkeys(unknown))
+            scan = tuple(
+                key
+                for g in range(self.scheme.geometry.num_groups)
+                for b in self._boundaries(g)
+                if b <= guess.boundary
+                for key in self._rank_keys(g, b)
+                if key not in known
+            )
+            if scan:
+                return scan
+            return unknown  # pragma: no cover -- the plan's keys are candidate keys <= its boundary
+
+    def _step_back_keys(self, boundary: int) -> tuple[str, ...]:
+        """Every rank's key of the probed entries a short step back below ``boundary`` needs.
+
+        Mamba: the ``MAX_STEP_BACK_STATES`` nearest probed states (states are saved at a few hand-off
+        boundaries only). Sliding window: the blocks of the windows of as many block boundaries below.
+        Confirming them with the plan makes a step back (a hole found by this confirm, or a truncated
+        load's retry below its cap) answerable from facts, without another round trip.
+        """
+        geometry = self.scheme.geometry
+        keys: list[str] = []
+        for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+            if group.kind is GroupKind.FULL:
+                continue  # every block below the boundary is in the plan already
+            if group.kind is GroupKind.MAMBA:
+                found = [
+                    b
+                    for b in reversed(self._boundaries(group_index))
+                    if b < boundary and self.known.get(self._probe_key(group_index, b))
+                ]
+                boundaries = found[:MAX_STEP_BACK_STATES]
+            else:
+                # Sliding window: the windows of the last MAX_STEP_BACK_STATES block boundaries below.
+                assert group.sliding_window is not None
+                reach = (MAX_STEP_BACK_STATES + cdiv(group.sliding_window - 1, span) + 1) * span
+                boundaries = [
+                    b
+                    for b in self._boundaries(group_index)
+                    if boundary - reach <= b < boundary and self.known.get(self._probe_key(group_index, b))
+                ]
+            for b in boundaries:
+                keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
+        return tuple(keys)
+
+    def feed(self, keys: Sequence[str], exists: Sequence[bool]) -> None:
+        """Record one round's answers (an error for a key counts as absent)."""
+        assert len(keys) == len(exists), f"exists() returned {len(exists)} results for {len(keys)} keys"
+        self._pending = None
+        self.num_round_trips += 1
+        self.num_keys += len(keys)
+        self.known.update(zip(keys, exists))
+
+    def run(self, exists: ExistsFn) -> LookupResult:
+        """Drive the search to its answer with a blocking ``exists`` (tests, benches)."""
+        while (keys := self.next_keys()) is not None:
+            self.feed(keys, exists(keys))
+        assert self.result is not None
+        return self.result

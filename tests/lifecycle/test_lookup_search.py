@@ -1,0 +1,110 @@
+"""``LookupSearch`` (probe, confirm, step back, scan) gives exactly the full scan's answer, in few rounds.
+
+The full scan (``plan_lookup(...).resolve(...)``) is the reference: ``test_differential_vllm`` checks it
+against vLLM's own coordinator. Here the store holds prefixes with holes in the middle (entries evicted on
+some ranks or all), stray entries past the prefix, local hits and retry caps.
+"""
+
+from __future__ import annotations
+
+from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
+from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
+from hypothesis import event, given, note
+from hypothesis import strategies as st
+
+
+@st.composite
+def _cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    geometry = draw(geometries())
+    num_tokens = draw(st.integers(1, 10 * max(geometry.spans) + 3))
+    unit = geometry.hash_unit
+    num_units = num_tokens // unit
+    hashes = family_hashes(3, num_units)
+    scheme = KeyScheme(namespace="search", model="m", geometry=geometry)
+    ranks = geometry.topology.ranks
+    existing: set[str] = set()
+    for g in range(geometry.num_groups):
+        end = draw(st.integers(0, num_units)) * unit
+        hole_rate = draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]))
+        for boundary in range(unit, num_units * unit + 1, unit):
+            keys = [scheme.key(g, r.tp_rank, hashes[boundary // unit - 1]) for r in ranks]
+            roll = draw(st.floats(0, 1))
+            if boundary > end:
+                if roll < 0.1:
+                    existing.update(keys)
+            elif roll >= hole_rate:
+                existing.update(keys)
+            else:  # a hole: evicted on every rank, or on some ranks only
+                kept = draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+                existing.update(k for k, keep in zip(keys, kept) if keep and not all(kept))
+    block = geometry.scheduler_block_size
+    local = draw(st.integers(0, max(0, num_tokens - 1) // block)) * block
+    max_boundary = draw(st.one_of(st.none(), st.integers(0, num_tokens)))
+    return scheme, hashes, num_tokens, local, max_boundary, existing
+
+
+@given(case=_cases())
+def test_search_equals_full_scan(case) -> None:  # type: ignore[no-untyped-def]
+    scheme, hashes, num_tokens, local, max_boundary, existing = case
+    note(f"geometry={scheme.geometry.describe()} num_tokens={num_tokens} local={local} cap={max_boundary}")
+    full = plan_lookup(scheme, hashes, num_tokens, local, max_boundary=max_boundary)
+    expected = full.resolve([key in existing for key in full.keys])
+    search = LookupSearch(scheme, tuple(hashes), num_tokens, local, max_boundary=max_boundary)
+    got = search.run(lambda keys: [key in existing for key in keys])
+    note(f"full={expected.boundary} search={got.boundary} rounds={search.num_round_trips}")
+    assert got.boundary == expected.boundary
+    assert got.plan == expected.plan
+    if got.plan is not None:
+        assert all(key in existing for _, key in got.plan.entries), "a planned entry is absent"
+    assert search.num_round_trips <= 4 + 2, f"{search.num_round_trips} round trips"
+    event(f"rounds={search.num_round_trips}")
+
+
+def _k3(num_tokens: int) -> tuple[KeyScheme, list[bytes]]:
+    # MLA block 64 sharded by DCP 8 (span 512), replicated Mamba state, hash unit 64.
+    geometry = Geometry(
+        groups=(GroupSpec.full(64, layout="mla"), GroupSpec.mamba(64)),
+        topology=Topology(tp_size=8, dcp_size=8),
+        prefix_match_unit=64,
+    )
+    assert geometry.hash_unit == 64 and geometry.fine_grained
+    return KeyScheme(namespace="k3", model="k3", geometry=geometry), family_hashes(1, num_tokens // 64)
+
+
+def _saved(scheme: KeyScheme, hashes: list[bytes], upto: int, mamba_at: list[int]) -> set[str]:
+    geometry = scheme.geometry
+    keys = set()
+    for r in geometry.topology.ranks:
+        for b in range(512, upto + 1, 512):
+            keys.add(scheme.key(0, r.tp_rank, hashes[b // 64 - 1]))
+        for b in mamba_at:
+            keys.add(scheme.key(1, r.tp_rank, hashes[b // 64 - 1]))
+    return keys
+
+
+def test_k3_128k_two_round_trips_and_few_keys() -> None:
+    num_tokens = 128 * 1024
+    scheme, hashes = _k3(num_tokens)
+    # A previous request saved the first 96K tokens, with Mamba states at every 8K chunk end.
+    existing = _saved(scheme, hashes, 96 * 1024, list(range(8192, 96 * 1024 + 1, 8192)))
+    full = plan_lookup(scheme, hashes, num_tokens + 1, 0)
+    search = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0)
+    got = search.run(lambda keys: [key in existing for key in keys])
+    assert got.boundary == 96 * 1024 == full.resolve([k in existing for k in full.keys]).boundary
+    assert search.num_round_trips == 2
+    assert search.num_keys * 5 < len(full.keys), (search.num_keys, len(full.keys))
+
+
+def test_k3_hole_in_the_middle_steps_back_within_four_round_trips() -> None:
+    num_tokens = 128 * 1024
+    scheme, hashes = _k3(num_tokens)
+    existing = _saved(scheme, hashes, 96 * 1024, list(range(8192, 96 * 1024 + 1, 8192)))
+    # Block 100 (tokens 50K..51K) evicted on rank 5 only: the longest restorable boundary is 48K.
+    existing.discard(scheme.key(0, 5, hashes[101 * 512 // 64 - 1]))
+    full = plan_lookup(scheme, hashes, num_tokens + 1, 0)
+    expected = full.resolve([k in existing for k in full.keys]).boundary
+    search = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0)
+    got = search.run(lambda keys: [key in existing for key in keys])
+    assert got.boundary == expected == 48 * 1024
+    assert search.num_round_trips <= 4
