@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from connector_helpers import HASH
+from hybridkv.connector.identity import MANIFEST_NAME
 from hybridkv.connector.metadata import HybridStoreWorkerMetadata
 from hybridkv.lifecycle.audit import MemoryAuditSink
 from hybridkv.store import open_store
 from test_scheduler_dcp import _fill, _output, _request, _scheduler
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
 RANKS = (0, 1)
 
@@ -214,6 +215,8 @@ def _stored_blocks(side: Any, store: Any) -> set[tuple[int, bytes]]:
     """(vLLM group, block hash) of the namespace's entries present on every rank."""
     ranks: dict[tuple[int, bytes], set[int]] = {}
     for key in store.iter_keys(side.scheme.prefix):
+        if key.endswith(MANIFEST_NAME):
+            continue  # the deployment's manifest: not a block
         group, tp, _dcp, digest = key.removeprefix(side.scheme.geometry_prefix).split("/")
         sgid = int(group.removeprefix("g"))
         ranks.setdefault((side.geo.groups[sgid].gid, bytes.fromhex(digest)), set()).add(int(tp[2:]))
