@@ -132,7 +132,10 @@ def test_logrotate_create_mode_and_compressed_siblings(tmp_path: Path) -> None:
     _drive(sink, 2)
     assert sink.flush(timeout_s=10)
     assert log.exists(), "the sink did not reopen the log after it was renamed away"
-    with (tmp_path / "audit.jsonl.1").open("rb") as src, gzip.open(tmp_path / "audit.jsonl.2.gz", "wb") as dst:
+    with (
+        (tmp_path / "audit.jsonl.1").open("rb") as src,
+        gzip.open(tmp_path / "audit.jsonl.2.gz", "wb") as dst,
+    ):
         shutil.copyfileobj(src, dst)  # second rotation, `compress`
     os.replace(log, tmp_path / "audit.jsonl.1")
     lifecycle.evict()
