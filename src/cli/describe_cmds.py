@@ -19,15 +19,17 @@ reported absent, not created.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import secrets
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -155,65 +157,92 @@ def describe_model_geometry(
     from vllm.config import KVTransferConfig
 
     engine_extra = {k: v for k, v in extra.items() if k != "audit_log"}
-    engine_extra["store"] = "memory://"
-    # The engine handle is reached into (in-process engine core): typed loosely.
-    llm: Any = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        dtype=dtype,  # type: ignore[arg-type]  # vLLM validates it, naming the bad value
-        max_model_len=max_model_len,
-        max_num_seqs=1,
-        max_num_batched_tokens=max_model_len,
-        kv_cache_memory_bytes=64 << 20,
-        enforce_eager=True,
-        use_tqdm_on_load=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_connector_module_path="hybridkv.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=engine_extra,
-        ),
-    )
+    engine_extra["store"] = f"memory://hybridkv-describe-{secrets.token_hex(4)}"
+    with _stdout_to_stderr():  # vLLM logs to stdout; `describe --json | jq` must see only the JSON
+        llm: Any = LLM(  # reached into below (the in-process engine core): typed loosely
+            model=model,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            dtype=dtype,  # type: ignore[arg-type]  # vLLM validates it, naming the bad value
+            max_model_len=max_model_len,
+            max_num_seqs=1,
+            max_num_batched_tokens=max_model_len,
+            kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True,
+            use_tqdm_on_load=False,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HybridStoreConnector",
+                kv_connector_module_path="hybridkv.connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=engine_extra,
+            ),
+        )
+        try:
+            vllm_config = llm.llm_engine.vllm_config
+            kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+            namespace = _connector_settings(extra, None, model)[1]
+            assert namespace is not None
+            geo = resolve_geometry(vllm_config, kv_cache_config, namespace, check_vllm_sizes=True)
+            geometry = geo.geometry
+            groups = []
+            for info, spec in zip(geo.groups, geometry.groups, strict=True):
+                vllm_group = kv_cache_config.kv_cache_groups[info.gid]
+                groups.append(
+                    {
+                        "group": info.sgid,
+                        "vllm_group": info.gid,
+                        "kind": info.kind.value,
+                        "spec": info.spec_name,
+                        "block": spec.block_size,
+                        "span": info.span,
+                        "dcp_sharded": spec.dcp_sharded,
+                        "layers": len(info.layer_names),
+                        "entry_bytes": _entry_bytes(vllm_group),
+                    }
+                )
+            return {
+                "model": model,
+                "namespace": geo.scheme.namespace,
+                "fingerprint": geo.scheme.fingerprint,
+                "key_prefix": geo.scheme.geometry_prefix,
+                "hash_unit": geometry.hash_unit,
+                "hit_alignment": geometry.hit_alignment,
+                "scheduler_block": geometry.scheduler_block_size,
+                "tp": geometry.topology.tp_size,
+                "dcp": geometry.topology.dcp_size,
+                "groups": groups,
+            }
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what the engine prints -- vLLM's logger handlers and anything written to fd 1 -- to stderr."""
+    swapped: list[tuple[logging.StreamHandler[Any], Any]] = []
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
+            swapped.append((handler, handler.setStream(sys.stderr)))
+    saved_stream = os.environ.get("VLLM_LOGGING_STREAM")
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # a handler vLLM configures meanwhile
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    os.dup2(2, 1)
     try:
-        vllm_config = llm.llm_engine.vllm_config
-        kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-        namespace = _connector_settings(extra, None, model)[1]
-        assert namespace is not None
-        geo = resolve_geometry(vllm_config, kv_cache_config, namespace, check_vllm_sizes=True)
-        geometry = geo.geometry
-        groups = []
-        for info, spec in zip(geo.groups, geometry.groups, strict=True):
-            vllm_group = kv_cache_config.kv_cache_groups[info.gid]
-            groups.append(
-                {
-                    "group": info.sgid,
-                    "vllm_group": info.gid,
-                    "kind": info.kind.value,
-                    "spec": info.spec_name,
-                    "block": spec.block_size,
-                    "span": info.span,
-                    "dcp_sharded": spec.dcp_sharded,
-                    "layers": len(info.layer_names),
-                    "entry_bytes": _entry_bytes(vllm_group),
-                }
-            )
-        return {
-            "model": model,
-            "namespace": geo.scheme.namespace,
-            "fingerprint": geo.scheme.fingerprint,
-            "key_prefix": geo.scheme.geometry_prefix,
-            "hash_unit": geometry.hash_unit,
-            "hit_alignment": geometry.hit_alignment,
-            "scheduler_block": geometry.scheduler_block_size,
-            "tp": geometry.topology.tp_size,
-            "dcp": geometry.topology.dcp_size,
-            "groups": groups,
-        }
+        yield
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        for handler, stream in swapped:
+            handler.setStream(stream)
+        if saved_stream is None:
+            os.environ.pop("VLLM_LOGGING_STREAM", None)
+        else:
+            os.environ["VLLM_LOGGING_STREAM"] = saved_stream
 
 
 def _entry_bytes(vllm_group: Any) -> int:
