@@ -81,7 +81,7 @@ def test_provisioning_points_at_the_dashboards() -> None:
     mount = entry["options"]["path"]
     # The documented `docker run` mounts this repository's dashboards/ folder exactly there.
     metrics_doc = (ROOT / "docs" / "metrics.md").read_text()
-    assert f"dashboards:{mount}" in metrics_doc, f"docs/metrics.md does not mount dashboards/ at {mount}"
+    assert f'dashboards:{mount}"' in metrics_doc, f"docs/metrics.md does not mount dashboards/ at {mount}"
     assert "provisioning/dashboards.yaml:/etc/grafana/provisioning/dashboards/" in metrics_doc
     sources = yaml.safe_load((DASHBOARDS / "provisioning" / "datasources.yaml").read_text())
     assert [s["type"] for s in sources["datasources"]] == ["prometheus"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +129,17 @@ def test_model_geometry_matches_the_serving_engine(
         served = sched.scheduler_side.geo
         fingerprint = served.scheme.fingerprint
     before = _snapshot(tmp_path / "store")
-    code, report = _describe_json(["--config", json.dumps(extra), "--model", str(model)], capsys)
-    assert code == 0
+    # A separate process, as an operator runs it: stdout must be the JSON alone (vLLM logs to stderr).
+    argv = ["describe", "--config", json.dumps(extra), "--model", str(model), "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridkv.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
     assert _snapshot(tmp_path / "store") == before, "describe changed the store"
     geometry = report["geometry"]
     assert geometry["fingerprint"] == fingerprint and geometry["namespace"] == "demo"
