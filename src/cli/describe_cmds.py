@@ -198,7 +198,7 @@ def describe_model_geometry(
                         "span": info.span,
                         "dcp_sharded": spec.dcp_sharded,
                         "layers": len(info.layer_names),
-                        "entry_bytes": _entry_bytes(vllm_group),
+                        "entry_bytes": _entry_bytes(info.sgid, vllm_group),
                     }
                 )
             return {
@@ -245,13 +245,22 @@ def _stdout_to_stderr() -> Iterator[None]:
             os.environ["VLLM_LOGGING_STREAM"] = saved_stream
 
 
-def _entry_bytes(vllm_group: Any) -> int:
-    """Payload bytes of one entry on one rank: the group's block bytes summed over its layers."""
+def _entry_bytes(sgid: int, vllm_group: Any) -> int:
+    """Payload bytes of one entry on one rank: what the engine's worker connector moves per block of the
+    group (its registered KV-cache views); from vLLM's unpadded page sizes if that is not reachable."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker_side = getattr(get_kv_transfer_group(), "worker_side", None)
+    if worker_side is not None and hasattr(worker_side, "block_nbytes"):
+        return int(worker_side.block_nbytes(sgid))
     spec = vllm_group.kv_cache_spec
     per_layer = getattr(spec, "kv_cache_specs", None)
-    if isinstance(per_layer, dict):
-        return sum(int(per_layer[name].page_size_bytes) for name in vllm_group.layer_names)
-    return int(spec.page_size_bytes) * len(vllm_group.layer_names)
+    specs = (
+        [per_layer[name] for name in vllm_group.layer_names]
+        if isinstance(per_layer, dict)
+        else [spec] * len(vllm_group.layer_names)
+    )
+    return sum(int(getattr(s, "real_page_size_bytes", s.page_size_bytes)) for s in specs)
 
 
 # -- the store (read-only) ---------------------------------------------------------------------------------
