@@ -392,7 +392,16 @@ def _entries_with_bytes(
 
 
 def _size(value: object) -> str:
-    return format_size(value) if isinstance(value, int) else "-"
+    """``5519136`` -> ``5.3MiB`` (exact sizes as ``format_size`` writes them)."""
+    if not isinstance(value, int):
+        return "-"
+    exact = format_size(value)
+    if not exact.endswith("B") or exact.endswith("iB") or value < 1024:
+        return exact
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= factor:
+            return f"{value / factor:.1f}{unit}"
+    return exact
 
 
 def render_text(report: dict[str, Any]) -> str:
