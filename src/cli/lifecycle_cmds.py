@@ -18,13 +18,31 @@ def register(
     audit = subparsers.add_parser(
         "audit",
         help="replay an audit log against the lifecycle table",
-        description="Replay every request's records against the transition table. Exit 0: clean, "
-        "1: violations (illegal transitions, unterminated lifecycles, loops, malformed lines), "
-        "2: unreadable file.",
+        description="Replay every request's records against the transition table. A FILE is read together "
+        "with its rotated siblings (FILE.N ... FILE.1, FILE-<date>, .gz included), oldest first, as one "
+        "history. Exit 0: clean, 1: violations (illegal transitions, unterminated lifecycles, loops, "
+        "malformed lines), 2: unreadable file. With --export vllm-trace the records are written as vLLM's "
+        "KV-connector lifecycle trace (schema vllm-kv-connector-v1) instead.",
     )
-    audit.add_argument("file", help="JSON-lines audit log (the connector's audit_log)")
+    audit.add_argument(
+        "files", nargs="+", metavar="FILE", help="JSON-lines audit log (the connector's audit_log)"
+    )
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
     audit.add_argument("--max-violations", type=int, default=50, help="violations to list in text mode")
+    audit.add_argument(
+        "--single", action="store_true", help="read only the FILEs named, not their rotated siblings"
+    )
+    audit.add_argument(
+        "--export",
+        choices=["vllm-trace"],
+        help="write the records as vLLM's connector lifecycle trace (hashed request ids) instead of checking",
+    )
+    audit.add_argument("--out", default="-", help="--export destination (default: stdout)")
+    audit.add_argument(
+        "--log-prefix",
+        action="store_true",
+        help="--export: start each line with vLLM's `KV_CONNECTOR_LIFECYCLE ` log marker",
+    )
     audit.set_defaults(func=_audit)
 
     diagram = subparsers.add_parser(
@@ -49,22 +67,40 @@ def register(
     bench.set_defaults(func=_bench)
 
 
-def _audit(args: argparse.Namespace) -> int:
-    from hybridkv.lifecycle.audit import audit_file
+def _audit_paths(args: argparse.Namespace) -> list[Path]:
+    from hybridkv.lifecycle.audit import rotated_set
 
+    paths: list[Path] = []
+    for name in args.files:
+        expanded = [Path(name)] if args.single else rotated_set(name)
+        paths.extend(expanded or [Path(name)])  # a missing FILE is reported by the reader
+    return paths
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from hybridkv.lifecycle.audit import audit_files
+
+    paths = _audit_paths(args)
+    if args.export == "vllm-trace":
+        return _export_trace(paths, args.out, log_prefix=args.log_prefix)
     try:
-        report = audit_file(args.file)
+        report = audit_files(paths)
     except OSError as error:
-        print(f"hybridkv audit: cannot read {args.file}: {error}", file=sys.stderr)
+        print(
+            f"hybridkv audit: cannot read {error.filename or args.files}: {error.strerror}", file=sys.stderr
+        )
         return EXIT_USAGE
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        print(json.dumps({"files": [str(p) for p in paths], **report.to_dict()}, indent=2, sort_keys=True))
     else:
         print(
-            f"{args.file}: {report.num_records} records, {report.num_lifecycles} lifecycles "
-            f"({report.num_terminated} terminated), {report.num_truncations} truncations, "
-            f"{report.num_retries} retries, {len(report.violations)} violations"
+            f"{', '.join(str(p) for p in paths)}: {report.num_records} records, "
+            f"{report.num_lifecycles} lifecycles ({report.num_terminated} terminated), "
+            f"{report.num_truncations} truncations, {report.num_retries} retries, "
+            f"{len(report.violations)} violations"
         )
+        if report.num_dropped:
+            print(f"the audit sink dropped {report.num_dropped} records (its queue was full)")
         if report.group_counts:
             rows = [{"group": g, **counts} for g, counts in sorted(report.group_counts.items())]
             print(format_table(rows, ["group", "hit", "miss", "verified", "truncated"]))
@@ -74,6 +110,41 @@ def _audit(args: argparse.Namespace) -> int:
         if len(report.violations) > args.max_violations:
             print(f"... {len(report.violations) - args.max_violations} more (use --json)")
     return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
+    """Each file's records, its last record anchored at the file's modification time (trace.py)."""
+    from hybridkv.lifecycle.audit import read_lines
+    from hybridkv.lifecycle.trace import LOG_PREFIX, records_to_trace
+
+    lines: list[str] = []
+    try:
+        for path in paths:
+            records = []
+            for raw in read_lines([path]):
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+            monotonics = [r["monotonic"] for r in records if isinstance(r.get("monotonic"), (int, float))]
+            anchor_monotonic_s = max(monotonics, default=0.0)
+            anchor_wall_ns = path.stat().st_mtime_ns
+            for trace in records_to_trace(
+                records, anchor_monotonic_s=anchor_monotonic_s, anchor_wall_ns=anchor_wall_ns
+            ):
+                lines.append((LOG_PREFIX if log_prefix else "") + trace.to_json())
+    except OSError as error:
+        print(f"hybridkv audit: cannot read {error.filename}: {error.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    text = "".join(line + "\n" for line in lines)
+    if out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text, encoding="utf-8")
+    return EXIT_OK
 
 
 def _diagram(args: argparse.Namespace) -> int:

@@ -210,14 +210,20 @@ def chaos_url(store: str, chaos: str) -> str:
 class _AuditTail:
     """Reads the records appended to the audit log since the previous call."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, flush: Callable[[], object] | None = None) -> None:
         self.path = path
+        # The sink writes on its own thread: flush first so "since the previous call" is exact.
+        self._flush = flush
         self.offset = path.stat().st_size if path.exists() else 0
 
     def skip(self) -> None:
+        if self._flush is not None:
+            self._flush()
         self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def read(self) -> list[dict[str, Any]]:
+        if self._flush is not None:
+            self._flush()
         if not self.path.exists():
             return []
         with self.path.open("rb") as f:
@@ -263,7 +269,8 @@ class _Engine:
         except TypeError:
             self._stack.close()
             raise
-        self.audit = _AuditTail(audit_log)
+        sink = self.sched_connector.scheduler_side.audit
+        self.audit = _AuditTail(audit_log, flush=getattr(sink, "flush", None))
 
     # counters ------------------------------------------------------------------------------------
     def geometry(self) -> dict[str, Any]:

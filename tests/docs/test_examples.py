@@ -474,9 +474,21 @@ def test_json_blocks_are_all_checked() -> None:
         if block.lang != "json" or block.marker is not None:
             continue
         obj = json.loads(block.text)
-        assert isinstance(obj, dict) and ("trigger" in obj or "kv_connector" in obj), (
+        assert isinstance(obj, dict) and ("trigger" in obj or "kv_connector" in obj or "schema" in obj), (
             f"{block.where}: JSON example of unknown kind; add a check for it in {Path(__file__).name}"
         )
+
+
+def test_trace_record_examples() -> None:
+    """Lifecycle-trace records (`hybridkv audit --export vllm-trace`) parse as the exporter's schema."""
+    from hybridkv.lifecycle.trace import parse_trace_line
+
+    num_checked = 0
+    for block in all_blocks():
+        if block.lang == "json" and block.marker is None and '"schema"' in block.text:
+            parse_trace_line(" ".join(block.text.split("\n")))
+            num_checked += 1
+    assert num_checked >= 1, "no lifecycle-trace example found"
 
 
 @pytest.mark.parametrize(("where", "record"), audit_records(), ids=[w for w, _ in audit_records()])

@@ -1,0 +1,188 @@
+"""Audit records as vLLM's proposed KV-connector lifecycle trace (schema ``vllm-kv-connector-v1``).
+
+vLLM's proposal (vllm-project/vllm PR #52859, ``vllm/distributed/kv_transfer/kv_connector/v1/lifecycle.py``)
+logs one JSON object per connector transition, after the log prefix ``KV_CONNECTOR_LIFECYCLE ``, with the
+fields (in this order; ``None`` fields omitted)::
+
+    schema, event, wall_ns, monotonic_ns, connector, transfer_mode, component, role,
+    request_id_hash, request_group_id_hash, [remote_request_id_hash], [block_count]
+
+Request ids are never written: ``request_id_hash`` is a BLAKE2b-64 (personalisation ``vllm-kv-trace``) of the
+request id, ``request_group_id_hash`` the same hash of the id without vLLM's trailing ``-<8 hex>`` suffix.
+
+hybridkv's transitions map onto the proposal's events (the others have no counterpart and are skipped):
+
+=================  =====================  =========  =================================================
+audit trigger      trace event            role       block_count
+=================  =====================  =========  =================================================
+``lookup_hit``     ``blocks_matched``     consumer   blocks found, summed over groups
+``lookup_miss``    ``blocks_matched``     consumer   0
+``start_load``     ``transfer_started``   consumer   blocks of the load plan, summed over groups
+``load_verified``  ``transfer_completed`` consumer  blocks of the load plan
+``load_failed``    ``transfer_failed``    consumer   blocks of the load plan
+``start_put``      ``transfer_started``   producer   blocks of the save wave
+``put_stored``     ``transfer_completed`` producer  blocks of the save wave
+``put_failed``     ``transfer_failed``    producer   blocks of the save wave
+``drop``           ``transfer_failed``    producer   blocks of the save wave
+=================  =====================  =========  =================================================
+
+Loads are reads the consumer pulls (``transfer_mode`` ``pull``), saves are writes the producer pushes
+(``push``); every record comes from the scheduler-side state machine (``component`` ``scheduler``).
+
+Clocks: the audit records carry ``monotonic`` seconds. ``monotonic_ns`` is that value in nanoseconds;
+``wall_ns`` is derived from one anchor, a pair (monotonic seconds, wall nanoseconds) observed at the same
+moment. ``hybridkv audit --export vllm-trace`` anchors each file's last record at the file's modification
+time (the sink writes every record as it happens, so that is when the last one was written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CONNECTOR_NAME",
+    "LOG_PREFIX",
+    "SCHEMA",
+    "TRIGGER_TO_TRACE",
+    "TraceRecord",
+    "hash_request_id",
+    "parse_trace_line",
+    "records_to_trace",
+    "request_group_id",
+]
+
+SCHEMA = "vllm-kv-connector-v1"
+LOG_PREFIX = "KV_CONNECTOR_LIFECYCLE "
+CONNECTOR_NAME = "HybridStoreConnector"
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+#: audit trigger -> (trace event, role, transfer mode)
+TRIGGER_TO_TRACE: Mapping[str, tuple[str, str, str]] = {
+    "lookup_hit": ("blocks_matched", "consumer", "pull"),
+    "lookup_miss": ("blocks_matched", "consumer", "pull"),
+    "start_load": ("transfer_started", "consumer", "pull"),
+    "load_verified": ("transfer_completed", "consumer", "pull"),
+    "load_failed": ("transfer_failed", "consumer", "pull"),
+    "start_put": ("transfer_started", "producer", "push"),
+    "put_stored": ("transfer_completed", "producer", "push"),
+    "put_failed": ("transfer_failed", "producer", "push"),
+    "drop": ("transfer_failed", "producer", "push"),
+}
+_EVENTS = frozenset(event for event, _, _ in TRIGGER_TO_TRACE.values())
+_FIELDS = (
+    "schema",
+    "event",
+    "wall_ns",
+    "monotonic_ns",
+    "connector",
+    "transfer_mode",
+    "component",
+    "role",
+    "request_id_hash",
+    "request_group_id_hash",
+    "remote_request_id_hash",
+    "block_count",
+)
+_OPTIONAL_FIELDS = frozenset({"remote_request_id_hash", "block_count"})
+
+
+def request_group_id(request_id: str) -> str:
+    """The request id without vLLM's random ``-<8 hex>`` suffix (related ids share it)."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def hash_request_id(request_id: str) -> str:
+    """16 hex digits: BLAKE2b-64 of the id, personalised ``vllm-kv-trace`` (the proposal's hash)."""
+    return hashlib.blake2b(
+        request_id.encode("utf-8"), digest_size=8, person=b"vllm-kv-trace", usedforsecurity=False
+    ).hexdigest()
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One ``vllm-kv-connector-v1`` record. ``to_json`` writes the proposal's field order, ``None`` omitted."""
+
+    event: str
+    wall_ns: int
+    monotonic_ns: int
+    transfer_mode: str
+    role: str
+    request_id_hash: str
+    request_group_id_hash: str
+    component: str = "scheduler"
+    connector: str = CONNECTOR_NAME
+    remote_request_id_hash: str | None = None
+    block_count: int | None = None
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in _FIELDS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def parse_trace_line(line: str) -> TraceRecord:
+    """Parse one trace line (with or without ``LOG_PREFIX``); ``ValueError`` naming the bad field."""
+    text = line.strip()
+    if text.startswith(LOG_PREFIX.strip()):
+        text = text[len(LOG_PREFIX.strip()) :].strip()
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError(f"trace line is not a JSON object: {line!r}")  # noqa: TRY004 (parse error)
+    unknown = set(obj) - set(_FIELDS)
+    missing = set(_FIELDS) - _OPTIONAL_FIELDS - set(obj)
+    if unknown or missing:
+        raise ValueError(f"trace line fields: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    if obj["schema"] != SCHEMA:
+        raise ValueError(f"trace line schema: expected {SCHEMA!r}, got {obj['schema']!r}")
+    if obj["event"] not in _EVENTS:
+        raise ValueError(f"trace line event: {obj['event']!r} is not one hybridkv exports")
+    for name in ("wall_ns", "monotonic_ns", "block_count"):
+        if name in obj and not (isinstance(obj[name], int) and not isinstance(obj[name], bool)):
+            raise ValueError(f"trace line {name}: expected an integer, got {obj[name]!r}")
+    return TraceRecord(**{name: value for name, value in obj.items()})
+
+
+def _block_count(trigger: str, record: Mapping[str, Any]) -> int | None:
+    if trigger == "lookup_miss":
+        return 0
+    groups = record.get("groups")
+    if not isinstance(groups, list):
+        return None
+    blocks = [g.get("blocks") for g in groups if isinstance(g, dict)]
+    counts = [b for b in blocks if isinstance(b, int) and not isinstance(b, bool)]
+    return sum(counts) if counts else None
+
+
+def records_to_trace(
+    records: Iterable[Mapping[str, Any]], *, anchor_monotonic_s: float, anchor_wall_ns: int
+) -> Iterator[TraceRecord]:
+    """Map audit records (dicts, in log order) to trace records; records without a counterpart, markers
+    and malformed records are skipped. ``anchor_*``: one moment on both clocks (see the module doc)."""
+    for record in records:
+        trigger = record.get("trigger")
+        request_id = record.get("request_id")
+        monotonic = record.get("monotonic")
+        if not isinstance(trigger, str) or trigger not in TRIGGER_TO_TRACE or not isinstance(request_id, str):
+            continue
+        if not isinstance(monotonic, (int, float)) or isinstance(monotonic, bool):
+            continue
+        event, role, transfer_mode = TRIGGER_TO_TRACE[trigger]
+        monotonic_ns = round(monotonic * 1e9)
+        yield TraceRecord(
+            event=event,
+            wall_ns=anchor_wall_ns + monotonic_ns - round(anchor_monotonic_s * 1e9),
+            monotonic_ns=monotonic_ns,
+            transfer_mode=transfer_mode,
+            role=role,
+            request_id_hash=hash_request_id(request_id),
+            request_group_id_hash=hash_request_id(request_group_id(request_id)),
+            block_count=_block_count(trigger, record),
+        )

@@ -1,0 +1,180 @@
+"""The installable package: `python -m build` makes an sdist and a wheel; the wheel, installed into a fresh
+virtual environment next to the CPU vLLM, runs the engine round trip and the `hybridkv` command from the
+install (not from the source tree); the `vllm` extra resolves against vLLM 0.32 and 0.33.
+
+The fresh environment sees the test environment's packages (vLLM, torch, ...) through a view of its
+site-packages that leaves hybridkv out (no editable finder, no second `hybridkv` distribution), so the
+only hybridkv it can import is the wheel's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", ".pp", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".mypy_cache",
+    ".ruff_cache", ".hypothesis", "bench-results",
+)  # fmt: skip
+
+
+def _run(argv: list[str], *, cwd: Path, timeout: int = 600, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+    assert done.returncode == 0, (
+        f"{argv[:4]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
+    return done.stdout
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without anything that points Python at the source tree."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m build` on a copy of the source tree (the build must not write into the checkout)."""
+    work = tmp_path_factory.mktemp("build")
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=_NOT_SOURCE, symlinks=True)
+    out = work / "dist"
+    # --no-isolation: build with this environment's setuptools, no download.
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)], cwd=work)
+    return out
+
+
+def test_build_makes_an_sdist_and_a_wheel(dist: Path) -> None:
+    (sdist,) = dist.glob("hybridkv-*.tar.gz")
+    (wheel,) = dist.glob("hybridkv-*-py3-none-any.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hybridkv/connector/connector.py" in names and "hybridkv/py.typed" in names
+    assert not any(n.startswith(("tests/", "src/")) for n in names), "the wheel ships the test or source tree"
+    metadata = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    )
+    assert 'Requires-Dist: vllm<0.34,>=0.32; extra == "vllm"' in metadata
+    entry_points = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    )
+    assert "hybridkv = hybridkv.cli:main" in entry_points
+    assert "hybridkv = hybridkv.connector.plugin:register" in entry_points
+    assert sdist.stat().st_size > 0
+
+
+def _fresh_venv(dist: Path, root: Path) -> Path:
+    """A venv with the wheel installed, seeing this environment's other packages through a filtered view."""
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=root)
+    view = root / "site-view"
+    view.mkdir()
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    for entry in site_packages.iterdir():
+        if "hybridkv" in entry.name.lower():
+            continue  # the editable install's finder, .pth and dist-info
+        (view / entry.name).symlink_to(entry)
+    venv_site = Path(
+        _run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            cwd=root,
+        ).strip()
+    )
+    # addsitedir also processes the .pth files of the view (the packages that need them).
+    (venv_site / "zz-test-deps.pth").write_text(f"import site; site.addsitedir({str(view)!r})\n")
+    (wheel,) = dist.glob("hybridkv-*.whl")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        cwd=root,
+        env=_clean_env(),
+    )
+    return venv
+
+
+_ROUND_TRIP = """
+import json, sys
+from pathlib import Path
+import hybridkv
+assert Path(hybridkv.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), hybridkv.__file__
+from engine_utils import connectors, engine, generate, prompt, reset_local_cache
+from hybridkv.connector.tiny_models import build_tiny_model
+
+model = build_tiny_model("qwen3_next", Path(sys.argv[1]))
+work = Path(sys.argv[2])
+extra = {"store": f"file://{work}/store?capacity=256MiB", "audit_log": str(work / "audit.jsonl"), "lookup_budget_ms": 5000}
+tokens = prompt(300)
+with engine(model, extra, module_path=False) as llm:  # the connector found through the wheel's entry point
+    cold, cached_cold = generate(llm, tokens)
+    reset_local_cache(llm)
+    warm, cached_warm = generate(llm, tokens)
+    sched, _ = connectors(llm)
+    connector_file = sys.modules[type(sched).__module__].__file__
+print(json.dumps({"hybridkv": hybridkv.__file__, "connector": connector_file, "same": cold == warm,
+                  "cached_cold": cached_cold, "cached_warm": cached_warm}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_installed_wheel_runs_the_engine_round_trip(dist: Path, tmp_path: Path) -> None:
+    from tests.e2e.engine_utils import MODELS_DIR
+
+    venv = _fresh_venv(dist, tmp_path)
+    python = str(venv / "bin" / "python")
+    run_dir = tmp_path / "run"  # not the source tree: nothing there to import from by accident
+    run_dir.mkdir()
+    (run_dir / "round_trip.py").write_text(_ROUND_TRIP)
+    shutil.copy(ROOT / "tests" / "e2e" / "engine_utils.py", run_dir / "engine_utils.py")  # test helpers only
+    out = _run([python, "round_trip.py", str(MODELS_DIR), str(run_dir)], cwd=run_dir, env=_clean_env())
+    result = json.loads(out.strip().splitlines()[-1])
+    venv_root = str(venv.resolve())
+    assert result["hybridkv"].startswith(venv_root) and result["connector"].startswith(venv_root), result
+    assert result["same"] and result["cached_cold"] == 0 and result["cached_warm"] > 0, result
+    # The console script of the install audits the log the engine wrote.
+    report = json.loads(
+        _run(
+            [str(venv / "bin" / "hybridkv"), "audit", "--json", "audit.jsonl"], cwd=run_dir, env=_clean_env()
+        )
+    )
+    assert report["ok"] and report["num_lifecycles"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vllm_version", ["0.32.0", "0.33.0"])
+def test_vllm_extra_resolves(dist: Path, tmp_path: Path, vllm_version: str) -> None:
+    """`pip install --dry-run "hybridkv[vllm]" vllm==X` resolves from the configured package index."""
+    (wheel,) = dist.glob("hybridkv-*.whl")
+    report_path = tmp_path / "report.json"
+    _run(
+        [
+            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+            "--report", str(report_path), f"{wheel}[vllm]", f"vllm=={vllm_version}",
+        ],
+        cwd=tmp_path,
+        timeout=900,
+    )  # fmt: skip
+    resolved = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report_path.read_text())["install"]
+    }
+    assert resolved["vllm"] == vllm_version and resolved["hybridkv"] == "0.1.0", resolved
+    assert "torch" in resolved
