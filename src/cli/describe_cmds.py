@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from hybridkv.cli._output import format_table
+from hybridkv.bench.report import format_table
+from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.store.params import format_size
-
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 _KEY = re.compile(
     r"^hkv1/(?P<namespace>[^/]+)/(?P<fingerprint>[0-9a-f]{12})/g(?P<group>\d+)/tp(?P<tp>\d+)/dcp(?P<dcp>\d+)/[0-9a-f]+$"
