@@ -153,7 +153,9 @@ def serve_storage_node(master: str, host: str, *, segment_bytes: int, local_buff
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
     try:
-        node = open_storage_node(master, host, segment_bytes=segment_bytes, local_buffer_bytes=local_buffer_bytes)
+        node = open_storage_node(
+            master, host, segment_bytes=segment_bytes, local_buffer_bytes=local_buffer_bytes
+        )
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

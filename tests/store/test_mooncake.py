@@ -133,7 +133,9 @@ def test_breaker_bounds_a_hung_master(private_mooncake_master: MooncakeMaster) -
         store.close()
 
 
-def test_pure_client_puts_land_on_a_storage_node_and_outlive_the_client(mooncake_master: MooncakeMaster) -> None:
+def test_pure_client_puts_land_on_a_storage_node_and_outlive_the_client(
+    mooncake_master: MooncakeMaster,
+) -> None:
     """``segment=0``: the client mounts nothing, the master places its puts on a storage node's segment,
     and a second pure client (a new engine) reads them after the first one closed."""
     from hybridkv.store.mooncake_node import open_storage_node
