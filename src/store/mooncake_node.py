@@ -41,6 +41,8 @@ DEFAULT_METRICS_PORT = 9003
 DEFAULT_LEASE_TTL = "2s"
 #: Seconds without heartbeat before the master unmounts a dead node's segment (Mooncake's default: 10).
 DEFAULT_CLIENT_TTL_S = 10
+#: Mooncake refuses smaller segments (client_buffer_allocation.cpp: "Total size must be at least 16777216").
+MIN_SEGMENT_BYTES = 16 << 20
 #: The ready line a storage node prints once its segment is mounted: ``ready <hostname> <segment bytes>``.
 READY_PREFIX = "ready"
 
@@ -134,8 +136,10 @@ class StorageNode:
 def open_storage_node(master: str, host: str, *, segment_bytes: int, local_buffer_bytes: int) -> StorageNode:
     """Mount ``segment_bytes`` of this process's DRAM into the pool of ``master``, advertised as ``host``."""
     _check_host("host", host)
-    if segment_bytes <= 0:
-        raise StoreError(f"bad segment {segment_bytes}: a storage node must contribute memory (> 0)")
+    if segment_bytes < MIN_SEGMENT_BYTES:
+        raise StoreError(
+            f"bad segment {format_size(segment_bytes)}: Mooncake mounts at least {format_size(MIN_SEGMENT_BYTES)}"
+        )
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,10 +104,52 @@ class Cluster:
             self.master_address, self.pair.a.address, segment_bytes=parse_size(segment or self.segment)
         )
         self.node = self.pair.a.popen(command, log, env=_env())
-        _wait_until(lambda: READY_PREFIX in log.read_text(), 30.0, f"storage node ready line in {log}")
+        node = self.node
+
+        def ready() -> bool:
+            assert node.poll() is None, f"storage node exited: {log.read_text()[-2000:]}"
+            return READY_PREFIX in log.read_text()
+
+        _wait_until(ready, 30.0, f"storage node ready line in {log}", fail_fast=True)
         _wait_until(
             lambda: self.metric("master_total_capacity_bytes") > 0, 15.0, "the node's segment mounted"
         )
+
+    def wait_for_capacity(self, accept: Callable[[float], bool], timeout_s: float = 15.0) -> None:
+        """Until the master's pool capacity (bytes of mounted segments) satisfies ``accept``."""
+        _wait_until(lambda: accept(self.metric("master_total_capacity_bytes")), timeout_s, "pool capacity")
+
+    def fill_pool(self) -> int:
+        """Fill the pool with hard-pinned filler objects (never evicted) from a short-lived pure client on
+        host A, until the master keeps refusing puts; returns the number stored.
+
+        Smaller fillers follow larger ones, and refusals are retried for a while: the eviction the fill
+        triggers frees unpinned entries in the background, which the next sizes take."""
+        code = f"""
+import time
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+store = MooncakeDistributedStore()
+assert store.setup({self.pair.a.address!r}, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", {self.master_address!r}) == 0
+config = ReplicateConfig()
+config.with_hard_pin = True
+count, code = 0, 0
+for size in (1 << 20, 1 << 18, 1 << 16, 1 << 14):
+    refusals = 0
+    while refusals < 5:
+        code = store.put(f"filler/{{count}}", b"f" * size, config)
+        if code == 0:
+            count, refusals = count + 1, 0
+        else:
+            refusals += 1
+            time.sleep(0.2)
+print("filled", count, code)
+store.close()
+"""
+        run = self.pair.a.run([sys.executable, "-c", code], check=False)
+        assert run.returncode == 0 and "filled" in run.stdout, run.stderr[-2000:]
+        words = run.stdout.split()
+        assert words[-1] == "-200", f"filler stopped with {words[-1]}, not NO_AVAILABLE_HANDLE"
+        return int(words[-2])
 
     def kill_node(self) -> None:
         assert self.node is not None
@@ -178,14 +221,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _wait_until(check: Any, timeout_s: float, what: str) -> None:
+def _wait_until(check: Any, timeout_s: float, what: str, *, fail_fast: bool = False) -> None:
+    """Poll ``check`` until true; its errors count as "not yet" unless ``fail_fast``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             if check():
                 return
         except (OSError, AssertionError):
-            pass
+            if fail_fast:
+                raise
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.1)
