@@ -41,8 +41,7 @@ ENGINE_HOST = "ENGINE_HOST"
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``mooncake master|node|up``."""
-    del bench_subparsers
+    """Add ``mooncake master|node|up`` and ``bench crosshost``."""
     mooncake = subparsers.add_parser(
         "mooncake",
         help="start a Mooncake master / storage node for engines on other hosts",
@@ -65,6 +64,21 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     _master_arguments(up)
     _node_arguments(up, host=False)
     up.set_defaults(func=handle_up)
+
+    bench = bench_subparsers.add_parser(
+        "crosshost",
+        help="external-hit TTFT through a Mooncake store on another host vs file store vs local hit",
+        description="Run on an engine host against a running deployment (hybridkv mooncake up): TTFT of an "
+        "external hit through STORE vs a local file:// store vs vLLM's own prefix cache, lookup and load "
+        "round trips, bytes moved per hit token. One run; ratios.",
+    )
+    bench.add_argument("--store", required=True, metavar="URL", help="the engines' mooncake:// URL")
+    bench.add_argument("--file-store", default=None, metavar="URL", help="baseline (default: a temp file://)")
+    bench.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length (1000)")
+    bench.add_argument("--prompts", type=int, default=5, help="distinct prompts; medians over them (5)")
+    bench.add_argument("--models-dir", default=None, help="where the tiny random model is built")
+    bench.add_argument("--out", default="bench-crosshost.json", help="JSON report path")
+    bench.set_defaults(func=handle_bench)
 
 
 def _master_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,3 +212,26 @@ def handle_up(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait(10)
+
+
+def handle_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybridkv.bench.crosshost import run_crosshost_bench
+    from hybridkv.cli._output import format_table, write_json
+
+    try:
+        report = run_crosshost_bench(
+            args.store,
+            file_url=args.file_store,
+            models_dir=Path(args.models_dir) if args.models_dir else None,
+            prompt_tokens=args.prompt_tokens,
+            num_prompts=args.prompts,
+        )
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    summary = report["summary"]
+    print(format_table([{"metric": k, "value": v} for k, v in summary.items()], ["metric", "value"]))
+    print(f"wrote {write_json(args.out, report)}")
+    return EXIT_OK
