@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 SUBNET_PREFIX = "10.77.0"
+#: Prefix for every child: SIGKILL it when the test process dies (no orphaned hosts or servers).
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"]
 
 
 @dataclass
@@ -45,10 +47,12 @@ class Host:
         return subprocess.run(self.argv(command), check=check, capture_output=True, text=True, timeout=30)
 
     def popen(self, command: Sequence[str], log_path: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
-        """Start ``command`` in this host's namespace, stdout+stderr to ``log_path`` (nsenter execs: the pid
-        is the command's)."""
+        """Start ``command`` in this host's namespace, stdout+stderr to ``log_path`` (setpriv and nsenter
+        exec: the pid is the command's)."""
         with log_path.open("ab") as log:
-            return subprocess.Popen(self.argv(command), stdout=log, stderr=subprocess.STDOUT, **kwargs)
+            return subprocess.Popen(
+                [*DIE_WITH_PARENT, *self.argv(command)], stdout=log, stderr=subprocess.STDOUT, **kwargs
+            )
 
 
 @dataclass
@@ -62,7 +66,7 @@ class HostPair:
         hosts: list[Host] = []
         try:
             for name, octet in (("a", 1), ("b", 2)):
-                holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"])
+                holder = subprocess.Popen([*DIE_WITH_PARENT, "unshare", "--net", "sleep", "infinity"])
                 hosts.append(Host(name, f"{SUBNET_PREFIX}.{octet}", f"veth-{name}", holder))
             _wait_for_netns(hosts)
             a, b = hosts
