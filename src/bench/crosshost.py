@@ -9,8 +9,9 @@ a pure client). One run, reported as ratios against baselines measured in the sa
   (the load), p50/p90 over ``num_round_trips`` calls;
 - bytes moved per hit token (the connector's ``load_bytes`` / hit tokens).
 
-Each TTFT is the median over ``num_prompts`` distinct prompts (one output token each): cold request (which
-saves), device prefix cache dropped, the same prompt again (external hit), once more (local hit).
+Per prompt (``num_prompts`` distinct ones, one output token each): cold request (which saves), device prefix
+cache dropped, the same prompt again (external hit), once more (local hit). The summary uses the best of
+``num_prompts`` (interference only adds time) and also gives the median ratio and the spread.
 """
 
 from __future__ import annotations
@@ -213,14 +214,18 @@ def run_crosshost_bench(
             "file": measure_round_trips(local_file_url, entry_bytes, num_round_trips),
         }
     cross, file = runs["crosshost"], runs["file"]
+    # Interference on a shared host only ever adds time: the best of N is the steadier estimate, the
+    # median is reported next to it with its spread ((max - min) / median).
     summary = {
-        "crosshost_external_hit_ms": 1000 * _median(cross["external_hit_s"]),
-        "file_external_hit_ms": 1000 * _median(file["external_hit_s"]),
-        "local_hit_ms": 1000 * _median(cross["local_hit_s"]),
-        "cold_ms": 1000 * _median(cross["cold_s"]),
-        "crosshost_vs_file": _median(cross["external_hit_s"]) / _median(file["external_hit_s"]),
-        "crosshost_vs_local_hit": _median(cross["external_hit_s"]) / _median(cross["local_hit_s"]),
-        "crosshost_vs_cold": _median(cross["external_hit_s"]) / _median(cross["cold_s"]),
+        "crosshost_external_hit_ms": 1000 * min(cross["external_hit_s"]),
+        "file_external_hit_ms": 1000 * min(file["external_hit_s"]),
+        "local_hit_ms": 1000 * min(cross["local_hit_s"] + file["local_hit_s"]),
+        "cold_ms": 1000 * min(cross["cold_s"] + file["cold_s"]),
+        "crosshost_vs_file": min(cross["external_hit_s"]) / min(file["external_hit_s"]),
+        "crosshost_vs_local_hit": min(cross["external_hit_s"])
+        / min(cross["local_hit_s"] + file["local_hit_s"]),
+        "crosshost_vs_cold": min(cross["external_hit_s"]) / min(cross["cold_s"] + file["cold_s"]),
+        "median_crosshost_vs_file": _median(cross["external_hit_s"]) / _median(file["external_hit_s"]),
         "crosshost_spread": _spread(cross["external_hit_s"]),
         "file_spread": _spread(file["external_hit_s"]),
         "bytes_per_hit_token": per_token,
