@@ -32,6 +32,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.datapath_cmds",
     "hybridkv.cli.ttft_cmds",
     "hybridkv.cli.describe_cmds",
+    "hybridkv.cli.mooncake_cmds",
 )
 
 

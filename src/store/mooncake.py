@@ -1,9 +1,13 @@
 """``mooncake://HOST:PORT?...``: Mooncake Store through ``MooncakeDistributedStore``'s pointer APIs.
 
 One backend = one Mooncake client that mounts ``segment`` bytes of this process's DRAM into the pool
-(embedded mode). Puts prefer this process's own segment (``preferred_segment=local``, the default):
-placement on another client's segment goes over TCP and was measured ~10x slower; it also matches the
-single-node ownership model where each rank owns the entries it saved.
+(embedded mode), or none with ``segment=0`` (a pure client of long-lived storage nodes, see
+``hybridkv.store.mooncake_node``). Where puts go (``preferred_segment``):
+
+- ``local`` (default): this client's own segment when it has one (placement on another client's segment
+  goes over TCP and was measured ~10x slower); a pure client has none, so the master allocates.
+- ``none``: the master allocates (``--allocation_strategy``, random by default) across mounted segments.
+- ``HOST:PORT``: that segment (e.g. a storage node's hostname, as its ``ready`` line prints it).
 
 Frames travel as scatter-gather lists (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``):
 the small header part and the caller's payload buffers, without joining them.
@@ -163,7 +167,10 @@ class MooncakeBackend:
         self.hostname = str(self._store.get_hostname())
         self._config: Any = ReplicateConfig()
         if preferred_segment == "local":
-            self._config.preferred_segment = self.hostname
+            # "Own segment when it has one": a pure client (segment=0) mounts nothing, so naming its
+            # hostname would make every put fail with NO_AVAILABLE_HANDLE; the master allocates instead.
+            if segment_bytes > 0:
+                self._config.preferred_segment = self.hostname
         elif preferred_segment != "none":
             self._config.preferred_segment = preferred_segment
         self.preferred_segment = str(self._config.preferred_segment)

@@ -157,3 +157,32 @@ def test_a_timed_out_get_hands_back_the_handle_of_the_call_still_running(
     finally:
         master.thaw()
         store.close()
+
+
+def test_pure_client_puts_land_on_a_storage_node_and_outlive_the_client(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    """``segment=0``: the client mounts nothing, the master places its puts on a storage node's segment,
+    and a second pure client (a new engine) reads them after the first one closed."""
+    from hybridkv.store.mooncake_node import open_storage_node
+
+    node = open_storage_node(
+        mooncake_master.address, "127.0.0.1", segment_bytes=32 << 20, local_buffer_bytes=4 << 20
+    )
+    try:
+        writer = open_store(mooncake_master.url(segment=0))
+        assert writer.put(["pure/a"], [b"p" * 50_000]) == [Status.OK]
+        backend = writer.backend
+        assert isinstance(backend, MooncakeBackend)
+        assert backend.preferred_segment == "", "a pure client has no segment to prefer"
+        writer.close()
+        reader = open_store(mooncake_master.url(segment=0))
+        try:
+            destination = bytearray(50_000)
+            assert reader.get_into(["pure/a"], [destination]) == [Status.OK]
+            assert destination == b"p" * 50_000
+            assert reader.remove(["pure/a"]) == [Status.OK]
+        finally:
+            reader.close()
+    finally:
+        node.close()

@@ -1,0 +1,30 @@
+"""Fixtures for the two-host tests: a fresh deployment (pair of namespaces, master, storage node) per module."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cluster import Cluster, tiny_model
+from hosts import HostPair
+from mooncake_fixture import assert_loopback_only_namespace
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    assert_loopback_only_namespace()  # the pair is built from the suite's private namespace
+    assert os.geteuid() == 0, "two-host tests need root in the test namespace (scripts/netns-run)"
+    tmp = tmp_path_factory.mktemp("twohost")
+    deployment = Cluster(HostPair.create(), tmp, tiny_model())
+    try:
+        deployment.start_master()
+        deployment.start_node()
+        yield deployment
+    finally:
+        deployment.stop()
