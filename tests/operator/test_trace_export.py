@@ -35,7 +35,7 @@ def _write_log(path: Path) -> None:
             lifecycle.start_load()
             outcomes = {entry: LoadOutcome.OK for entry, _ in result.plan.entries}
             if request_id == _BAD:
-                outcomes[next(iter(outcomes))] = LoadOutcome.FAILED
+                outcomes[next(iter(outcomes))] = LoadOutcome.CORRUPT
             lifecycle.finish_load(outcomes)
             lifecycle.evict()
         miss = machine.new_request(_MISS)
