@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup, plan_save
 
 BLOCK_HASHES = [hashlib.sha256(str(i).encode()).digest() for i in range(16)]
