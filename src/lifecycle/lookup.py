@@ -30,19 +30,26 @@ another round trip when it already covers that plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
-from hybridkv.lifecycle.geometry import (
-    GroupKind,
-    KeyScheme,
-    LookupCandidates,
-    LookupResult,
-    _resolve,
-    cdiv,
-)
+from hybridkv.lifecycle.geometry import Geometry
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
+from hybridkv.lifecycle.load import BlockLoad, LoadPlan
 
-__all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "MAX_STEP_BACK_STATES", "ExistsFn", "LookupSearch", "lookup_cap"]
+__all__ = [
+    "DEFAULT_MAX_CONFIRM_ROUNDS",
+    "MAX_STEP_BACK_STATES",
+    "ExistsFn",
+    "LookupCandidates",
+    "LookupResult",
+    "LookupSearch",
+    "lookup_cap",
+    "plan_lookup",
+]
 
 ExistsFn = Callable[[Sequence[str]], Sequence[bool]]
 
@@ -58,6 +65,295 @@ def lookup_cap(scheme: KeyScheme, num_hashes: int, num_tokens: int, max_boundary
     if max_boundary is not None:
         cap = min(cap, max_boundary)
     return max(cap, 0)
+
+
+AvailableFn = Callable[[int, int], bool]
+UnitAvailableFn = Callable[[tuple[int, ...], int], bool]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The answer to one lookup.
+
+    ``boundary`` is the agreed token count (<= ``num_computed_tokens`` means no external hit);
+    ``num_external_tokens = max(0, boundary - num_computed_tokens)`` is what the connector reports.
+    ``group_hit_tokens[g]`` is what group ``g`` alone could restore: audit detail only, so it is
+    computed on first access, not on the scheduler's lookup path.
+    """
+
+    boundary: int
+    num_tokens: int
+    num_computed_tokens: int
+    plan: LoadPlan | None
+    _geometry: Geometry = field(repr=False, compare=False)
+    _cap: int = field(repr=False, compare=False)
+    _unit_available: UnitAvailableFn = field(repr=False, compare=False)
+
+    @cached_property
+    def group_hit_tokens(self) -> tuple[int, ...]:
+        hits = [0] * self._geometry.num_groups
+        for unit in self._geometry.lookup_units:
+            independent = _unit_hit(self._geometry, unit, self._cap, self._unit_available).hit
+            for g in unit:
+                hits[g] = independent
+        return tuple(hits)
+
+    @property
+    def num_external_tokens(self) -> int:
+        return max(0, self.boundary - self.num_computed_tokens)
+
+    @property
+    def is_hit(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
+class LookupCandidates:
+    """Every key one lookup may need, in one batch: pass ``keys`` to ``store.exists`` once.
+
+    Build with ``plan_lookup``; then ``resolve(exists)`` with one bool per key, in order.
+    """
+
+    scheme: KeyScheme
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    num_computed_tokens: int
+    max_boundary: int
+    keys: tuple[str, ...]
+    #: (group_index, boundary) -> index of its first key; one key per rank follows.
+    group_boundary_to_index: Mapping[tuple[int, int], int]
+
+    def resolve(self, exists: Sequence[bool]) -> LookupResult:
+        """The agreed boundary and load plan, given one existence result per key (errors: False)."""
+        assert len(exists) == len(self.keys), (
+            f"exists() returned {len(exists)} results for {len(self.keys)} keys; this is a connector bug"
+        )
+        num_ranks = len(self.scheme.geometry.topology.ranks)
+        index_of = self.group_boundary_to_index
+
+        def available_in_store(group_index: int, boundary: int) -> bool:
+            start = index_of.get((group_index, boundary))
+            if start is None:
+                return False
+            return all(exists[start : start + num_ranks])
+
+        return _resolve(self, available_in_store)
+
+
+def plan_lookup(
+    scheme: KeyScheme,
+    block_hashes: Sequence[bytes],
+    num_tokens: int,
+    num_computed_tokens: int = 0,
+    *,
+    max_boundary: int | None = None,
+) -> LookupCandidates:
+    """List every key the lookup of one request may need.
+
+    Args:
+        scheme: the deployment's key scheme.
+        block_hashes: ``request.block_hashes`` (one per hash unit, full units only).
+        num_tokens: ``request.num_tokens``; at least one token is always left to recompute.
+        num_computed_tokens: the local hit vLLM passes (a multiple of the scheduler block; a value
+            that is not is floored for planning, but a hit must still exceed the value given).
+        max_boundary: an extra cap (after a truncation: the truncated boundary).
+    """
+    geometry = scheme.geometry
+    unit = geometry.hash_unit
+    alignment = geometry.hit_alignment
+    cap = min(num_tokens - 1, len(block_hashes) * unit)
+    if max_boundary is not None:
+        cap = min(cap, max_boundary)
+    cap = max(cap, 0)
+    local = num_computed_tokens - num_computed_tokens % geometry.scheduler_block_size
+    hashes = tuple(block_hashes)
+    keys: list[str] = []
+    index_of: dict[tuple[int, int], int] = {}
+    for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+        fine = geometry.is_fine_span[group_index]
+        # Fine groups: every hash boundary may hold a full-attention tail or a Mamba state.
+        step = unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
+        rank_prefixes = scheme._group_rank_prefixes[group_index]
+        first = (local // step + 1) * step
+        for boundary in range(first, cap + 1, step):
+            if group.kind is GroupKind.MAMBA and not fine and boundary % alignment:
+                continue  # vLLM skips Mamba states off the hit alignment
+            index_of[(group_index, boundary)] = len(keys)
+            hash_hex = hashes[boundary // unit - 1].hex()
+            keys.extend([prefix + hash_hex for prefix in rank_prefixes])
+    return LookupCandidates(
+        scheme=scheme,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        num_computed_tokens=num_computed_tokens,
+        max_boundary=cap,
+        keys=tuple(keys),
+        group_boundary_to_index=index_of,
+    )
+
+
+class _UnitHit(NamedTuple):
+    hit: int
+    #: FULL only: the number of whole blocks found, and the boundary of the tail found (0: none).
+    num_full_blocks: int = 0
+    tail_boundary: int = 0
+
+
+def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> LookupResult:
+    geometry = candidates.scheme.geometry
+    local = candidates.num_computed_tokens - candidates.num_computed_tokens % geometry.scheduler_block_size
+    cap = candidates.max_boundary
+
+    def available(group_index: int, boundary: int) -> bool:
+        # Blocks ending at or before the local hit are on the device already (vLLM agreed on `local`).
+        kind = geometry.groups[group_index].kind
+        if boundary <= local and kind is not GroupKind.MAMBA:
+            return True
+        return available_in_store(group_index, boundary)
+
+    def unit_available(unit: tuple[int, ...], boundary: int) -> bool:
+        return all(available(g, boundary) for g in unit)
+
+    boundary, full_hits = _fixed_point(geometry, cap, unit_available)
+    plan = None
+    if boundary > candidates.num_computed_tokens:
+        plan = _build_plan(candidates, boundary, local, full_hits)
+    return LookupResult(
+        boundary=boundary,
+        num_tokens=candidates.num_tokens,
+        num_computed_tokens=candidates.num_computed_tokens,
+        plan=plan,
+        _geometry=geometry,
+        _cap=cap,
+        _unit_available=unit_available,
+    )
+
+
+def _fixed_point(
+    geometry: Geometry, cap: int, unit_available: UnitAvailableFn
+) -> tuple[int, dict[tuple[int, ...], _UnitHit]]:
+    """vLLM's hybrid fixed point: each unit may only shrink the candidate; full attention is looked up
+    once (at the candidate of its first visit) and then only trimmed."""
+    hit = cap
+    full_hits: dict[tuple[int, ...], _UnitHit] = {}
+    while True:
+        current = hit
+        for unit in geometry.lookup_units:
+            if geometry.groups[unit[0]].kind is GroupKind.FULL:
+                if unit in full_hits:
+                    current = min(current, full_hits[unit].hit)
+                    continue
+                full_hits[unit] = _unit_hit(geometry, unit, current, unit_available)
+                current = full_hits[unit].hit
+            else:
+                current = _unit_hit(geometry, unit, current, unit_available).hit
+        if current >= hit:
+            return hit, full_hits
+        hit = current
+
+
+def _unit_hit(
+    geometry: Geometry, unit: tuple[int, ...], cap: int, unit_available: UnitAvailableFn
+) -> _UnitHit:
+    """The largest boundary <= ``cap`` that ``unit`` alone can restore, by vLLM's per-kind rules."""
+    group = geometry.groups[unit[0]]
+    span = geometry.spans[unit[0]]
+    alignment = geometry.hit_alignment
+    hash_unit = geometry.hash_unit
+    fine = geometry.is_fine_span[unit[0]]
+    if group.kind is GroupKind.FULL:
+        num_blocks = 0
+        while (num_blocks + 1) * span <= cap and unit_available(unit, (num_blocks + 1) * span):
+            num_blocks += 1
+        hit = num_blocks * span
+        tail_boundary = 0
+        if fine:
+            # Probe the interior hash boundaries of the first missing block, longest first.
+            top = min(num_blocks * span + span - alignment, cap - cap % alignment)
+            for boundary in range(top, num_blocks * span, -alignment):
+                if unit_available(unit, boundary):
+                    hit = tail_boundary = boundary
+                    break
+        hit -= hit % alignment
+        return _UnitHit(hit, num_blocks, tail_boundary)
+    if group.kind is GroupKind.MAMBA:
+        step = hash_unit if fine else span
+        for boundary in range(cap - cap % step, 0, -step):
+            if not fine and boundary % alignment:
+                continue
+            if unit_available(unit, boundary):
+                return _UnitHit(boundary)
+        return _UnitHit(0)
+    assert group.kind is GroupKind.SLIDING_WINDOW and group.sliding_window is not None
+    num_needed = max(1, cdiv(group.sliding_window - 1, span))
+    num_blocks = cap // span
+    # run[i]: consecutive available blocks ending at block i.
+    run = 0
+    runs = []
+    for i in range(num_blocks):
+        run = run + 1 if unit_available(unit, (i + 1) * span) else 0
+        runs.append(run)
+    for i in range(num_blocks - 1, -1, -1):
+        boundary = (i + 1) * span
+        if boundary % alignment == 0 and runs[i] >= min(num_needed, i + 1):
+            return _UnitHit(boundary)
+    return _UnitHit(0)
+
+
+def _sliding_window_blocks(group: GroupSpec, span: int, boundary: int) -> range:
+    assert group.sliding_window is not None
+    num_needed = max(1, cdiv(group.sliding_window - 1, span))
+    end = boundary // span
+    return range(max(0, end - num_needed), end)
+
+
+def _build_plan(
+    candidates: LookupCandidates, boundary: int, local: int, full_hits: Mapping[tuple[int, ...], _UnitHit]
+) -> LoadPlan:
+    scheme = candidates.scheme
+    geometry = scheme.geometry
+    hashes = candidates.block_hashes
+    loads: list[BlockLoad] = []
+    for unit in geometry.lookup_units:
+        for g in unit:
+            group = geometry.groups[g]
+            span = geometry.spans[g]
+            if group.kind is GroupKind.FULL:
+                found = full_hits[unit]
+                for i in range(local // span, cdiv(boundary, span)):
+                    if i < found.num_full_blocks:
+                        key_boundary = (i + 1) * span
+                    else:
+                        # The partial block: addressed by the boundary it was stored under.
+                        key_boundary = found.tail_boundary
+                        assert i == found.num_full_blocks and key_boundary >= boundary, (
+                            f"group {g}: block {i} of a {boundary}-token hit has no entry covering it "
+                            f"(tail at {key_boundary}); the fixed point is inconsistent"
+                        )
+                    loads.append(
+                        BlockLoad(g, i, key_boundary, hashes[key_boundary // geometry.hash_unit - 1])
+                    )
+            elif group.kind is GroupKind.SLIDING_WINDOW:
+                for i in _sliding_window_blocks(group, span, boundary):
+                    if (i + 1) * span > local:
+                        key_boundary = (i + 1) * span
+                        loads.append(
+                            BlockLoad(g, i, key_boundary, hashes[key_boundary // geometry.hash_unit - 1])
+                        )
+            else:
+                # Mamba: one state, exactly at the boundary, in block cdiv(H, B) - 1.
+                loads.append(
+                    BlockLoad(
+                        g, cdiv(boundary, span) - 1, boundary, hashes[boundary // geometry.hash_unit - 1]
+                    )
+                )
+    loads.sort(key=lambda load: (load.group_index, load.block_index))
+    return LoadPlan(
+        scheme=scheme,
+        boundary=boundary,
+        num_computed_tokens=candidates.num_computed_tokens,
+        loads=tuple(loads),
+    )
 
 
 @dataclass
