@@ -1,34 +1,12 @@
-"""Cache geometry: group specs, store keys, the agreed boundary, load plans and truncation.
+"""Deployment geometry: the prefix-cacheable groups, the parallel topology, and the sizes vLLM derives.
 
-Pure arithmetic over plain ints, lists and bytes (no vLLM, no torch), so the scheduler half and the
-worker half of the connector compute the same answers from the same inputs.
-
-Primitives and their contracts:
-
-- ``GroupSpec`` / ``Topology`` / ``Geometry``: the prefix-cacheable KV-cache groups (in vLLM's
-  ``prefix_cacheable_group_ids`` order; the store group index is the position in ``Geometry.groups``),
-  their effective spans ``B_g = block_size * (dcp if dcp_sharded else 1)``, the scheduler block
-  (lcm of spans), the hash unit ``h`` (gcd, or a prefix-match unit dividing every span) and the hit
-  alignment vLLM uses (``h`` when fine-grained "partial hash hits" are on, else the scheduler block).
-- ``KeyScheme``: the store key of one group block on one rank. The block (or fine-grained tail) that
-  ends at token ``t`` is keyed by ``block_hashes[t // h - 1]`` (vLLM: a coarse block's hash is its
-  last fine hash). A tail is always addressed by the boundary it was stored under; a shorter boundary
-  is never derived from a longer key.
-- ``plan_lookup(...) -> LookupCandidates``: every key one lookup may need, for ONE ``store.exists``.
-- ``LookupCandidates.resolve(exists) -> LookupResult``: the agreed boundary (the same fixed point as
-  vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``) and the exact ``LoadPlan``.
-- ``LoadPlan.resolve_outcomes(...) -> LoadResolution``: after per-(rank, group, block) outcomes, the
-  retry cap (the largest boundary no faulted entry of any group on any rank stands in the way of; the
-  retry's own lookup then finds what the store can still serve below it) and the keys to invalidate
-  (definite faults only: ``LoadOutcome.invalidates``).
-- ``plan_save(...) -> SavePlan``: the keys of the blocks a save wave writes, and which blocks count
-  as stored (every rank OK) so that events are published only for stored entries.
-
-Token arithmetic, for ``B_full = 32``, ``h = 16``, ``B_mamba = 64``, a hit of ``H = 48`` tokens::
-
-    tokens:      0        16       32       48       64
-    full blocks: |----- 0 -------|----- 1 -------|        (block 1 keyed at its tail boundary >= 48)
-    mamba:       |-------------- 0 --------------|        (state at exactly 48: block cdiv(48,64)-1 = 0)
+Pure arithmetic over plain ints (no vLLM, no torch), so the scheduler half and the worker half of the
+connector compute the same answers from the same inputs. ``Geometry`` holds the groups (in vLLM's
+``prefix_cacheable_group_ids`` order; the store group index is the position in ``Geometry.groups``),
+their effective spans ``B_g = block_size * (dcp if dcp_sharded else 1)``, the scheduler block (lcm of
+spans), the hash unit ``h`` (gcd, or a prefix-match unit dividing every span) and the hit alignment vLLM
+uses (``h`` when fine-grained "partial hash hits" are on, else the scheduler block). What each kind of
+group contributes is its rules' business (``hybridkv.lifecycle.kinds``).
 """
 
 from __future__ import annotations
@@ -38,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
+from hybridkv.lifecycle.kinds import GroupSpec
 
 __all__ = ["Geometry", "Rank", "Topology"]
 
@@ -92,9 +70,8 @@ class Geometry:
         dcp = self.topology.dcp_size
         for index, group in enumerate(self.groups):
             if dcp > 1:
-                # vLLM: DCP>1 with hybrid layouts allows only full attention (incl. MLA) and Mamba.
-                assert group.kind is not GroupKind.SLIDING_WINDOW, (
-                    f"group {index}: sliding window is not supported under DCP={dcp}"
+                assert group.rules.supports_dcp, (
+                    f"group {index}: {group.rules.name} is not supported under DCP={dcp}"
                 )
             if group.dcp_sharded and dcp > 1:
                 assert group.block_size % self.topology.interleave == 0, (
@@ -149,16 +126,10 @@ class Geometry:
             return False
         unit = self.hash_unit
         dcp = self.topology.dcp_size
-        has_fine_mamba = any(
-            g.kind is GroupKind.MAMBA
-            and ((dcp == 1 and g.block_size > unit) or (dcp > 1 and g.block_size >= unit))
-            for g in self.groups
-        )
-        # Sliding-window lookups are block-granular; they only allow fine hits at span == unit.
-        block_granular_ok = all(
-            span == unit for g, span in zip(self.groups, self.spans) if g.kind is GroupKind.SLIDING_WINDOW
-        )
-        return has_fine_mamba and block_granular_ok
+        # Some group (a Mamba state inside a block) asks for fine hits, and no group forbids them.
+        enabled = any(g.rules.enables_fine_hits(g, unit, dcp) for g in self.groups)
+        permitted = all(g.rules.permits_fine_hits(span, unit) for g, span in zip(self.groups, self.spans))
+        return enabled and permitted
 
     @cached_property
     def hit_alignment(self) -> int:
@@ -175,7 +146,8 @@ class Geometry:
 
     @cached_property
     def lookup_units(self) -> tuple[tuple[int, ...], ...]:
-        """Groups looked up together, in vLLM's order: equal specs merged, full attention first."""
+        """Groups looked up together, in vLLM's order: equal specs merged, left-contiguous kinds (full
+        attention) first."""
         units: list[list[int]] = []
         for index, group in enumerate(self.groups):
             for unit in units:
@@ -184,7 +156,7 @@ class Geometry:
                     break
             else:
                 units.append([index])
-        units.sort(key=lambda unit: self.groups[unit[0]].kind is not GroupKind.FULL)
+        units.sort(key=lambda unit: not self.groups[unit[0]].rules.left_contiguous)
         return tuple(tuple(unit) for unit in units)
 
     def describe(self) -> dict[str, object]:
@@ -201,29 +173,32 @@ class Geometry:
         }
 
 
-# Moved names, re-exported until their importers are updated.
-from hybridkv.lifecycle.keys import KEY_VERSION, EntryId, KeyScheme
-from hybridkv.lifecycle.load import BlockLoad, LoadOutcome, LoadPlan, LoadResolution, retry_cap
-from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, _resolve, plan_lookup
-from hybridkv.lifecycle.save import SaveBlock, SavePlan, plan_save
 
-__all__ += [
-    "KEY_VERSION",
-    "BlockLoad",
-    "EntryId",
-    "GroupKind",
-    "GroupSpec",
-    "KeyScheme",
-    "LoadOutcome",
-    "LoadPlan",
-    "LoadResolution",
-    "LookupCandidates",
-    "LookupResult",
-    "SaveBlock",
-    "SavePlan",
-    "_resolve",
-    "cdiv",
-    "plan_lookup",
-    "plan_save",
-    "retry_cap",
-]
+# Moved names, re-exported (lazily: the new modules import this one) until their importers are updated.
+_MOVED = {
+    "KEY_VERSION": "keys",
+    "EntryId": "keys",
+    "KeyScheme": "keys",
+    "BlockLoad": "keys:PlannedBlock",
+    "SaveBlock": "keys:PlannedBlock",
+    "GroupKind": "kinds",
+    "cdiv": "kinds",
+    "LoadOutcome": "load",
+    "LoadPlan": "load",
+    "LoadResolution": "load",
+    "retry_cap": "load",
+    "LookupCandidates": "lookup",
+    "LookupResult": "lookup",
+    "plan_lookup": "lookup",
+    "SavePlan": "save",
+    "plan_save": "save",
+}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name not in _MOVED:
+        raise AttributeError(name)
+    module, _, new_name = _MOVED[name].partition(":")
+    return getattr(importlib.import_module(f"hybridkv.lifecycle.{module}"), new_name or name)

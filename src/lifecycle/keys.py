@@ -1,21 +1,56 @@
-"""Store keys: one entry per (group, rank, boundary hash) under a versioned, fingerprinted prefix."""
+"""Store keys: one entry per (group, rank, boundary hash) under a versioned, fingerprinted prefix.
+
+The block (or fine-grained tail) that ends at token ``t`` is keyed by ``block_hashes[t // h - 1]``
+(vLLM: a coarse block's hash is its last fine hash). A tail is always addressed by the boundary it was
+stored under; a shorter boundary is never derived from a longer key. Key strings and fingerprints are a
+persistent format: changing them is a ``KEY_VERSION`` change.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
 from hybridkv.lifecycle.geometry import Geometry
 
-__all__ = ["KEY_VERSION", "EntryId", "KeyScheme"]
+__all__ = ["KEY_VERSION", "NAMESPACE_RE", "EntryId", "KeyScheme", "PlannedBlock"]
 
 KEY_VERSION = "hkv1"
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: A deployment namespace: it becomes a key path segment (the one rule; the connector config uses it).
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class EntryId(NamedTuple):
+    """One stored entry of a plan: a group block on a rank, stored under ``key_boundary``.
+
+    The boundary is part of the identity: one block may hold several entries (a whole block and a
+    prompt tail, or Mamba states at several hash boundaries of one block).
+    """
+
+    tp_rank: int
+    group_index: int
+    block_index: int
+    key_boundary: int
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    """One group block a load or save plan moves: ``block_index`` in the group's block table, as the
+    entry ending at ``key_boundary`` (keyed by ``block_hash``, the hash of that boundary)."""
+
+    group_index: int
+    block_index: int
+    key_boundary: int
+    block_hash: bytes
+
+    def entry(self, tp_rank: int) -> EntryId:
+        """The entry of this block on ``tp_rank``."""
+        return EntryId(tp_rank, self.group_index, self.block_index, self.key_boundary)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,8 +77,8 @@ class KeyScheme:
     model_identity: str = ""
 
     def __post_init__(self) -> None:
-        assert _NAMESPACE_RE.match(self.namespace), (
-            f"namespace {self.namespace!r} must match {_NAMESPACE_RE.pattern} (it becomes a key path segment)"
+        assert NAMESPACE_RE.match(self.namespace), (
+            f"namespace {self.namespace!r} must match {NAMESPACE_RE.pattern} (it becomes a key path segment)"
         )
 
     @cached_property
@@ -68,7 +103,8 @@ class KeyScheme:
         return f"{self.prefix}{self.fingerprint}/"
 
     @cached_property
-    def _group_rank_prefixes(self) -> tuple[tuple[str, ...], ...]:
+    def group_rank_prefixes(self) -> tuple[tuple[str, ...], ...]:
+        """``[group][tp_rank]``: the key of an entry is its prefix plus the boundary hash in hex."""
         base = self.geometry_prefix
         return tuple(
             tuple(f"{base}g{g}/tp{r.tp_rank}/dcp{r.dcp_rank}/" for r in self.geometry.topology.ranks)
@@ -77,7 +113,7 @@ class KeyScheme:
 
     def key(self, group_index: int, tp_rank: int, block_hash: bytes) -> str:
         """The key of the entry of ``group_index`` on ``tp_rank`` whose boundary hash is ``block_hash``."""
-        return self._group_rank_prefixes[group_index][tp_rank] + block_hash.hex()
+        return self.group_rank_prefixes[group_index][tp_rank] + block_hash.hex()
 
     def boundary_hash(self, block_hashes: Sequence[bytes], boundary_tokens: int) -> bytes:
         """The hash that keys an entry ending at ``boundary_tokens`` (a multiple of the hash unit)."""
@@ -87,15 +123,14 @@ class KeyScheme:
         )
         return block_hashes[boundary_tokens // unit - 1]
 
+    def entries(self, blocks: Sequence[PlannedBlock]) -> tuple[tuple[EntryId, str], ...]:
+        """Every (entry, key) of ``blocks`` on every rank, rank-major."""
+        return tuple(
+            (block.entry(rank.tp_rank), self.key(block.group_index, rank.tp_rank, block.block_hash))
+            for rank in self.geometry.topology.ranks
+            for block in blocks
+        )
 
-class EntryId(NamedTuple):
-    """One stored entry of a plan: a group block on a rank, stored under ``key_boundary``.
-
-    The boundary is part of the identity: one block may hold several entries (a whole block and a
-    prompt tail, or Mamba states at several hash boundaries of one block).
-    """
-
-    tp_rank: int
-    group_index: int
-    block_index: int
-    key_boundary: int
+    def rank_keys(self, blocks: Iterable[PlannedBlock], tp_rank: int) -> list[tuple[PlannedBlock, str]]:
+        """``blocks`` with their keys on ``tp_rank``."""
+        return [(block, self.key(block.group_index, tp_rank, block.block_hash)) for block in blocks]

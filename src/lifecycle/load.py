@@ -1,4 +1,10 @@
-"""Load plans and their verdicts: which entries a hit fetches, and what a failed load means."""
+"""Load plans and their verdicts: which entries a hit fetches, and what a failed load means.
+
+``LoadPlan.resolve_outcomes(...) -> LoadResolution``: after per-(rank, group, block) outcomes, the retry
+cap (the largest boundary no faulted entry of any group on any rank stands in the way of; the retry's
+own lookup then finds what the store can still serve below it) and the keys to invalidate (definite
+faults only: ``LoadOutcome.invalidates``).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +14,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from hybridkv.lifecycle.geometry import Geometry
-from hybridkv.lifecycle.keys import EntryId, KeyScheme
-from hybridkv.lifecycle.kinds import GroupKind, cdiv
+from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
 
-__all__ = ["BlockLoad", "LoadOutcome", "LoadPlan", "LoadResolution", "retry_cap"]
-
-
-@dataclass(frozen=True)
-class BlockLoad:
-    """One group block to fetch: ``block_index`` in the group's table, keyed at ``key_boundary``."""
-
-    group_index: int
-    block_index: int
-    key_boundary: int
-    block_hash: bytes
+__all__ = ["LoadOutcome", "LoadPlan", "LoadResolution", "retry_cap"]
 
 
 class LoadOutcome(enum.Enum):
@@ -113,11 +108,6 @@ class LoadResolution:
     invalid_entries: tuple[EntryId, ...] = ()
 
     @property
-    def safe_boundary(self) -> int:
-        """Deprecated name of ``retry_cap``."""
-        return self.retry_cap
-
-    @property
     def num_transient_faults(self) -> int:
         """Faulted entries that are not invalidated (timeouts, transport errors)."""
         return len(self.failed_entries) - len(self.invalid_entries)
@@ -130,24 +120,16 @@ class LoadPlan:
     scheme: KeyScheme
     boundary: int
     num_computed_tokens: int
-    loads: tuple[BlockLoad, ...]
+    loads: tuple[PlannedBlock, ...]
 
     @cached_property
     def entries(self) -> tuple[tuple[EntryId, str], ...]:
         """Every (entry, key) of the plan, rank-major."""
-        scheme = self.scheme
-        return tuple(
-            (
-                EntryId(rank.tp_rank, load.group_index, load.block_index, load.key_boundary),
-                scheme.key(load.group_index, rank.tp_rank, load.block_hash),
-            )
-            for rank in scheme.geometry.topology.ranks
-            for load in self.loads
-        )
+        return self.scheme.entries(self.loads)
 
-    def loads_for_rank(self, tp_rank: int) -> list[tuple[BlockLoad, str]]:
+    def loads_for_rank(self, tp_rank: int) -> list[tuple[PlannedBlock, str]]:
         """The blocks ``tp_rank`` fetches, with their keys (possibly none: it must still report done)."""
-        return [(load, self.scheme.key(load.group_index, tp_rank, load.block_hash)) for load in self.loads]
+        return self.scheme.rank_keys(self.loads, tp_rank)
 
     def group_num_blocks(self) -> tuple[int, ...]:
         counts = [0] * self.scheme.geometry.num_groups
@@ -178,40 +160,26 @@ class LoadPlan:
 def retry_cap(geometry: Geometry, planned_boundary: int, failed: Iterable[EntryId]) -> int:
     """The largest aligned boundary the retry of a failed load may return (``LoadResolution.retry_cap``).
 
-    ``failed``: the faulted entries of the plan (any rank, any ``LoadOutcome.is_fault``). With none, the cap is the planned boundary
-    (aligned). Otherwise it is strictly below it, and no failed entry is needed to restore it:
-    full attention block ``i`` bars boundaries ``> i * B_g``, a sliding-window block bars the boundaries
-    whose window needs it, a Mamba state at ``b`` bars ``b``.
+    ``failed``: the faulted entries of the plan (any rank, any ``LoadOutcome.is_fault``). With none, the
+    cap is the planned boundary (aligned). Otherwise it is strictly below it, and no failed entry is
+    needed to restore it (``KindRules.retry_boundary``): full attention block ``i`` bars boundaries
+    ``> i * B_g``, a sliding-window block bars the boundaries whose window needs it, a Mamba state at
+    ``b`` bars ``b``.
     """
     failed = tuple(failed)
     alignment = geometry.hit_alignment
     top = planned_boundary - 1 if failed else planned_boundary
-    top = max(0, top - top % alignment)
-    full_limit = top
-    swa_failed: dict[int, set[int]] = {}
-    mamba_failed: set[int] = set()
+    boundary = max(0, top - top % alignment)
+    group_to_failed: dict[int, list[EntryId]] = {}
     for entry in failed:
-        group = geometry.groups[entry.group_index]
-        if group.kind is GroupKind.FULL:
-            full_limit = min(full_limit, entry.block_index * geometry.spans[entry.group_index])
-        elif group.kind is GroupKind.SLIDING_WINDOW:
-            swa_failed.setdefault(entry.group_index, set()).add(entry.block_index)
-        else:
-            mamba_failed.add(entry.key_boundary)
-
-    def swa_needs_failed(boundary: int) -> bool:
-        # The blocks overlapping the window before the boundary (exactly the lookup's window blocks
-        # when the boundary is a whole block; a superset otherwise).
-        for g, blocks in swa_failed.items():
-            group, span = geometry.groups[g], geometry.spans[g]
-            assert group.sliding_window is not None
-            window = max(1, cdiv(group.sliding_window - 1, span)) * span
-            first, end = max(0, boundary - window) // span, cdiv(boundary, span)
-            if any(first <= i < end for i in blocks):
-                return True
-        return False
-
-    boundary = full_limit - full_limit % alignment
-    while boundary > 0 and (boundary in mamba_failed or swa_needs_failed(boundary)):
-        boundary -= alignment
-    return boundary
+        group_to_failed.setdefault(entry.group_index, []).append(entry)
+    # Each group lowers the candidate to the largest aligned boundary it can restore without its
+    # faulted entries; when none lowers it, every group can.
+    while True:
+        lowered = boundary
+        for group_index, entries in group_to_failed.items():
+            rules = geometry.groups[group_index].rules
+            lowered = rules.retry_boundary(geometry, group_index, entries, lowered)
+        if lowered == boundary:
+            return boundary
+        boundary = lowered

@@ -33,12 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
 
 from hybridkv.lifecycle.geometry import Geometry
-from hybridkv.lifecycle.keys import KeyScheme
-from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
-from hybridkv.lifecycle.load import BlockLoad, LoadPlan
+from hybridkv.lifecycle.keys import KeyScheme, PlannedBlock
+from hybridkv.lifecycle.kinds import UnitHit
+from hybridkv.lifecycle.load import LoadPlan
 
 __all__ = [
     "DEFAULT_MAX_CONFIRM_ROUNDS",
@@ -160,24 +159,14 @@ def plan_lookup(
     """
     geometry = scheme.geometry
     unit = geometry.hash_unit
-    alignment = geometry.hit_alignment
-    cap = min(num_tokens - 1, len(block_hashes) * unit)
-    if max_boundary is not None:
-        cap = min(cap, max_boundary)
-    cap = max(cap, 0)
+    cap = lookup_cap(scheme, len(block_hashes), num_tokens, max_boundary)
     local = num_computed_tokens - num_computed_tokens % geometry.scheduler_block_size
     hashes = tuple(block_hashes)
     keys: list[str] = []
     index_of: dict[tuple[int, int], int] = {}
-    for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-        fine = geometry.is_fine_span[group_index]
-        # Fine groups: every hash boundary may hold a full-attention tail or a Mamba state.
-        step = unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
-        rank_prefixes = scheme._group_rank_prefixes[group_index]
-        first = (local // step + 1) * step
-        for boundary in range(first, cap + 1, step):
-            if group.kind is GroupKind.MAMBA and not fine and boundary % alignment:
-                continue  # vLLM skips Mamba states off the hit alignment
+    for group_index, group in enumerate(geometry.groups):
+        rank_prefixes = scheme.group_rank_prefixes[group_index]
+        for boundary in group.rules.candidate_boundaries(geometry, group_index, local, cap):
             index_of[(group_index, boundary)] = len(keys)
             hash_hex = hashes[boundary // unit - 1].hex()
             keys.extend([prefix + hash_hex for prefix in rank_prefixes])
@@ -192,13 +181,6 @@ def plan_lookup(
     )
 
 
-class _UnitHit(NamedTuple):
-    hit: int
-    #: FULL only: the number of whole blocks found, and the boundary of the tail found (0: none).
-    num_full_blocks: int = 0
-    tail_boundary: int = 0
-
-
 def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> LookupResult:
     geometry = candidates.scheme.geometry
     local = candidates.num_computed_tokens - candidates.num_computed_tokens % geometry.scheduler_block_size
@@ -206,18 +188,17 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
 
     def available(group_index: int, boundary: int) -> bool:
         # Blocks ending at or before the local hit are on the device already (vLLM agreed on `local`).
-        kind = geometry.groups[group_index].kind
-        if boundary <= local and kind is not GroupKind.MAMBA:
+        if boundary <= local and geometry.groups[group_index].rules.covered_by_local_hit:
             return True
         return available_in_store(group_index, boundary)
 
     def unit_available(unit: tuple[int, ...], boundary: int) -> bool:
         return all(available(g, boundary) for g in unit)
 
-    boundary, full_hits = _fixed_point(geometry, cap, unit_available)
+    boundary, contiguous_hits = _fixed_point(geometry, cap, unit_available)
     plan = None
     if boundary > candidates.num_computed_tokens:
-        plan = _build_plan(candidates, boundary, local, full_hits)
+        plan = _build_plan(candidates, boundary, local, contiguous_hits)
     return LookupResult(
         boundary=boundary,
         num_tokens=candidates.num_tokens,
@@ -231,121 +212,55 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
 
 def _fixed_point(
     geometry: Geometry, cap: int, unit_available: UnitAvailableFn
-) -> tuple[int, dict[tuple[int, ...], _UnitHit]]:
-    """vLLM's hybrid fixed point: each unit may only shrink the candidate; full attention is looked up
-    once (at the candidate of its first visit) and then only trimmed."""
+) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
+    """vLLM's hybrid fixed point: each unit may only shrink the candidate; a left-contiguous unit (full
+    attention) is looked up once (at the candidate of its first visit) and then only trimmed."""
     hit = cap
-    full_hits: dict[tuple[int, ...], _UnitHit] = {}
+    contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
     while True:
         current = hit
         for unit in geometry.lookup_units:
-            if geometry.groups[unit[0]].kind is GroupKind.FULL:
-                if unit in full_hits:
-                    current = min(current, full_hits[unit].hit)
+            rules = geometry.groups[unit[0]].rules
+            if rules.left_contiguous:
+                if unit in contiguous_hits:
+                    current = min(current, contiguous_hits[unit].hit)
                     continue
-                full_hits[unit] = _unit_hit(geometry, unit, current, unit_available)
-                current = full_hits[unit].hit
+                contiguous_hits[unit] = _unit_hit(geometry, unit, current, unit_available)
+                current = contiguous_hits[unit].hit
             else:
                 current = _unit_hit(geometry, unit, current, unit_available).hit
         if current >= hit:
-            return hit, full_hits
+            return hit, contiguous_hits
         hit = current
 
 
 def _unit_hit(
     geometry: Geometry, unit: tuple[int, ...], cap: int, unit_available: UnitAvailableFn
-) -> _UnitHit:
-    """The largest boundary <= ``cap`` that ``unit`` alone can restore, by vLLM's per-kind rules."""
-    group = geometry.groups[unit[0]]
-    span = geometry.spans[unit[0]]
-    alignment = geometry.hit_alignment
-    hash_unit = geometry.hash_unit
-    fine = geometry.is_fine_span[unit[0]]
-    if group.kind is GroupKind.FULL:
-        num_blocks = 0
-        while (num_blocks + 1) * span <= cap and unit_available(unit, (num_blocks + 1) * span):
-            num_blocks += 1
-        hit = num_blocks * span
-        tail_boundary = 0
-        if fine:
-            # Probe the interior hash boundaries of the first missing block, longest first.
-            top = min(num_blocks * span + span - alignment, cap - cap % alignment)
-            for boundary in range(top, num_blocks * span, -alignment):
-                if unit_available(unit, boundary):
-                    hit = tail_boundary = boundary
-                    break
-        hit -= hit % alignment
-        return _UnitHit(hit, num_blocks, tail_boundary)
-    if group.kind is GroupKind.MAMBA:
-        step = hash_unit if fine else span
-        for boundary in range(cap - cap % step, 0, -step):
-            if not fine and boundary % alignment:
-                continue
-            if unit_available(unit, boundary):
-                return _UnitHit(boundary)
-        return _UnitHit(0)
-    assert group.kind is GroupKind.SLIDING_WINDOW and group.sliding_window is not None
-    num_needed = max(1, cdiv(group.sliding_window - 1, span))
-    num_blocks = cap // span
-    # run[i]: consecutive available blocks ending at block i.
-    run = 0
-    runs = []
-    for i in range(num_blocks):
-        run = run + 1 if unit_available(unit, (i + 1) * span) else 0
-        runs.append(run)
-    for i in range(num_blocks - 1, -1, -1):
-        boundary = (i + 1) * span
-        if boundary % alignment == 0 and runs[i] >= min(num_needed, i + 1):
-            return _UnitHit(boundary)
-    return _UnitHit(0)
-
-
-def _sliding_window_blocks(group: GroupSpec, span: int, boundary: int) -> range:
-    assert group.sliding_window is not None
-    num_needed = max(1, cdiv(group.sliding_window - 1, span))
-    end = boundary // span
-    return range(max(0, end - num_needed), end)
+) -> UnitHit:
+    """The largest boundary <= ``cap`` that ``unit`` alone can restore, by its kind's rules."""
+    return geometry.groups[unit[0]].rules.unit_hit(
+        geometry, unit, cap, lambda boundary: unit_available(unit, boundary)
+    )
 
 
 def _build_plan(
-    candidates: LookupCandidates, boundary: int, local: int, full_hits: Mapping[tuple[int, ...], _UnitHit]
+    candidates: LookupCandidates,
+    boundary: int,
+    local: int,
+    contiguous_hits: Mapping[tuple[int, ...], UnitHit],
 ) -> LoadPlan:
     scheme = candidates.scheme
     geometry = scheme.geometry
     hashes = candidates.block_hashes
-    loads: list[BlockLoad] = []
+    unit_hash = geometry.hash_unit
+    loads: list[PlannedBlock] = []
     for unit in geometry.lookup_units:
+        found = contiguous_hits.get(unit, UnitHit(boundary))
         for g in unit:
-            group = geometry.groups[g]
-            span = geometry.spans[g]
-            if group.kind is GroupKind.FULL:
-                found = full_hits[unit]
-                for i in range(local // span, cdiv(boundary, span)):
-                    if i < found.num_full_blocks:
-                        key_boundary = (i + 1) * span
-                    else:
-                        # The partial block: addressed by the boundary it was stored under.
-                        key_boundary = found.tail_boundary
-                        assert i == found.num_full_blocks and key_boundary >= boundary, (
-                            f"group {g}: block {i} of a {boundary}-token hit has no entry covering it "
-                            f"(tail at {key_boundary}); the fixed point is inconsistent"
-                        )
-                    loads.append(
-                        BlockLoad(g, i, key_boundary, hashes[key_boundary // geometry.hash_unit - 1])
-                    )
-            elif group.kind is GroupKind.SLIDING_WINDOW:
-                for i in _sliding_window_blocks(group, span, boundary):
-                    if (i + 1) * span > local:
-                        key_boundary = (i + 1) * span
-                        loads.append(
-                            BlockLoad(g, i, key_boundary, hashes[key_boundary // geometry.hash_unit - 1])
-                        )
-            else:
-                # Mamba: one state, exactly at the boundary, in block cdiv(H, B) - 1.
+            rules = geometry.groups[g].rules
+            for block_index, key_boundary in rules.blocks_to_load(geometry, g, boundary, local, found):
                 loads.append(
-                    BlockLoad(
-                        g, cdiv(boundary, span) - 1, boundary, hashes[boundary // geometry.hash_unit - 1]
-                    )
+                    PlannedBlock(g, block_index, key_boundary, hashes[key_boundary // unit_hash - 1])
                 )
     loads.sort(key=lambda load: (load.group_index, load.block_index))
     return LoadPlan(
@@ -406,25 +321,21 @@ class LookupSearch:
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}
 
-    def _boundaries(self, group_index: int) -> range | list[int]:
+    def _boundaries(self, group_index: int) -> Sequence[int]:
         """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
         geometry = self.scheme.geometry
-        group, span = geometry.groups[group_index], geometry.spans[group_index]
-        fine = geometry.is_fine_span[group_index]
-        step = geometry.hash_unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
-        boundaries = range((self._local // step + 1) * step, self._cap + 1, step)
-        if group.kind is GroupKind.MAMBA and not fine:
-            return [b for b in boundaries if b % geometry.hit_alignment == 0]
-        return boundaries
+        return geometry.groups[group_index].rules.candidate_boundaries(
+            geometry, group_index, self._local, self._cap
+        )
 
     # -- keys -----------------------------------------------------------------------------------------
 
     def _rank_keys(self, group_index: int, boundary: int) -> list[str]:
         hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
-        return [prefix + hash_hex for prefix in self.scheme._group_rank_prefixes[group_index]]
+        return [prefix + hash_hex for prefix in self.scheme.group_rank_prefixes[group_index]]
 
     def _probe_key(self, group_index: int, boundary: int) -> str:
-        prefix = self.scheme._group_rank_prefixes[self._unit_first[group_index]][0]
+        prefix = self.scheme.group_rank_prefixes[self._unit_first[group_index]][0]
         return prefix + self._hex[boundary // self.scheme.geometry.hash_unit - 1]
 
     # -- the search -----------------------------------------------------------------------------------
@@ -524,24 +435,13 @@ class LookupSearch:
         geometry = self.scheme.geometry
         keys: list[str] = []
         for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-            if group.kind is GroupKind.FULL:
-                continue  # every block below the boundary is in the plan already
-            if group.kind is GroupKind.MAMBA:
-                found = [
-                    b
-                    for b in reversed(self._boundaries(group_index))
-                    if b < boundary and self.known.get(self._probe_key(group_index, b))
-                ]
-                boundaries = found[:MAX_STEP_BACK_STATES]
-            else:
-                # Sliding window: the windows of the last MAX_STEP_BACK_STATES block boundaries below.
-                assert group.sliding_window is not None
-                reach = (MAX_STEP_BACK_STATES + cdiv(group.sliding_window - 1, span) + 1) * span
-                boundaries = [
-                    b
-                    for b in self._boundaries(group_index)
-                    if boundary - reach <= b < boundary and self.known.get(self._probe_key(group_index, b))
-                ]
+
+            def probed(b: int, group_index: int = group_index) -> bool:
+                return bool(self.known.get(self._probe_key(group_index, b)))
+
+            boundaries = group.rules.step_back_boundaries(
+                group, span, boundary, self._boundaries(group_index), probed, MAX_STEP_BACK_STATES
+            )
             for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
         return tuple(keys)
