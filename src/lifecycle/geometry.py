@@ -171,34 +171,3 @@ class Geometry:
             "hit_alignment": self.hit_alignment,
             "other_group_spans": list(self.other_group_spans),
         }
-
-
-
-# Moved names, re-exported (lazily: the new modules import this one) until their importers are updated.
-_MOVED = {
-    "KEY_VERSION": "keys",
-    "EntryId": "keys",
-    "KeyScheme": "keys",
-    "BlockLoad": "keys:PlannedBlock",
-    "SaveBlock": "keys:PlannedBlock",
-    "GroupKind": "kinds",
-    "cdiv": "kinds",
-    "LoadOutcome": "load",
-    "LoadPlan": "load",
-    "LoadResolution": "load",
-    "retry_cap": "load",
-    "LookupCandidates": "lookup",
-    "LookupResult": "lookup",
-    "plan_lookup": "lookup",
-    "SavePlan": "save",
-    "plan_save": "save",
-}
-
-
-def __getattr__(name: str) -> object:
-    import importlib
-
-    if name not in _MOVED:
-        raise AttributeError(name)
-    module, _, new_name = _MOVED[name].partition(":")
-    return getattr(importlib.import_module(f"hybridkv.lifecycle.{module}"), new_name or name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.lifecycle.geometry import (
+from hybridkv.lifecycle import (
     EntryId,
     Geometry,
     GroupSpec,
