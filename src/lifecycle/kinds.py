@@ -16,6 +16,7 @@ Token arithmetic, for ``B_full = 32``, ``h = 16``, ``B_mamba = 64``, a hit of ``
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ class UnitHit(NamedTuple):
 BoundaryAvailableFn = Callable[[int], bool]
 
 
-class KindRules:
+class KindRules(abc.ABC):
     """What one cache kind means for lookups, loads, saves and retries.
 
     Methods take the deployment ``geometry`` and a ``group_index`` into ``geometry.groups`` (sizes such
@@ -148,7 +149,7 @@ class KindRules:
     #: hand-off boundaries vLLM reports (Mamba states).
     positional_saves: ClassVar[bool] = True
     #: A block may be stored under an interior hash boundary (a prompt tail) while later steps still
-    #: append to it, so a save must snapshot it and a lookup probes interior boundaries for it.
+    #: append to it: a save snapshots it, and a state saved inside such a block needs its tail saved.
     stores_partial_tails: ClassVar[bool] = False
 
     def validate(self, spec: GroupSpec) -> None:
@@ -171,13 +172,14 @@ class KindRules:
         step = geometry.hash_unit if geometry.is_fine_span[group_index] else geometry.spans[group_index]
         return range((local // step + 1) * step, cap + 1, step)
 
+    @abc.abstractmethod
     def unit_hit(
         self, geometry: Geometry, unit: tuple[int, ...], cap: int, available: BoundaryAvailableFn
     ) -> UnitHit:
         """The largest boundary ``<= cap`` that the lookup ``unit`` (groups of equal spec) alone can
         restore, by vLLM's rules for the kind."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def blocks_to_load(
         self, geometry: Geometry, group_index: int, boundary: int, local: int, found: UnitHit
     ) -> Iterator[tuple[int, int]]:
@@ -185,22 +187,21 @@ class KindRules:
 
         ``found``: the group's unit hit from the fixed point (meaningful for left-contiguous kinds).
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def retry_boundary(
         self, geometry: Geometry, group_index: int, failed: Sequence[EntryId], boundary: int
     ) -> int:
         """The largest multiple of the hit alignment ``<= boundary`` (itself aligned) whose restore
         needs none of this group's ``failed`` entries."""
-        raise NotImplementedError
 
     def check_save_boundary(self, geometry: Geometry, group_index: int, boundary: int) -> None:
         """Assert that an entry of this group may be saved ending at ``boundary`` (a hash boundary)."""
 
     def step_back_boundaries(
         self,
-        spec: GroupSpec,
-        span: int,
+        geometry: Geometry,
+        group_index: int,
         boundary: int,
         candidates: Sequence[int],
         probed: Callable[[int], bool],
@@ -346,14 +347,15 @@ class SlidingWindowRules(KindRules):
 
     def step_back_boundaries(
         self,
-        spec: GroupSpec,
-        span: int,
+        geometry: Geometry,
+        group_index: int,
         boundary: int,
         candidates: Sequence[int],
         probed: Callable[[int], bool],
         max_states: int,
     ) -> list[int]:
         # The windows of the last ``max_states`` block boundaries below.
+        spec, span = geometry.groups[group_index], geometry.spans[group_index]
         assert spec.sliding_window is not None
         reach = (max_states + cdiv(spec.sliding_window - 1, span) + 1) * span
         return [b for b in candidates if boundary - reach <= b < boundary and probed(b)]
@@ -415,8 +417,8 @@ class MambaRules(KindRules):
 
     def step_back_boundaries(
         self,
-        spec: GroupSpec,
-        span: int,
+        geometry: Geometry,
+        group_index: int,
         boundary: int,
         candidates: Sequence[int],
         probed: Callable[[int], bool],

@@ -436,13 +436,13 @@ class LookupSearch:
         """
         geometry = self.scheme.geometry
         keys: list[str] = []
-        for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+        for group_index, group in enumerate(geometry.groups):
 
             def probed(b: int, group_index: int = group_index) -> bool:
                 return bool(self.known.get(self._probe_key(group_index, b)))
 
             boundaries = group.rules.step_back_boundaries(
-                group, span, boundary, self._boundaries(group_index), probed, MAX_STEP_BACK_STATES
+                geometry, group_index, boundary, self._boundaries(group_index), probed, MAX_STEP_BACK_STATES
             )
             for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
