@@ -11,7 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink, MemoryAuditSink
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, LoadOutcome, Topology
+from hybridkv.lifecycle.geometry import Geometry, Topology
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.kinds import GroupSpec
+from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 
 __all__ = ["TARGET_US_PER_TRANSITION", "run_lifecycle_bench"]

@@ -182,7 +182,7 @@ def store_prefix(scheme: Any, store: Any, block_hashes: Sequence[bytes], num_tok
 
 def full_scan_hit(scheme: Any, store: Any, request: Any) -> int:
     """The synchronous full scan's answer (every candidate key in one ``exists``): the old lookup."""
-    from hybridkv.lifecycle.geometry import plan_lookup
+    from hybridkv.lifecycle.lookup import plan_lookup
 
     candidates = plan_lookup(scheme, request.block_hashes, request.num_tokens, 0)
     exists = [s.is_ok for s in store.exists(list(candidates.keys))] if candidates.keys else []

@@ -19,7 +19,7 @@ from hybridkv.bench.store import (
 )
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
-from hybridkv.lifecycle.geometry import KEY_VERSION
+from hybridkv.lifecycle.keys import KEY_VERSION
 from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.params import format_size, parse_size
 

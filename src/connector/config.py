@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.params import byte_size
 
 DEFAULT_CAPACITY = "8GiB"
@@ -44,8 +45,6 @@ KNOWN_KEYS: tuple[str, ...] = (
 )
 
 _STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
-# Same rule as the key scheme (hybridkv.lifecycle.geometry): the namespace becomes a key path segment.
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def default_store_url() -> str:
@@ -114,7 +113,7 @@ class ConnectorConfig:
         namespace = extra.get("namespace", None)
         if namespace is None:
             namespace = default_namespace(model)
-        if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
             raise ValueError(
                 "kv_connector_extra_config['namespace']: expected 1-64 characters of [A-Za-z0-9._-] "
                 "starting with a letter or digit, "

@@ -16,7 +16,9 @@ from typing import Any
 
 import structlog
 from hybridkv.connector.identity import ModelIdentity, manifest, model_identity, write_manifest
-from hybridkv.lifecycle.geometry import Geometry, GroupKind, GroupSpec, KeyScheme, Topology
+from hybridkv.lifecycle.geometry import Geometry, Topology
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.kinds import GroupKind, GroupSpec
 from hybridkv.store import Status, Store
 
 log = structlog.get_logger(__name__)
@@ -178,7 +180,7 @@ def resolve_geometry(
             )
         else:
             raise ValueError(f"group {gid}: KV-cache spec {name} is not supported by HybridStoreConnector")  # noqa: TRY004
-        if dcp > 1 and gs.kind not in (GroupKind.FULL, GroupKind.MAMBA):
+        if dcp > 1 and not gs.rules.supports_dcp:
             raise ValueError(
                 f"group {gid}: {name} ({gs.kind.value}) cannot run under decode context parallelism (dcp={dcp})"
             )

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.lifecycle.geometry import KeyScheme
+from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.store import Status, Store
 
 #: Files whose bytes are weights (their size and mtime enter the identity; they are never read).

@@ -55,9 +55,12 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
-from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, cdiv, plan_save
+from hybridkv.lifecycle.keys import EntryId
+from hybridkv.lifecycle.kinds import KIND_RULES, cdiv
+from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
+from hybridkv.lifecycle.save import plan_save
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
 
 if TYPE_CHECKING:
@@ -446,7 +449,7 @@ class SchedulerSide:
         table = None
         out: list[tuple[int, int, int]] = []
         for g in self.geo.groups:
-            if g.kind is GroupKind.MAMBA:
+            if not KIND_RULES[g.kind].positional_saves:
                 continue
             start, stop = r.saved_upto[g.sgid], upto // g.span
             if stop <= start:
@@ -470,7 +473,7 @@ class SchedulerSide:
         out = []
         for gid, bid, boundary in offloads:
             g = self._by_gid.get(gid)
-            if g is None or g.kind is not GroupKind.MAMBA or bid == 0:
+            if g is None or KIND_RULES[g.kind].positional_saves or bid == 0:
                 continue
             if boundary % geometry.hit_alignment or boundary > limit:
                 continue  # no lookup can ask for it
@@ -496,7 +499,7 @@ class SchedulerSide:
         out = []
         for _, boundary, _ in states:
             for g in self.geo.groups:
-                if g.kind is not GroupKind.FULL or boundary % g.span == 0:
+                if not KIND_RULES[g.kind].stores_partial_tails or boundary % g.span == 0:
                     continue
                 if (g.sgid, boundary) in r.tails_saved:
                     continue

@@ -61,7 +61,8 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.geometry import GroupKind, KeyScheme
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.kinds import KIND_RULES
 from hybridkv.store.base import Status, collect_late_calls
 
 log = structlog.get_logger(__name__)
@@ -433,7 +434,7 @@ class WorkerSide:
         snapshots: dict[int, list[np.ndarray]] = {}
         for i, ref in enumerate(job.blocks):
             group = self.geo.groups[ref.sgid]
-            if group.kind is GroupKind.FULL and ref.key_boundary % group.span:
+            if KIND_RULES[group.kind].stores_partial_tails and ref.key_boundary % group.span:
                 snapshots[i] = self._movers[ref.sgid].snapshot(ref.block_id)
         self.num_tail_snapshots += len(snapshots)  # engine thread only
         return snapshots

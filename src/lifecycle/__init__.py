@@ -1,6 +1,11 @@
 """hybridkv.lifecycle: pure logic (no vLLM, no torch) for what happens to a request.
 
-- ``geometry``: group specs, spans, hash unit, store keys, the agreed boundary, load/save plans, truncation.
+- ``kinds``: one rules object per cache kind (full attention, sliding window, Mamba) in ``KIND_RULES``.
+- ``geometry``: the groups, the TP/DCP topology, spans, hash unit, scheduler block and hit alignment.
+- ``keys``: store keys and fingerprints, the namespace rule, the entry types plans share.
+- ``lookup``: the agreed boundary (vLLM's fixed point) from one batch of keys, or a bounded search.
+- ``load``: load plans, load outcomes, the verdict of a finished load and the retry cap.
+- ``save``: save plans and which blocks count as stored.
 - ``machine``: the transition table (data) and the shared ``transitions`` driver.
 - ``audit``: sinks for the one-record-per-transition audit trail, and the replay checker.
 - ``diagram``: Mermaid / DOT rendered from the table.
@@ -14,26 +19,11 @@ from hybridkv.lifecycle.audit import (
     audit_file,
     replay_records,
 )
-from hybridkv.lifecycle.geometry import (
-    BlockLoad,
-    EntryId,
-    Geometry,
-    GroupKind,
-    GroupSpec,
-    KeyScheme,
-    LoadOutcome,
-    LoadPlan,
-    LoadResolution,
-    LookupCandidates,
-    LookupResult,
-    Rank,
-    SaveBlock,
-    SavePlan,
-    Topology,
-    plan_lookup,
-    plan_save,
-    retry_cap,
-)
+from hybridkv.lifecycle.geometry import Geometry, Rank, Topology
+from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE, EntryId, KeyScheme, PlannedBlock
+from hybridkv.lifecycle.kinds import KIND_RULES, GroupKind, GroupSpec, KindRules
+from hybridkv.lifecycle.load import LoadOutcome, LoadPlan, LoadResolution, retry_cap
+from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, LookupSearch, plan_lookup
 from hybridkv.lifecycle.machine import (
     TRANSITIONS,
     GuardRejected,
@@ -43,12 +33,15 @@ from hybridkv.lifecycle.machine import (
     SaveWave,
     State,
 )
+from hybridkv.lifecycle.save import SavePlan, plan_save
 
 __all__ = [
+    "KEY_VERSION",
+    "KIND_RULES",
+    "NAMESPACE_RE",
     "TRANSITIONS",
     "AuditReport",
     "AuditSink",
-    "BlockLoad",
     "EntryId",
     "Geometry",
     "GroupKind",
@@ -57,16 +50,18 @@ __all__ = [
     "IllegalTransition",
     "JsonLinesAuditSink",
     "KeyScheme",
+    "KindRules",
     "LifecycleMachine",
     "LoadOutcome",
     "LoadPlan",
     "LoadResolution",
     "LookupCandidates",
     "LookupResult",
+    "LookupSearch",
     "MemoryAuditSink",
+    "PlannedBlock",
     "Rank",
     "RequestLifecycle",
-    "SaveBlock",
     "SavePlan",
     "SaveWave",
     "State",

@@ -1,7 +1,9 @@
 """A lookup in a bounded number of batched existence checks: probe, confirm, and (rarely) scan.
 
-``plan_lookup(...).resolve(exists)`` (``hybridkv.lifecycle.geometry``) asks for every key a lookup may
-need -- every candidate boundary x every group x every rank -- in one call. At production geometry (a
+``plan_lookup(...) -> LookupCandidates`` lists every key a lookup may need -- every candidate boundary
+x every group x every rank -- for ONE ``store.exists``; ``LookupCandidates.resolve(exists)`` gives the
+agreed boundary (the same fixed point as vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``,
+each group's contribution by its kind's rules) and the exact ``LoadPlan``. At production geometry (a
 128K-token prompt, hash unit 64, DCP 8, two groups) that is ~32K keys. ``LookupSearch`` finds the same
 agreed boundary and the same load plan from far fewer keys, in a few rounds:
 
@@ -30,19 +32,25 @@ another round trip when it already covers that plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from hybridkv.lifecycle.geometry import (
-    GroupKind,
-    KeyScheme,
-    LookupCandidates,
-    LookupResult,
-    _resolve,
-    cdiv,
-)
+from hybridkv.lifecycle.geometry import Geometry
+from hybridkv.lifecycle.keys import KeyScheme, PlannedBlock
+from hybridkv.lifecycle.kinds import UnitHit
+from hybridkv.lifecycle.load import LoadPlan
 
-__all__ = ["DEFAULT_MAX_CONFIRM_ROUNDS", "MAX_STEP_BACK_STATES", "ExistsFn", "LookupSearch", "lookup_cap"]
+__all__ = [
+    "DEFAULT_MAX_CONFIRM_ROUNDS",
+    "MAX_STEP_BACK_STATES",
+    "ExistsFn",
+    "LookupCandidates",
+    "LookupResult",
+    "LookupSearch",
+    "lookup_cap",
+    "plan_lookup",
+]
 
 ExistsFn = Callable[[Sequence[str]], Sequence[bool]]
 
@@ -58,6 +66,211 @@ def lookup_cap(scheme: KeyScheme, num_hashes: int, num_tokens: int, max_boundary
     if max_boundary is not None:
         cap = min(cap, max_boundary)
     return max(cap, 0)
+
+
+AvailableFn = Callable[[int, int], bool]
+UnitAvailableFn = Callable[[tuple[int, ...], int], bool]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The answer to one lookup.
+
+    ``boundary`` is the agreed token count (<= ``num_computed_tokens`` means no external hit);
+    ``num_external_tokens = max(0, boundary - num_computed_tokens)`` is what the connector reports.
+    ``group_hit_tokens[g]`` is what group ``g`` alone could restore: audit detail only, so it is
+    computed on first access, not on the scheduler's lookup path.
+    """
+
+    boundary: int
+    num_tokens: int
+    num_computed_tokens: int
+    plan: LoadPlan | None
+    _geometry: Geometry = field(repr=False, compare=False)
+    _cap: int = field(repr=False, compare=False)
+    _unit_available: UnitAvailableFn = field(repr=False, compare=False)
+
+    @cached_property
+    def group_hit_tokens(self) -> tuple[int, ...]:
+        hits = [0] * self._geometry.num_groups
+        for unit in self._geometry.lookup_units:
+            independent = _unit_hit(self._geometry, unit, self._cap, self._unit_available).hit
+            for g in unit:
+                hits[g] = independent
+        return tuple(hits)
+
+    @property
+    def num_external_tokens(self) -> int:
+        return max(0, self.boundary - self.num_computed_tokens)
+
+    @property
+    def is_hit(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
+class LookupCandidates:
+    """Every key one lookup may need, in one batch: pass ``keys`` to ``store.exists`` once.
+
+    Build with ``plan_lookup``; then ``resolve(exists)`` with one bool per key, in order.
+    """
+
+    scheme: KeyScheme
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    num_computed_tokens: int
+    max_boundary: int
+    keys: tuple[str, ...]
+    #: (group_index, boundary) -> index of its first key; one key per rank follows.
+    group_boundary_to_index: Mapping[tuple[int, int], int]
+
+    def resolve(self, exists: Sequence[bool]) -> LookupResult:
+        """The agreed boundary and load plan, given one existence result per key (errors: False)."""
+        assert len(exists) == len(self.keys), (
+            f"exists() returned {len(exists)} results for {len(self.keys)} keys; this is a connector bug"
+        )
+        num_ranks = len(self.scheme.geometry.topology.ranks)
+        index_of = self.group_boundary_to_index
+
+        def available_in_store(group_index: int, boundary: int) -> bool:
+            start = index_of.get((group_index, boundary))
+            if start is None:
+                return False
+            return all(exists[start : start + num_ranks])
+
+        return _resolve(self, available_in_store)
+
+
+def plan_lookup(
+    scheme: KeyScheme,
+    block_hashes: Sequence[bytes],
+    num_tokens: int,
+    num_computed_tokens: int = 0,
+    *,
+    max_boundary: int | None = None,
+) -> LookupCandidates:
+    """List every key the lookup of one request may need.
+
+    Args:
+        scheme: the deployment's key scheme.
+        block_hashes: ``request.block_hashes`` (one per hash unit, full units only).
+        num_tokens: ``request.num_tokens``; at least one token is always left to recompute.
+        num_computed_tokens: the local hit vLLM passes (a multiple of the scheduler block; a value
+            that is not is floored for planning, but a hit must still exceed the value given).
+        max_boundary: an extra cap (after a truncation: the truncated boundary).
+    """
+    geometry = scheme.geometry
+    unit = geometry.hash_unit
+    cap = lookup_cap(scheme, len(block_hashes), num_tokens, max_boundary)
+    local = num_computed_tokens - num_computed_tokens % geometry.scheduler_block_size
+    hashes = tuple(block_hashes)
+    keys: list[str] = []
+    index_of: dict[tuple[int, int], int] = {}
+    for group_index, group in enumerate(geometry.groups):
+        rank_prefixes = scheme.group_rank_prefixes[group_index]
+        for boundary in group.rules.candidate_boundaries(geometry, group_index, local, cap):
+            index_of[(group_index, boundary)] = len(keys)
+            hash_hex = hashes[boundary // unit - 1].hex()
+            keys.extend([prefix + hash_hex for prefix in rank_prefixes])
+    return LookupCandidates(
+        scheme=scheme,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        num_computed_tokens=num_computed_tokens,
+        max_boundary=cap,
+        keys=tuple(keys),
+        group_boundary_to_index=index_of,
+    )
+
+
+def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> LookupResult:
+    geometry = candidates.scheme.geometry
+    local = candidates.num_computed_tokens - candidates.num_computed_tokens % geometry.scheduler_block_size
+    cap = candidates.max_boundary
+
+    def available(group_index: int, boundary: int) -> bool:
+        # Blocks ending at or before the local hit are on the device already (vLLM agreed on `local`).
+        if boundary <= local and geometry.groups[group_index].rules.covered_by_local_hit:
+            return True
+        return available_in_store(group_index, boundary)
+
+    def unit_available(unit: tuple[int, ...], boundary: int) -> bool:
+        return all(available(g, boundary) for g in unit)
+
+    boundary, contiguous_hits = _fixed_point(geometry, cap, unit_available)
+    plan = None
+    if boundary > candidates.num_computed_tokens:
+        plan = _build_plan(candidates, boundary, local, contiguous_hits)
+    return LookupResult(
+        boundary=boundary,
+        num_tokens=candidates.num_tokens,
+        num_computed_tokens=candidates.num_computed_tokens,
+        plan=plan,
+        _geometry=geometry,
+        _cap=cap,
+        _unit_available=unit_available,
+    )
+
+
+def _fixed_point(
+    geometry: Geometry, cap: int, unit_available: UnitAvailableFn
+) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
+    """vLLM's hybrid fixed point: each unit may only shrink the candidate; a left-contiguous unit (full
+    attention) is looked up once (at the candidate of its first visit) and then only trimmed."""
+    hit = cap
+    contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
+    while True:
+        current = hit
+        for unit in geometry.lookup_units:
+            rules = geometry.groups[unit[0]].rules
+            if rules.left_contiguous:
+                if unit in contiguous_hits:
+                    current = min(current, contiguous_hits[unit].hit)
+                    continue
+                contiguous_hits[unit] = _unit_hit(geometry, unit, current, unit_available)
+                current = contiguous_hits[unit].hit
+            else:
+                current = _unit_hit(geometry, unit, current, unit_available).hit
+        if current >= hit:
+            return hit, contiguous_hits
+        hit = current
+
+
+def _unit_hit(
+    geometry: Geometry, unit: tuple[int, ...], cap: int, unit_available: UnitAvailableFn
+) -> UnitHit:
+    """The largest boundary <= ``cap`` that ``unit`` alone can restore, by its kind's rules."""
+    return geometry.groups[unit[0]].rules.unit_hit(
+        geometry, unit, cap, lambda boundary: unit_available(unit, boundary)
+    )
+
+
+def _build_plan(
+    candidates: LookupCandidates,
+    boundary: int,
+    local: int,
+    contiguous_hits: Mapping[tuple[int, ...], UnitHit],
+) -> LoadPlan:
+    scheme = candidates.scheme
+    geometry = scheme.geometry
+    hashes = candidates.block_hashes
+    unit_hash = geometry.hash_unit
+    loads: list[PlannedBlock] = []
+    for unit in geometry.lookup_units:
+        found = contiguous_hits.get(unit, UnitHit(boundary))
+        for g in unit:
+            rules = geometry.groups[g].rules
+            for block_index, key_boundary in rules.blocks_to_load(geometry, g, boundary, local, found):
+                loads.append(
+                    PlannedBlock(g, block_index, key_boundary, hashes[key_boundary // unit_hash - 1])
+                )
+    loads.sort(key=lambda load: (load.group_index, load.block_index))
+    return LoadPlan(
+        scheme=scheme,
+        boundary=boundary,
+        num_computed_tokens=candidates.num_computed_tokens,
+        loads=tuple(loads),
+    )
 
 
 @dataclass
@@ -110,25 +323,21 @@ class LookupSearch:
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}
 
-    def _boundaries(self, group_index: int) -> range | list[int]:
+    def _boundaries(self, group_index: int) -> Sequence[int]:
         """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
         geometry = self.scheme.geometry
-        group, span = geometry.groups[group_index], geometry.spans[group_index]
-        fine = geometry.is_fine_span[group_index]
-        step = geometry.hash_unit if fine and group.kind is not GroupKind.SLIDING_WINDOW else span
-        boundaries = range((self._local // step + 1) * step, self._cap + 1, step)
-        if group.kind is GroupKind.MAMBA and not fine:
-            return [b for b in boundaries if b % geometry.hit_alignment == 0]
-        return boundaries
+        return geometry.groups[group_index].rules.candidate_boundaries(
+            geometry, group_index, self._local, self._cap
+        )
 
     # -- keys -----------------------------------------------------------------------------------------
 
     def _rank_keys(self, group_index: int, boundary: int) -> list[str]:
         hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
-        return [prefix + hash_hex for prefix in self.scheme._group_rank_prefixes[group_index]]
+        return [prefix + hash_hex for prefix in self.scheme.group_rank_prefixes[group_index]]
 
     def _probe_key(self, group_index: int, boundary: int) -> str:
-        prefix = self.scheme._group_rank_prefixes[self._unit_first[group_index]][0]
+        prefix = self.scheme.group_rank_prefixes[self._unit_first[group_index]][0]
         return prefix + self._hex[boundary // self.scheme.geometry.hash_unit - 1]
 
     # -- the search -----------------------------------------------------------------------------------
@@ -227,25 +436,14 @@ class LookupSearch:
         """
         geometry = self.scheme.geometry
         keys: list[str] = []
-        for group_index, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
-            if group.kind is GroupKind.FULL:
-                continue  # every block below the boundary is in the plan already
-            if group.kind is GroupKind.MAMBA:
-                found = [
-                    b
-                    for b in reversed(self._boundaries(group_index))
-                    if b < boundary and self.known.get(self._probe_key(group_index, b))
-                ]
-                boundaries = found[:MAX_STEP_BACK_STATES]
-            else:
-                # Sliding window: the windows of the last MAX_STEP_BACK_STATES block boundaries below.
-                assert group.sliding_window is not None
-                reach = (MAX_STEP_BACK_STATES + cdiv(group.sliding_window - 1, span) + 1) * span
-                boundaries = [
-                    b
-                    for b in self._boundaries(group_index)
-                    if boundary - reach <= b < boundary and self.known.get(self._probe_key(group_index, b))
-                ]
+        for group_index, group in enumerate(geometry.groups):
+
+            def probed(b: int, group_index: int = group_index) -> bool:
+                return bool(self.known.get(self._probe_key(group_index, b)))
+
+            boundaries = group.rules.step_back_boundaries(
+                geometry, group_index, boundary, self._boundaries(group_index), probed, MAX_STEP_BACK_STATES
+            )
             for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)
         return tuple(keys)

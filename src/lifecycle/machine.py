@@ -34,18 +34,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.lifecycle.geometry import (
-    EntryId,
-    KeyScheme,
-    LoadOutcome,
-    LoadResolution,
-    LookupCandidates,
-    LookupResult,
-    SaveBlock,
-    SavePlan,
-    plan_lookup,
-)
-from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
+from hybridkv.lifecycle.load import LoadOutcome, LoadResolution
+from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, LookupSearch, plan_lookup
+from hybridkv.lifecycle.save import SavePlan
 from transitions import EventData, Machine
 
 if TYPE_CHECKING:
@@ -491,7 +483,7 @@ class SaveWave(_Model):
     def __init__(self, machine: LifecycleMachine, request_id: str, wave: int, plan: SavePlan) -> None:
         super().__init__(machine, request_id, wave, SAVE_INITIAL)
         self.plan = plan
-        self.stored: tuple[SaveBlock, ...] = ()
+        self.stored: tuple[PlannedBlock, ...] = ()
         self.boundary = max((b.key_boundary for b in plan.blocks), default=0)
         counts: dict[int, int] = {}
         for block in plan.blocks:
@@ -501,7 +493,7 @@ class SaveWave(_Model):
     def start_put(self) -> None:
         self._machine.fire(self, "start_put")
 
-    def finish_put(self, outcomes: Mapping[EntryId, bool]) -> tuple[SaveBlock, ...]:
+    def finish_put(self, outcomes: Mapping[EntryId, bool]) -> tuple[PlannedBlock, ...]:
         """Every rank reported. Returns the blocks to publish ``BlockStored`` for: all blocks if the
         whole wave is stored on every rank (``STORED``), otherwise none (``FAILED``)."""
         stored = self.plan.stored_blocks(outcomes)

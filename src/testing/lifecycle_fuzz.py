@@ -33,20 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
-from hybridkv.lifecycle.geometry import (
-    EntryId,
-    Geometry,
-    GroupKind,
-    GroupSpec,
-    KeyScheme,
-    LoadOutcome,
-    LoadPlan,
-    Topology,
-    cdiv,
-    plan_lookup,
-    plan_save,
-)
+from hybridkv.lifecycle.geometry import Geometry, Topology
+from hybridkv.lifecycle.keys import EntryId, KeyScheme
+from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
+from hybridkv.lifecycle.load import LoadOutcome, LoadPlan
+from hybridkv.lifecycle.lookup import plan_lookup
 from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.save import plan_save
 from hypothesis import event, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from connector_helpers import HASH
 from connector_helpers import kv_cache_config as _kv_cache_config
-from hybridkv.lifecycle.geometry import plan_lookup
+from hybridkv.lifecycle import plan_lookup
 from hybridkv.store import open_store
 
 pytestmark = pytest.mark.vllm

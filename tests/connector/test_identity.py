@@ -21,7 +21,7 @@ from hybridkv.connector.identity import (
     weights_identity,
     write_manifest,
 )
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, Topology
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology
 from hybridkv.store import Status, open_store
 
 GEOMETRY = Geometry(groups=(GroupSpec.full(16),), topology=Topology(tp_size=1, dcp_size=1))

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hybridkv.bench.scheduler import full_scan_hit, k3_request, k3_scheduler, store_prefix
 from hybridkv.connector.config import DEFAULT_LOOKUP_BUDGET_MS
-from hybridkv.lifecycle.geometry import plan_lookup
+from hybridkv.lifecycle import plan_lookup
 from hybridkv.store import open_store
 
 pytestmark = pytest.mark.vllm

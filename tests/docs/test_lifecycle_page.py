@@ -22,8 +22,8 @@ def audit_scenario() -> list[dict[str, Any]]:
     """
     import hashlib
 
+    from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome, Topology, plan_save
     from hybridkv.lifecycle.audit import MemoryAuditSink
-    from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, LoadOutcome, Topology, plan_save
     from hybridkv.lifecycle.machine import LifecycleMachine
 
     geometry = Geometry(

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from hybridkv.cli import main
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome
 from hybridkv.lifecycle.audit import JsonLinesAuditSink, audit_file, replay_records
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, LoadOutcome
 from hybridkv.lifecycle.machine import LifecycleMachine
 
 _SCHEME = KeyScheme(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from hybridkv.lifecycle.geometry import Geometry, GroupKind, KeyScheme, plan_lookup
+from hybridkv.lifecycle import Geometry, GroupKind, KeyScheme, plan_lookup
 from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
 from hypothesis import event, given, note
 from hypothesis import strategies as st

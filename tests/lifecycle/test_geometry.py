@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.lifecycle.geometry import (
+from hybridkv.lifecycle import (
     EntryId,
     Geometry,
     GroupSpec,
@@ -132,7 +132,7 @@ def test_truncation_after_a_split_load() -> None:
         else:
             outcomes[entry] = LoadOutcome.OK
     resolution = result.plan.resolve_outcomes(outcomes)
-    assert not resolution.verified and resolution.safe_boundary == 32
+    assert not resolution.verified and resolution.retry_cap == 32
     key_of = dict(result.plan.entries)
     invalid = set(resolution.invalid_keys)
     # The corrupt block goes on both ranks; the blocks past it (loaded on rank 0, never attempted on

@@ -7,7 +7,7 @@ some ranks or all), stray entries past the prefix, local hits and retry caps.
 
 from __future__ import annotations
 
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
 from hypothesis import event, given, note

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme
 from hybridkv.lifecycle.audit import MemoryAuditSink
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme
 from hybridkv.lifecycle.machine import (
     TRANSITIONS,
     IllegalTransition,

@@ -12,8 +12,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
-from hybridkv.lifecycle.geometry import (
+from hybridkv.lifecycle import (
     EntryId,
     Geometry,
     GroupSpec,
@@ -23,6 +22,7 @@ from hybridkv.lifecycle.geometry import (
     Topology,
     retry_cap,
 )
+from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
 from hybridkv.testing.lifecycle_fuzz import family_hashes
 
@@ -201,7 +201,7 @@ def test_unattempted_entries_only_keep_the_planned_boundary() -> None:
 
 
 def _plan(scheme: KeyScheme, boundary: int, loads: list[tuple[int, int, int]]) -> LoadPlan:
-    from hybridkv.lifecycle.geometry import BlockLoad
+    from hybridkv.lifecycle import PlannedBlock
 
     hashes = family_hashes(0, boundary // scheme.geometry.hash_unit + 4)
     unit = scheme.geometry.hash_unit
@@ -209,7 +209,7 @@ def _plan(scheme: KeyScheme, boundary: int, loads: list[tuple[int, int, int]]) -
         scheme=scheme,
         boundary=boundary,
         num_computed_tokens=0,
-        loads=tuple(BlockLoad(g, i, end, hashes[end // unit - 1]) for g, i, end in loads),
+        loads=tuple(PlannedBlock(g, i, end, hashes[end // unit - 1]) for g, i, end in loads),
     )
 
 

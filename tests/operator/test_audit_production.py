@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from hybridkv.cli import main
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome
 from hybridkv.lifecycle.audit import JsonLinesAuditSink, audit_file, audit_files, rotated_set
-from hybridkv.lifecycle.geometry import Geometry, GroupSpec, KeyScheme, LoadOutcome
 from hybridkv.lifecycle.machine import LifecycleMachine
 
 _SCHEME = KeyScheme(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from hybridkv.cli import main
+from hybridkv.lifecycle import EntryId, Geometry, GroupSpec, KeyScheme, LoadOutcome, plan_save
 from hybridkv.lifecycle.audit import JsonLinesAuditSink
-from hybridkv.lifecycle.geometry import EntryId, Geometry, GroupSpec, KeyScheme, LoadOutcome, plan_save
 from hybridkv.lifecycle.machine import LifecycleMachine
 from hybridkv.lifecycle.trace import LOG_PREFIX, parse_trace_line
 

@@ -1,0 +1,122 @@
+"""Store keys and fingerprints are a persistent format: these values are pinned.
+
+Entries written by one release must be found by the next, so a change to any value below is a key
+format change (bump ``KEY_VERSION``), never a side effect of moving code. The lookup and save plans
+are pinned too: they are the keys a deployment actually reads and writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup, plan_save
+
+BLOCK_HASHES = [hashlib.sha256(str(i).encode()).digest() for i in range(16)]
+
+SCHEMES = {
+    "single_full": KeyScheme(namespace="prod", model="m", geometry=Geometry(groups=(GroupSpec.full(16),))),
+    "full_mamba_dcp2": KeyScheme(
+        namespace="ns.1",
+        model="m",
+        geometry=Geometry(
+            groups=(GroupSpec.full(16, layout="bf16"), GroupSpec.mamba(64, layout="s")),
+            topology=Topology(tp_size=4, dcp_size=2, interleave=16),
+        ),
+        kv_cache_dtype="fp8",
+    ),
+    "full_swa": KeyScheme(
+        namespace="a-b_c",
+        model="x",
+        model_identity="sha:abc",
+        geometry=Geometry(
+            groups=(GroupSpec.full(32), GroupSpec.sliding_window_group(32, 100)), prefix_match_unit=16
+        ),
+    ),
+    "full_mamba_fine": KeyScheme(
+        namespace="n",
+        model="m",
+        geometry=Geometry(groups=(GroupSpec.full(16), GroupSpec.mamba(64)), other_group_spans=(32,)),
+    ),
+}
+
+HASH_HEX = "4e07408562bedb8b60ce05c1decfe3ad16b72230967de01f640b7e4729b49fce"
+
+#: name -> (fingerprint, key of the last group on the last rank for hash 3, hash unit, hit alignment,
+#: scheduler block, fine-grained, number of lookup candidate keys, digest of the candidate keys)
+PINNED = {
+    "single_full": (
+        "699a6ec20a66",
+        f"hkv1/prod/699a6ec20a66/g0/tp0/dcp0/{HASH_HEX}",
+        (16, 16, 16, False),
+        (16, "1dcfe814fdfc8067"),
+    ),
+    "full_mamba_dcp2": (
+        "16a46fb867c3",
+        f"hkv1/ns.1/16a46fb867c3/g1/tp3/dcp1/{HASH_HEX}",
+        (32, 32, 64, True),
+        (128, "421d6e2be770b046"),
+    ),
+    "full_swa": (
+        "882f8a608013",
+        f"hkv1/a-b_c/882f8a608013/g1/tp0/dcp0/{HASH_HEX}",
+        (16, 32, 32, False),
+        (16, "1df342110bbedfd7"),
+    ),
+    "full_mamba_fine": (
+        "f1182976cfbd",
+        f"hkv1/n/f1182976cfbd/g1/tp0/dcp0/{HASH_HEX}",
+        (16, 16, 64, True),
+        (32, "ca375ddb541ede03"),
+    ),
+}
+
+
+def _digest(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_keys_and_fingerprints_are_pinned(name: str) -> None:
+    scheme, (fingerprint, key, sizes, (num_keys, keys_digest)) = SCHEMES[name], PINNED[name]
+    geometry = scheme.geometry
+    assert scheme.fingerprint == fingerprint
+    assert scheme.key(geometry.num_groups - 1, geometry.topology.tp_size - 1, BLOCK_HASHES[3]) == key
+    assert (
+        geometry.hash_unit,
+        geometry.hit_alignment,
+        geometry.scheduler_block_size,
+        geometry.fine_grained,
+    ) == sizes
+    candidates = plan_lookup(scheme, BLOCK_HASHES, 16 * geometry.hash_unit + 1)
+    assert (len(candidates.keys), _digest(list(candidates.keys))) == (num_keys, keys_digest)
+
+
+#: name -> (agreed boundary with every candidate present, number and digest of the load plan's
+#: (entry, key) pairs, number and digest of the save plan's)
+PINNED_PLANS = {
+    "single_full": (256, (16, "c3531f33561514d4"), (16, "c3531f33561514d4")),
+    "full_mamba_dcp2": (512, (68, "476adcb518bc51bb"), (96, "ca2c0253dc55c070")),
+    "full_swa": (256, (12, "287978d97d9c6af3"), (24, "7f0aebd0ca82beb4")),
+    "full_mamba_fine": (256, (17, "d7c0934b14bc7392"), (20, "8db42e0c7b18b655")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_load_and_save_plans_are_pinned(name: str) -> None:
+    scheme = SCHEMES[name]
+    geometry = scheme.geometry
+    boundary, (num_loads, loads_digest), (num_saves, saves_digest) = PINNED_PLANS[name]
+    candidates = plan_lookup(scheme, BLOCK_HASHES, 16 * geometry.hash_unit + 1)
+    result = candidates.resolve([True] * len(candidates.keys))
+    assert result.plan is not None and result.boundary == boundary
+    loads = [f"{entry} {key}" for entry, key in result.plan.entries]
+    assert (len(loads), _digest(loads)) == (num_loads, loads_digest)
+    # Group 0 saves every hash boundary (whole blocks and tails), the others whole blocks only.
+    boundaries = [geometry.hash_unit * (i + 1) for i in range(len(BLOCK_HASHES))]
+    group_to_boundaries = {
+        g: [b for b in boundaries if b % (geometry.spans[g] if g else geometry.hash_unit) == 0]
+        for g in range(geometry.num_groups)
+    }
+    saves = [f"{entry} {key}" for entry, key in plan_save(scheme, BLOCK_HASHES, group_to_boundaries).entries]
+    assert (len(saves), _digest(saves)) == (num_saves, saves_digest)
