@@ -79,10 +79,17 @@ def test_failed_loads_truncate_and_recompute(family: str, fault: str, tmp_path: 
         reset_local_cache(llm)
         warm, cached = generate(llm, tokens)
         sched, worker = connectors(llm)
+        assert sched.scheduler_side.wait_maintenance(10), "invalidation removes still running after 10 s"
         s_tot, w_tot = dict(sched.scheduler_side.stats.totals), dict(worker.worker_side.stats.totals)
     assert warm == cold, f"{family} with {fault}: tokens differ after a failed load"
     assert cached == 0, "a failed load must not leave external tokens behind"
-    assert s_tot["truncations"] == 1 and s_tot["invalidated_entries"] > 0
+    assert s_tot["truncations"] == 1
+    if fault.startswith("corrupt"):
+        # A definite fault: the corrupt entries are removed from the store.
+        assert s_tot["invalidated_entries"] > 0
+    else:
+        # A transport failure proves nothing about the entries: they stay, the fault is counted.
+        assert s_tot.get("invalidated_entries", 0) == 0 and s_tot["load_transient_faults"] > 0
     assert w_tot["load_failed_keys"] > 0
     records = audit(log_path)
     trunc = [r for r in records if r["dst"] == "TRUNCATED"]

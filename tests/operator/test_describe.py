@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from hybridkv.cli import main
+from hybridkv.connector.identity import MANIFEST_NAME
 from hybridkv.store import open_store
 
 
@@ -150,7 +151,8 @@ def test_model_geometry_matches_the_serving_engine(
     ]
     assert {g["kind"] for g in geometry["groups"]} == {"full", "mamba"}
     with open_store(extra["store"]) as store:
-        keys = list(store.iter_keys(served.scheme.geometry_prefix))
+        # Block entries; the deployment's manifest (one small value) is not a block.
+        keys = [k for k in store.iter_keys(served.scheme.geometry_prefix) if not k.endswith(MANIFEST_NAME)]
     rows = [r for r in report["entries"] if r["fingerprint"] == fingerprint]
     assert sum(r["entries"] for r in rows) == len(keys) > 0
     entry_bytes = {g["group"]: g["entry_bytes"] for g in geometry["groups"]}
@@ -159,4 +161,5 @@ def test_model_geometry_matches_the_serving_engine(
     # The file store's objects are frames: payload plus a small header, so the bytes agree within it.
     num_bytes = sum(os.path.getsize(p) for p in (tmp_path / "store" / "objects").rglob("*") if p.is_file())
     payload = sum(r["payload_bytes"] for r in rows)
-    assert payload <= num_bytes <= payload + 256 * len(keys)
+    manifest_bytes = 4096 + 256  # the manifest's value and its frame
+    assert payload <= num_bytes <= payload + 256 * len(keys) + manifest_bytes
