@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
+from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
     BlockRef,

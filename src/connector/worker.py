@@ -51,7 +51,7 @@ import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
-from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
+from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,

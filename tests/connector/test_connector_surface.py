@@ -72,7 +72,7 @@ def test_sliding_window_under_dcp_is_refused_by_name(vllm_objs: dict[str, Any]) 
 
 
 def test_geometry_matches_vllm_and_is_logged_fields(vllm_objs: dict[str, Any]) -> None:
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
 
     geo = resolve_geometry(vllm_objs["vc"], kv_cache_config(), "ns", check_vllm_sizes=True)
     d = geo.describe()
@@ -86,7 +86,7 @@ def test_geometry_matches_vllm_and_is_logged_fields(vllm_objs: dict[str, Any]) -
 
 
 def test_mismatched_hash_unit_fails_startup(vllm_objs: dict[str, Any]) -> None:
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
 
     kvc = kv_cache_config()
     kvc.hash_block_size = 16
@@ -143,7 +143,7 @@ def test_messages_survive_pickling_between_processes(vllm_objs: dict[str, Any]) 
     """With TP > 1 the scheduler output (our metadata inside) and worker outputs cross process boundaries."""
     import pickle
 
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
     from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
 
     scheme = resolve_geometry(vllm_objs["vc"], kv_cache_config(), "ns", check_vllm_sizes=True).scheme

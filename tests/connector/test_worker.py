@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.geometry import resolve_geometry
+from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
 from hybridkv.connector.worker import WorkerSide
 from hybridkv.store import open_store
