@@ -43,19 +43,22 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
+    LoadResult,
     SaveJob,
+    SaveOutcome,
+    SaveResult,
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
-from hybridkv.lifecycle.geometry import EntryId, GroupKind, LoadOutcome, cdiv, plan_save
+from hybridkv.lifecycle.geometry import GroupKind, cdiv, plan_save
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
@@ -101,7 +104,7 @@ class _Req:
     #: when vLLM first asked for the current lookup and got "ask again"
     waiting_since: float | None = None
     load: LoadJob | None = None
-    load_results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+    load_results: list[LoadResult] = field(default_factory=list)
     load_ranks: set[int] = field(default_factory=set)
     #: next block index to save, per store group (full / SWA); set on the first scheduled step
     saved_upto: dict[int, int] | None = None
@@ -120,7 +123,7 @@ class _Job:
     #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
     epoch: int
     ranks_done: set[int] = field(default_factory=set)
-    results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+    results: list[SaveResult] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -557,17 +560,17 @@ class SchedulerSide:
         if not isinstance(wm, HybridStoreWorkerMetadata):
             return
         ranks = self._all_ranks
-        for rid, results in wm.loads.items():
+        for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is None or r.load is None:
                 continue
-            r.load_results.extend(results)
-            r.load_ranks.update(res[0] for res in results)
+            r.load_results.extend(load_results)
+            r.load_ranks.update(res.entry.tp_rank for res in load_results)
             if r.load_ranks >= ranks:
                 self._judge_load(r)
-        for job_id, results in wm.saves.items():
+        for job_id, save_results in wm.saves.items():
             if (j := self._jobs.get(job_id)) is not None:
-                j.results.extend(results)
+                j.results.extend(save_results)
         for job_id, done_ranks in wm.saves_done.items():
             if (j := self._jobs.get(job_id)) is not None:
                 j.ranks_done.update(done_ranks)
@@ -577,10 +580,7 @@ class SchedulerSide:
     def _judge_load(self, r: _Req) -> None:
         job = r.load
         assert job is not None
-        outcomes = {
-            EntryId(rank, sgid, idx, end): LoadOutcome.from_status(st)
-            for rank, sgid, idx, end, st in r.load_results
-        }
+        outcomes = {res.entry: res.outcome for res in r.load_results}
         self.stats.add("load_calls")
         resolution = r.lc.finish_load(outcomes)
         r.load = None
@@ -672,11 +672,11 @@ class SchedulerSide:
         del self._jobs[j.job.job_id]
         if self._pool is not None and j.pinned:
             self._pool.free_blocks(list(reversed(j.pinned)))
-        if j.results and all(st == "dropped" for *_, st in j.results):
+        if j.results and all(res.outcome is SaveOutcome.DROPPED for res in j.results):
             # Backpressure on every rank: nothing was written, so nothing can be published.
             j.wave.drop("backpressure")
             return
-        outcomes = {EntryId(rank, sgid, idx, end): st == "ok" for rank, sgid, idx, end, st in j.results}
+        outcomes = {res.entry: res.outcome is SaveOutcome.OK for res in j.results}
         stored = j.wave.finish_put(outcomes)
         with self._lock:
             # A reset since the job was created, or an invalidation removal still pending for a block,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hybridkv.connector.metadata import LoadResult, SaveOutcome, SaveResult
+from hybridkv.lifecycle.geometry import LoadOutcome
 from hybridkv.store import open_store
 from hybridkv.testing.cluster import HASH
 from hybridkv.testing.cluster import kv_cache_config as _kv_cache_config
@@ -97,9 +99,7 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert plan == [(0, 0), (0, 1), (0, 2), (1, 2)], plan  # 3 full blocks; Mamba block cdiv(96,32)-1
     assert side.stats.totals["hit_tokens.g1"] == 96
 
-    results = {
-        "b": [(rank, b.sgid, b.index, b.key_boundary, "ok") for rank in (0, 1) for b in loads[0].blocks]
-    }
+    results = {"b": [LoadResult(b.entry(rank), LoadOutcome.OK) for rank in (0, 1) for b in loads[0].blocks]}
     sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
     assert side._reqs["b"].lc.state == "VERIFIED"
     out = sched.schedule()
@@ -117,7 +117,9 @@ def _load_results(job: Any, bad: set[tuple[int, int, int]]) -> Any:
     return HybridStoreWorkerMetadata(
         loads={
             job.req_id: [
-                (rank, b.sgid, b.index, b.key_boundary, "corrupt" if (rank, b.sgid, b.index) in bad else "ok")
+                LoadResult(
+                    b.entry(rank), LoadOutcome.CORRUPT if (rank, b.sgid, b.index) in bad else LoadOutcome.OK
+                )
                 for rank in (0, 1)
                 for b in job.blocks
             ]
@@ -260,8 +262,8 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
             assert table[0][b.index] == b.block_id
         assert pool.blocks[b.block_id].ref_cnt >= 2, "a save source block must be pinned"
 
-    def report(ranks: tuple[int, ...], status: str = "ok") -> None:
-        res = [(r, b.sgid, b.index, b.key_boundary, status) for r in ranks for b in blocks]
+    def report(ranks: tuple[int, ...]) -> None:
+        res = [SaveResult(b.entry(r), SaveOutcome.OK) for r in ranks for b in blocks]
         wm = HybridStoreWorkerMetadata(
             saves={saves[0].job_id: res}, saves_done={saves[0].job_id: list(ranks)}
         )
@@ -342,7 +344,7 @@ def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dic
     (save,) = out.kv_connector_metadata.saves
     wave = side._jobs[save.job_id].wave
     refs_before = {b.block_id: pool.blocks[b.block_id].ref_cnt for b in save.blocks}
-    results = [(r, b.sgid, b.index, b.key_boundary, "dropped") for r in (0, 1) for b in save.blocks]
+    results = [SaveResult(b.entry(r), SaveOutcome.DROPPED) for r in (0, 1) for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: [0, 1]})
     sched.update_from_output(
         out,
