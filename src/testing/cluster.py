@@ -433,7 +433,7 @@ class Cluster:
         assert not leaked, f"blocks still referenced (pins leaked?): {leaked[:10]}"
         assert self.pool.get_num_free_blocks() == len(self.pool.blocks) - 1
         side = self.side
-        assert not side._jobs and not side._pending_saves and not side._pending_loads, "connector holds jobs"
+        assert not side.saves.has_work() and not side._pending_loads, "connector holds jobs"
         assert not side._reqs, f"live lifecycles: {list(side._reqs)}"
         assert not side.has_pending_push_work()
         report = replay_records(json.dumps(r, default=str) for r in self.audit.records)

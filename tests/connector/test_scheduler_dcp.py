@@ -181,7 +181,7 @@ def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
     r = side._reqs["c"]
     assert r.lc.state == "LOADING" and r.load is job and r.load_results == [] and r.load_ranks == set()
     sched.update_from_output(out, _output(out, _load_results(job, set()), {"c"}, set()))
-    assert r.lc.state == "VERIFIED" and r.loaded_boundary == 64
+    assert r.lc.state == "VERIFIED" and r.saves.loaded_boundary == 64
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("c", 64)]
     assert out.kv_connector_metadata.loads == []
@@ -342,7 +342,8 @@ def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dic
     sched.add_request(req)
     out = sched.schedule()
     (save,) = out.kv_connector_metadata.saves
-    wave = side._jobs[save.job_id].wave
+    wave = side.saves.wave(save.job_id)
+    assert wave is not None
     refs_before = {b.block_id: pool.blocks[b.block_id].ref_cnt for b in save.blocks}
     results = [SaveResult(b.entry(r), SaveOutcome.DROPPED) for r in (0, 1) for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: [0, 1]})

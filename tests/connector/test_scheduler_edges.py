@@ -284,5 +284,5 @@ def test_a_tail_save_event_covers_the_block_start_to_its_boundary(objs: dict[str
     side = sched.connector.scheduler_side
     req = _request("tail", 100, first=4000)
     # A full-attention entry of block 2 ([64, 96)) stored under boundary 80 (a prompt tail).
-    event = side._stored_event(0, 80, b"\x05" * 32, req)
+    event = side.saves.stored_event(0, 80, b"\x05" * 32, req)
     assert event.token_ids == list(req.all_token_ids[64:80]) and event.block_size == 32
