@@ -409,6 +409,17 @@ class SchedulerSide:
             r.lc.exhausted = True  # no transition leads from here: the log line above is the record
 
     # ------------------------------------------------------------------ per step
+    def take_unplanned_meta(self) -> HybridStoreMetadata:
+        """The jobs queued outside step planning (load jobs, finish-time tail saves), each sent once.
+
+        ``build_meta`` starts from this; between steps it is everything the next step would send besides
+        its own positional and state saves (``HybridStoreConnector.settle_saves``)."""
+        meta = HybridStoreMetadata(
+            scheme=self.scheme, loads=self._pending_loads, saves=self.saves.take_unsent()
+        )
+        self._pending_loads = []
+        return meta
+
     def build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
         """``build_connector_meta``: this step's message to every worker.
 
@@ -418,10 +429,7 @@ class SchedulerSide:
         :meth:`SavePlanner.step_job`). Every save job's source blocks are pinned from here until every
         rank reported it.
         """
-        meta = HybridStoreMetadata(
-            scheme=self.scheme, loads=self._pending_loads, saves=self.saves.take_unsent()
-        )
-        self._pending_loads = []
+        meta = self.take_unplanned_meta()
         bs = so.kv_connector_block_state
         if bs is None or not self.can_save or self.namespace_closed:
             return meta
@@ -462,8 +470,11 @@ class SchedulerSide:
         every rank finished. Results for requests or jobs no longer tracked are ignored.
         """
         wm = out.kv_connector_worker_meta
-        if not isinstance(wm, HybridStoreWorkerMetadata):
-            return
+        if isinstance(wm, HybridStoreWorkerMetadata):
+            self.on_worker_meta(wm)
+
+    def on_worker_meta(self, wm: HybridStoreWorkerMetadata) -> None:
+        """The aggregated worker metadata of one step (see ``on_output``)."""
         ranks = self._all_ranks
         for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
@@ -603,6 +614,25 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return self.saves.has_work()
+
+    # ------------------------------------------------------------------ inspection (tests, benches, tools)
+    def lifecycle(self, request_id: str) -> RequestLifecycle | None:
+        """The current lifecycle of a tracked request (None once finished or never seen)."""
+        r = self._reqs.get(request_id)
+        return r.lc if r is not None else None
+
+    def loaded_boundary(self, request_id: str) -> int:
+        """Tokens the tracked request restored from this store (0: none, or not tracked)."""
+        r = self._reqs.get(request_id)
+        return r.saves.loaded_boundary if r is not None else 0
+
+    def tracked_request_ids(self) -> list[str]:
+        """The requests this half follows (from ``on_new_request`` until ``request_finished``)."""
+        return list(self._reqs)
+
+    def is_idle(self) -> bool:
+        """No tracked request, no load job waiting to be sent, no save job unsent or in flight."""
+        return not self._reqs and not self._pending_loads and not self.saves.has_work()
 
     def reset_cache(self) -> bool:
         """Remove this deployment's namespace (``reset_prefix_cache(reset_connector=True)``).

@@ -257,7 +257,13 @@ class WorkerSide:
         return [SaveResult(ref.entry(self.tp_rank), outcome) for ref in job.blocks]
 
     def block_nbytes(self, sgid: int) -> int:
+        """Bytes of one block of store group ``sgid`` (all its layers)."""
         return int(self._movers[sgid].block_nbytes)
+
+    def group_tensors(self, sgid: int) -> list[torch.Tensor]:
+        """The registered KV cache tensors of store group ``sgid``, in the group's layer order; index one
+        with a block id for that block's page (inspection: tests and tools)."""
+        return list(self._movers[sgid].tensors)
 
     def _fence(self) -> Fence:
         """CUDA: an event on the current (compute) stream; transfers queued after it wait for it."""
@@ -332,12 +338,14 @@ class WorkerSide:
                 continue
             scheme, job, fence = item
             owned = _LateOwnership()
+            started = time.perf_counter()
             try:
                 ok, results = self._load_job(scheme, job, fence, owned)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
                 log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
                 ok = False
                 results = self._load_results(job, LoadOutcome.TRANSPORT_ERROR)
+            self.stats.add("load_job_seconds", time.perf_counter() - started)
             if not owned.calls:
                 self._finish_load(job, ok, results)
             elif self._staging is not None:

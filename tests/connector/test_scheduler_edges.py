@@ -85,7 +85,7 @@ def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict
     # Rank 1 timed out on full-attention block 2 and never attempted the Mamba state at 128.
     wm = _results(job, {(1, 0, 2): LoadOutcome.TIMEOUT, (1, 1, 3): LoadOutcome.NOT_ATTEMPTED})
     sched.update_from_output(out, _output(out, wm, {"t1"}, {"t1"}))
-    lc = side._reqs["t1"].lc
+    lc = side.lifecycle("t1")
     assert lc.state == "TRUNCATED" and lc.max_boundary == 64  # this request may not use block 2
     assert side.wait_maintenance(10)
     assert _present(store, keys) == set(keys), "a timeout says nothing about the entry: nothing removed"
@@ -135,7 +135,7 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     t0 = time.monotonic()
     out = sched.schedule()
     assert time.monotonic() - t0 < 0.5
-    assert side._reqs["h2"].lc.state == "MISS"
+    assert side.lifecycle("h2").state == "MISS"
     assert out.kv_connector_metadata.loads == [] and out.kv_connector_metadata.saves == []
     assert side.wait_maintenance(10)
     assert _present(store, keys) == set() and not side.namespace_closed
@@ -184,7 +184,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("m1", 0)]
     assert out.kv_connector_metadata.loads == []  # no second hit for this incarnation
-    assert side._reqs["m1"].lc.state == "MISS"
+    assert side.lifecycle("m1").state == "MISS"
 
 
 # ------------------------------------------------------------------------------------------------- item 6

@@ -87,6 +87,7 @@ def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> No
             LoadResult(EntryId(0, 1, 0, 32), LoadOutcome.OK),
         ]
         assert ws.stats.totals["load_bytes"] == 16 * 64 * 2 + 256
+        assert ws.stats.totals["load_job_seconds"] > 0, "the load thread's time per job is exported"
     finally:
         ws.shutdown()
 
