@@ -127,7 +127,6 @@ class SchedulerSide:
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()
-        self._by_gid = {g.gid: g for g in self.geo.groups}
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
         self._events: list[Any] = []
