@@ -213,7 +213,7 @@ def measure_lookup(
             conn_us = _sample(connector, iterations, finish)
             hit = answer[0] if answer else 0
             assert all(a == hit for a in answer) and hit > 0, f"{store_url}: lookup answers {set(answer)}"
-            assert side._reqs == {} and side.stats.totals.get("lookup_errors", 0) == 0
+            assert not side.tracked_request_ids() and side.stats.totals.get("lookup_errors", 0) == 0
             b, lcp, c = _percentiles(bare_us), _percentiles(lc_us), _percentiles(conn_us)
             rows.append(
                 {

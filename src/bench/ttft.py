@@ -56,7 +56,6 @@ TABLE_COLUMNS = [
     "external_hit_tokens",
     "loaded_mb",
     "load_job_ms",
-    "load_job_idle_ms",
     "copy_floor_ms",
     "external_over_local",
     "cold_over_external",
@@ -109,36 +108,6 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
-class _LoadTimer:
-    """Wall time the worker's load thread spends in each load job (store reads + scatter into the cache)."""
-
-    def __init__(self, worker_side: Any) -> None:
-        self.samples: list[float] = []
-        self.last_call: tuple[Any, Any] | None = None
-        self._inner = inner = worker_side._load_job
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self.last_call = (args, kwargs)
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.samples.append(time.perf_counter() - start)
-
-        worker_side._load_job = timed
-
-    def replay_last(self) -> float | None:
-        """Run the last load job again while the engine is idle (it rewrites the bytes the blocks already
-        hold, from the same store entries); seconds, or None when there was none. Separates the data path's
-        own cost from contention with the engine loop during a real request."""
-        if self.last_call is None:
-            return None
-        args, kwargs = self.last_call
-        start = time.perf_counter()
-        self._inner(*args, **kwargs)
-        return time.perf_counter() - start
-
-
 def _model_facts(family: str, size: str, dtype: str) -> dict[str, Any]:
     _, kw = tiny_config_kwargs(family, size=size)
     layer_types = kw.get("layer_types") or ["full_attention"] * kw["num_hidden_layers"]
@@ -188,7 +157,6 @@ def measure_hybridkv(
     loaded_bytes: list[int] = []
     loaded_keys: list[int] = []
     load_job_s: list[float] = []
-    load_job_idle_s: list[float] = []
     start = time.perf_counter()
     with vllm_harness.inprocess_engine(
         model_dir,
@@ -198,7 +166,6 @@ def measure_hybridkv(
     ) as llm:
         engine_start_s = time.perf_counter() - start
         sched, worker = vllm_harness.connector_halves(llm)
-        timer = _LoadTimer(worker.worker_side)
         geo = sched.scheduler_side.geo.describe()
         # Round 0 warms every code path (cold, local hit, reset, external hit) on a short prompt; not counted.
         for round_index in range(rounds + 1):
@@ -210,7 +177,7 @@ def measure_hybridkv(
             vllm_harness.drop_local_cache(llm)
             totals = worker.worker_side.stats.totals
             bytes_before, keys_before = totals.get("load_bytes", 0), totals.get("load_keys", 0)
-            jobs_before = len(timer.samples)
+            load_s_before = totals.get("load_job_seconds", 0.0)
             ext_s, ext_cached = _timed_generate(llm, tokens)
             worker.worker_side.flush()
             vllm_harness.settle(llm)
@@ -226,10 +193,7 @@ def measure_hybridkv(
                 cached[name].append(num)
             loaded_bytes.append(int(totals.get("load_bytes", 0) - bytes_before))
             loaded_keys.append(int(totals.get("load_keys", 0) - keys_before))
-            load_job_s.append(sum(timer.samples[jobs_before:]))
-            idle = timer.replay_last() if len(timer.samples) > jobs_before else None
-            if idle is not None:
-                load_job_idle_s.append(idle)
+            load_job_s.append(float(totals.get("load_job_seconds", 0.0) - load_s_before))
         sched_totals = dict(sched.scheduler_side.stats.totals)
     return {
         "engine_start_s": engine_start_s,
@@ -239,7 +203,6 @@ def measure_hybridkv(
         "loaded_bytes": loaded_bytes,
         "loaded_keys": loaded_keys,
         "load_job_s": load_job_s,
-        "load_job_idle_s": load_job_idle_s,
         "scheduler_totals": {k: v for k, v in sched_totals.items() if not k.startswith("hit_tokens.")},
     }
 
@@ -318,7 +281,6 @@ def _row(
     loaded_keys: int | None,
     memcpy_gbps: float | None,
     load_job: float | None,
-    load_job_idle: float | None = None,
 ) -> dict[str, Any]:
     floor_ms = loaded_bytes / memcpy_gbps / 1e6 if memcpy_gbps and loaded_bytes else None
     extra_ms = (ext - local) * 1e3 if ext is not None and local is not None else None
@@ -333,7 +295,6 @@ def _row(
         "loaded_mb": loaded_bytes / 1e6,
         "loaded_keys": loaded_keys,
         "load_job_ms": _ms(load_job),
-        "load_job_idle_ms": _ms(load_job_idle),
         "memcpy_gbps": memcpy_gbps,
         "copy_floor_ms": floor_ms,
         "external_over_local": _ratio(ext, local),
@@ -401,7 +362,6 @@ def run_ttft_bench(
                 loaded_keys=med_keys,
                 memcpy_gbps=memcpy_gbps,
                 load_job=_median(ours["load_job_s"]),
-                load_job_idle=_median(ours["load_job_idle_s"]),
             )
         )
         details[family] = {
@@ -461,8 +421,8 @@ def run_ttft_bench(
         "ratios": "external_over_local = external-hit / local-hit TTFT; cold_over_external = cold / external-hit; "
         "copy_floor_ms = loaded bytes / memcpy GB/s of the same value size, measured in the same run; "
         "overhead_over_floor = (external-hit - local-hit) / copy floor; load_job_ms = time the worker's load "
-        "thread spent reading the store and writing the blocks during the request; load_job_idle_ms = the same "
-        "job re-run right after, with the engine idle. ExampleConnector runs with prefix caching off "
+        "thread spent reading the store and writing the blocks during the request (the load_job_seconds "
+        "counter). ExampleConnector runs with prefix caching off "
         "(its loaded_bytes = safetensors bytes it wrote), so its ratios use the HybridStoreConnector local hit.",
         "rows": rows,
         "details": details,

@@ -5,7 +5,7 @@ Given the connector's ``kv_connector_extra_config`` (or only a store URL) and op
 - the resolved geometry per store group (kind, vLLM block, span, DCP sharding, bytes per entry) with the
   hash unit, hit alignment, key fingerprint and namespace -- resolved by vLLM itself: an in-process engine
   (CPU build works) starts with the connector on a private ``memory://`` store, and
-  ``hybridkv.connector.geometry.resolve_geometry`` reads its ``kv_cache_config``;
+  ``hybridkv.connector.vllm_geometry.resolve_geometry`` reads its ``kv_cache_config``;
 - the store's health: reachable, latency of an existence check on a random key under a deadline (the
   connector's ``lookup_budget_ms``), the state a lookup breaker would be in after those probes, and the
   backend's own breaker when it has one (Mooncake);
@@ -151,7 +151,7 @@ def describe_model_geometry(
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     import gc
 
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
     from vllm import LLM
     from vllm.config import KVTransferConfig
 

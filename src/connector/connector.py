@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -108,6 +107,10 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "worker-side call on a scheduler-role HybridStoreConnector"
         return self._worker
 
+    def worker_side_if_any(self) -> WorkerSide | None:
+        """The worker half, or None on a scheduler-role connector or after ``shutdown``."""
+        return self._worker
+
     # ------------------------------------------------------------------ worker role
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
@@ -181,10 +184,17 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Keep vLLM's manager and wrap its ``reset_prefix_cache`` so in-flight saves settle first.
+
+        Why a wrap: vLLM's ``reset_prefix_cache()`` succeeds only when no block is referenced, and this
+        connector pins the source blocks of its in-flight saves until every worker reported them, which
+        normally happens inside a later engine step -- one an idle engine never takes, so the reset would
+        fail for as long as the engine stays idle. vLLM 0.32 offers no hook before that check (the
+        connector's ``reset_cache`` runs after it), so the wrapper settles the saves
+        (:meth:`settle_saves`) and then calls the original. It is the only vLLM method this connector
+        replaces, and only on the manager vLLM bound it to.
+        """
         super().bind_kv_cache_manager(kv_cache_manager)
-        # vLLM's reset_prefix_cache() only succeeds when no block is referenced; the pins of this
-        # connector's in-flight saves are released when the workers report them, normally inside a later
-        # engine step, which an idle in-process engine never takes. Settle them first.
         reset = kv_cache_manager.reset_prefix_cache
 
         def reset_prefix_cache() -> bool:
@@ -211,9 +221,10 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if worker is None:
             return False
         with self._settle_lock:
-            # Jobs not yet sent (finish-time partial tails): what the next build_meta would send. Between
-            # steps there are no pending loads (they leave in the same schedule() that planned them).
-            meta = sched.build_meta(SimpleNamespace(kv_connector_block_state=None))
+            # Jobs not yet sent (finish-time partial tails): what the next build_meta would send besides
+            # step saves (no step is scheduled). Between steps there are no pending loads (they leave in
+            # the same schedule() that planned them).
+            meta = sched.take_unplanned_meta()
             if meta.loads:
                 worker.start_load(meta)
             if meta.saves:
@@ -221,7 +232,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             flushed = worker.flush(timeout)
             wm = worker.worker_meta()
             if wm is not None:
-                sched.on_output(SimpleNamespace(kv_connector_worker_meta=wm))
+                sched.on_worker_meta(wm)
         settled = not sched.has_pending_push_work()
         if not settled:
             log.warning("hybridkv: saves still in flight after settling", flushed=flushed, timeout_s=timeout)
@@ -333,5 +344,4 @@ def _local_worker() -> WorkerSide | None:
     if not has_kv_transfer_group():
         return None
     group = get_kv_transfer_group()
-    side = getattr(group, "_worker", None) if isinstance(group, HybridStoreConnector) else None
-    return side
+    return group.worker_side_if_any() if isinstance(group, HybridStoreConnector) else None

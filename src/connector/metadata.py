@@ -4,14 +4,22 @@
   scheduler's ``KeyScheme``; each worker derives its own keys (``scheme.key(group, tp_rank, hash)``), so one
   message serves all ranks and every rank names entries exactly as the scheduler looked them up.
 - :class:`HybridStoreWorkerMetadata` (worker -> scheduler, one per step, ``aggregate()`` merges ranks):
-  per-(rank, group, block) load results and per-(rank, entry) save results.
+  typed per-entry results -- :class:`LoadResult` (the lifecycle's ``EntryId`` and ``LoadOutcome``) and
+  :class:`SaveResult` (``EntryId`` and :class:`SaveOutcome`) -- and the ranks that finished each save job.
+
+Everything here crosses process boundaries inside vLLM's ``ModelRunnerOutput`` (pickled by the
+multiprocess executor's message queue), so results are small named tuples of ints and enum members.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.keys import EntryId, KeyScheme
+from hybridkv.lifecycle.load import LoadOutcome
+from hybridkv.store.base import Status
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
@@ -25,6 +33,10 @@ class BlockRef:
     block_id: int
     block_hash: bytes  # the hash that keys the entry (at ``key_boundary``)
     key_boundary: int
+
+    def entry(self, tp_rank: int) -> EntryId:
+        """This block's stored entry on ``tp_rank``."""
+        return EntryId(tp_rank, self.sgid, self.index, self.key_boundary)
 
 
 @dataclass(frozen=True)
@@ -48,14 +60,56 @@ class HybridStoreMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
 
 
-#: (tp_rank, sgid, block index, key boundary, status value) -- the lifecycle's ``EntryId`` plus a status
-LoadResult = tuple[int, int, int, int, str]
-SaveResult = tuple[int, int, int, int, str]
+class SaveOutcome(enum.Enum):
+    """What happened to one entry of a save job on one rank.
+
+    Only ``OK`` (written, or already present: puts are insert-if-absent) lets the scheduler publish the
+    block. ``DROPPED``: never sent to the store (the rank's in-flight budget was full, its staging pool
+    stayed exhausted, or it was asleep) -- a job every rank dropped entirely is a dropped wave, not a
+    failed one.
+    """
+
+    OK = "ok"
+    NO_SPACE = "no_space"
+    TIMEOUT = "timeout"
+    TRANSPORT_ERROR = "transport_error"
+    DROPPED = "dropped"
+
+    @classmethod
+    def from_status(cls, status: Status) -> SaveOutcome:
+        """The outcome of a store ``put`` (or ``exists``) status; anything unexpected is a transport error."""
+        return _PUT_STATUS_TO_OUTCOME.get(status, SaveOutcome.TRANSPORT_ERROR)
+
+
+_PUT_STATUS_TO_OUTCOME: dict[Status, SaveOutcome] = {
+    Status.OK: SaveOutcome.OK,
+    Status.NO_SPACE: SaveOutcome.NO_SPACE,
+    Status.TIMEOUT: SaveOutcome.TIMEOUT,
+    Status.TRANSFER_FAILED: SaveOutcome.TRANSPORT_ERROR,
+}
+
+
+class LoadResult(NamedTuple):
+    """One planned entry of a load job, as one rank read it."""
+
+    entry: EntryId
+    outcome: LoadOutcome
+
+
+class SaveResult(NamedTuple):
+    """One entry of a save job, as one rank wrote it."""
+
+    entry: EntryId
+    outcome: SaveOutcome
 
 
 @dataclass
 class HybridStoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Results since the previous step, keyed by request (loads) and job (saves), lists over ranks."""
+    """Results since the previous step, keyed by request (loads) and job (saves), lists over ranks.
+
+    A load's results arrive in the step its rank reported the request in ``finished_recving``; a save
+    job's results arrive no later than its rank's entry in ``saves_done``.
+    """
 
     loads: dict[str, list[LoadResult]] = field(default_factory=dict)
     saves: dict[int, list[SaveResult]] = field(default_factory=dict)
@@ -69,12 +123,12 @@ class HybridStoreWorkerMetadata(KVConnectorWorkerMetadata):
             saves={k: list(v) for k, v in self.saves.items()},
             saves_done={k: list(v) for k, v in self.saves_done.items()},
         )
-        for k, v in other.loads.items():
-            out.loads.setdefault(k, []).extend(v)
-        for j, v in other.saves.items():
-            out.saves.setdefault(j, []).extend(v)
-        for j, ranks in other.saves_done.items():
-            out.saves_done.setdefault(j, []).extend(ranks)
+        for req_id, load_results in other.loads.items():
+            out.loads.setdefault(req_id, []).extend(load_results)
+        for job_id, save_results in other.saves.items():
+            out.saves.setdefault(job_id, []).extend(save_results)
+        for job_id, ranks in other.saves_done.items():
+            out.saves_done.setdefault(job_id, []).extend(ranks)
         return out
 
     def is_empty(self) -> bool:

@@ -1,4 +1,7 @@
-"""The scheduler half of ``HybridStoreConnector``: lookups, load plans, save plans, pins, verdicts.
+"""The scheduler half of ``HybridStoreConnector``: lookups, load plans, load verdicts, store maintenance.
+
+The save path (which blocks to save when, save jobs, pins, ``BlockStored``) is
+:class:`~hybridkv.connector.save_planner.SavePlanner`, owned by this half.
 
 The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, retry cap,
 invalid keys, the state machine and its audit); this half drives it from vLLM's hooks and moves the
@@ -43,24 +46,21 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
-    SaveJob,
+    LoadResult,
 )
+from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
-from hybridkv.lifecycle.keys import EntryId
-from hybridkv.lifecycle.kinds import KIND_RULES, cdiv
-from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.lifecycle.lookup import LookupSearch
-from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, SaveWave, State
-from hybridkv.lifecycle.save import plan_save
+from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ RESET_WAIT_S = 1.0
 class _Req:
     request: Request
     lc: RequestLifecycle
+    saves: RequestSaves
     #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
     memo: tuple[tuple[int, int, int | None], int] | None = None
     #: existence facts (key -> present) gathered by this incarnation's searches
@@ -104,26 +105,13 @@ class _Req:
     #: when vLLM first asked for the current lookup and got "ask again"
     waiting_since: float | None = None
     load: LoadJob | None = None
-    load_results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+    load_results: list[LoadResult] = field(default_factory=list)
     load_ranks: set[int] = field(default_factory=set)
-    #: next block index to save, per store group (full / SWA); set on the first scheduled step
-    saved_upto: dict[int, int] | None = None
-    #: tokens restored from this store, so saves skip them
-    loaded_boundary: int = 0
-    #: (sgid, key boundary) of full-attention prompt tails already saved
-    tails_saved: set[tuple[int, int]] = field(default_factory=set)
 
-
-@dataclass
-class _Job:
-    job: SaveJob
-    wave: SaveWave
-    pinned: list[Any]
-    request: Request
-    #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
-    epoch: int
-    ranks_done: set[int] = field(default_factory=set)
-    results: list[tuple[int, int, int, int, str]] = field(default_factory=list)
+    @property
+    def loading_boundary(self) -> int:
+        """The boundary of the load in flight (0: none)."""
+        return self.load.boundary if self.load is not None else 0
 
 
 class SchedulerSide:
@@ -139,17 +127,13 @@ class SchedulerSide:
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()
-        self._by_gid = {g.gid: g for g in self.geo.groups}
         self._reqs: dict[str, _Req] = {}
         self._pending_loads: list[LoadJob] = []
-        self._pending_saves: list[SaveJob] = []
-        self._jobs: dict[int, _Job] = {}
-        self._next_job = 1
         self._events: list[Any] = []
-        self._pool: Any = None
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
+        self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
             self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
         )
@@ -191,7 +175,7 @@ class SchedulerSide:
             )
 
     def bind_block_pool(self, pool: Any) -> None:
-        self._pool = pool
+        self.saves.bind_block_pool(pool)
 
     def track(self, request: Request) -> None:
         """Start following a request (``on_new_request``): its prompt blocks may be saved, and its lookup
@@ -209,7 +193,9 @@ class SchedulerSide:
     def _track(self, request: Request) -> _Req:
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = _Req(request=request, lc=self.machine.new_request(request.request_id))
+            r = _Req(
+                request=request, lc=self.machine.new_request(request.request_id), saves=RequestSaves(request)
+            )
             self._reqs[request.request_id] = r
         return r
 
@@ -346,6 +332,14 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: bind the request's load plan to the blocks vLLM allocated.
+
+        ``num_external_tokens == 0``: a planned hit vLLM did not take is declined (no load). Otherwise the
+        plan must match vLLM's allocation exactly (token count, no plan block on the null block); then a
+        load job is queued for the next ``build_meta`` and the lifecycle enters ``LOADING``. A mismatch
+        never raises: the hit is declined with an empty load job the workers report failed, so vLLM
+        recomputes the request.
+        """
         r = self._reqs.get(request.request_id)
         if r is None or num_external_tokens == 0:
             if r is not None and r.lc.current is State.PARTIAL_HIT:
@@ -414,9 +408,27 @@ class SchedulerSide:
             r.lc.exhausted = True  # no transition leads from here: the log line above is the record
 
     # ------------------------------------------------------------------ per step
+    def take_unplanned_meta(self) -> HybridStoreMetadata:
+        """The jobs queued outside step planning (load jobs, finish-time tail saves), each sent once.
+
+        ``build_meta`` starts from this; between steps it is everything the next step would send besides
+        its own positional and state saves (``HybridStoreConnector.settle_saves``)."""
+        meta = HybridStoreMetadata(
+            scheme=self.scheme, loads=self._pending_loads, saves=self.saves.take_unsent()
+        )
+        self._pending_loads = []
+        return meta
+
     def build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
-        meta = HybridStoreMetadata(scheme=self.scheme, loads=self._pending_loads, saves=self._pending_saves)
-        self._pending_loads, self._pending_saves = [], []
+        """``build_connector_meta``: this step's message to every worker.
+
+        Carries every load job queued since the last step (each is sent exactly once) and the save jobs:
+        those created between steps (finish-time tails) plus, when this half saves and no namespace
+        reset is unfinished, one job per scheduled request whose step completes blocks to save (see
+        :meth:`SavePlanner.step_job`). Every save job's source blocks are pinned from here until every
+        rank reported it.
+        """
+        meta = self.take_unplanned_meta()
         bs = so.kv_connector_block_state
         if bs is None or not self.can_save or self.namespace_closed:
             return meta
@@ -429,115 +441,12 @@ class SchedulerSide:
             if r is None:
                 continue
             done = progress.get(rid, 0) + so.num_scheduled_tokens.get(rid, 0)
-            refs = self._positional_saves(r, done, bs)
-            states = self._boundary_saves(r, bs.boundary_state_offloads.get(rid, []))
-            if states:
-                refs += states + self._tail_saves(r, states, bs.get_block_ids(rid))
-            if refs:
-                meta.saves.append(self._new_job(r, refs))
-        return meta
-
-    def _positional_saves(self, r: _Req, done: int, bs: Any) -> list[tuple[int, int, int]]:
-        """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
-        req = r.request
-        unit = self.scheme.geometry.hash_unit
-        upto = min(done, req.num_prompt_tokens, len(req.block_hashes) * unit)
-        if r.saved_upto is None:
-            # Blocks before the first scheduled position came from the device cache or from this store.
-            first = max(req.num_computed_tokens, r.loaded_boundary)
-            r.saved_upto = {g.sgid: first // g.span for g in self.geo.groups}
-        table = None
-        out: list[tuple[int, int, int]] = []
-        for g in self.geo.groups:
-            if not KIND_RULES[g.kind].positional_saves:
-                continue
-            start, stop = r.saved_upto[g.sgid], upto // g.span
-            if stop <= start:
-                continue
-            if table is None:
-                table = bs.get_block_ids(req.request_id)
-                if table is None:
-                    return out
-            for idx in range(start, stop):
-                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
-                if bid != 0:  # SWA: 0 = already slid out of the window and freed
-                    out.append((g.sgid, (idx + 1) * g.span, bid))
-            r.saved_upto[g.sgid] = stop
-        return out
-
-    def _boundary_saves(self, r: _Req, offloads: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        """(sgid, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
-        req = r.request
-        geometry = self.scheme.geometry
-        limit = min(req.num_prompt_tokens, len(req.block_hashes) * geometry.hash_unit)
-        out = []
-        for gid, bid, boundary in offloads:
-            g = self._by_gid.get(gid)
-            if g is None or KIND_RULES[g.kind].positional_saves or bid == 0:
-                continue
-            if boundary % geometry.hit_alignment or boundary > limit:
-                continue  # no lookup can ask for it
-            if boundary <= max(r.loaded_boundary, r.load.boundary if r.load else 0):
-                continue  # came from this store
-            out.append((g.sgid, boundary, bid))
-        return out
-
-    def _tail_saves(
-        self, r: _Req, states: list[tuple[int, int, int]], table: tuple[list[int], ...] | None
-    ) -> list[tuple[int, int, int]]:
-        """(sgid, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
-
-        A Mamba state at a boundary ``b`` inside a full-attention block (fine-grained geometries: Mamba
-        block > hash unit, or full attention widened by DCP) is only reachable if that block is stored
-        under ``b``'s hash too: a lookup probes the interior hash boundaries of the first missing block
-        (vLLM's ``FullAttentionManager`` caches the same partial tail locally). Whole blocks before it
-        are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
-        recomputes from ``b`` and overwrites them.
-        """
-        if table is None:
-            return []
-        out = []
-        for _, boundary, _ in states:
-            for g in self.geo.groups:
-                if not KIND_RULES[g.kind].stores_partial_tails or boundary % g.span == 0:
-                    continue
-                if (g.sgid, boundary) in r.tails_saved:
-                    continue
-                idx = boundary // g.span
-                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
-                if bid == 0:
-                    continue
-                r.tails_saved.add((g.sgid, boundary))
-                out.append((g.sgid, boundary, bid))
-        return out
-
-    def _new_job(self, r: _Req, items: list[tuple[int, int, int]]) -> SaveJob:
-        by_group: dict[int, list[int]] = {}
-        for sgid, boundary, _ in items:
-            by_group.setdefault(sgid, []).append(boundary)
-        plan = plan_save(self.scheme, list(r.request.block_hashes), by_group)
-        bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
-        refs = tuple(
-            BlockRef(
-                b.group_index,
-                self.geo.groups[b.group_index].gid,
-                b.block_index,
-                bid_of[(b.group_index, b.key_boundary)],
-                b.block_hash,
-                b.key_boundary,
+            job = self.saves.step_job(
+                r.saves, done, bs, bs.boundary_state_offloads.get(rid, []), r.loading_boundary
             )
-            for b in plan.blocks
-        )
-        job = SaveJob(self._next_job, r.request.request_id, refs)
-        self._next_job += 1
-        wave = self.machine.new_save_wave(r.request.request_id, job.job_id, plan)
-        pinned: list[Any] = []
-        if self._pool is not None:
-            pinned = [self._pool.blocks[ref.block_id] for ref in refs]
-            self._pool.touch(pinned)
-        self._jobs[job.job_id] = _Job(job, wave, pinned, r.request, self._reset_epoch)
-        wave.start_put()
-        return job
+            if job is not None:
+                meta.saves.append(job)
+        return meta
 
     def finished_partial_tail(
         self,
@@ -549,53 +458,48 @@ class SchedulerSide:
         r = self._reqs.get(request.request_id)
         if r is None or not self.can_save or self.namespace_closed:
             return
-        items = self._boundary_saves(r, tails)
-        if items:
-            items += self._tail_saves(r, items, block_ids)
-            self._pending_saves.append(self._new_job(r, items))
+        self.saves.finished_partial_tail(r.saves, tails, block_ids, r.loading_boundary)
 
     # ------------------------------------------------------------------ worker results
     def on_output(self, out: KVConnectorOutput) -> None:
+        """``update_connector_output``: take the ranks' results of this step.
+
+        A load is judged once every rank reported it (``VERIFIED``, or ``TRUNCATED`` with invalidations
+        queued for its definitely bad entries); save results go to the planner, which finishes the jobs
+        every rank finished. Results for requests or jobs no longer tracked are ignored.
+        """
         wm = out.kv_connector_worker_meta
-        if not isinstance(wm, HybridStoreWorkerMetadata):
-            return
+        if isinstance(wm, HybridStoreWorkerMetadata):
+            self.on_worker_meta(wm)
+
+    def on_worker_meta(self, wm: HybridStoreWorkerMetadata) -> None:
+        """The aggregated worker metadata of one step (see ``on_output``)."""
         ranks = self._all_ranks
-        for rid, results in wm.loads.items():
+        for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is None or r.load is None:
                 continue
-            r.load_results.extend(results)
-            r.load_ranks.update(res[0] for res in results)
+            r.load_results.extend(load_results)
+            r.load_ranks.update(res.entry.tp_rank for res in load_results)
             if r.load_ranks >= ranks:
                 self._judge_load(r)
-        for job_id, results in wm.saves.items():
-            if (j := self._jobs.get(job_id)) is not None:
-                j.results.extend(results)
-        for job_id, done_ranks in wm.saves_done.items():
-            if (j := self._jobs.get(job_id)) is not None:
-                j.ranks_done.update(done_ranks)
-                if j.ranks_done >= ranks:
-                    self._finish_job(j)
+        self.saves.on_results(wm)
 
     def _judge_load(self, r: _Req) -> None:
         job = r.load
         assert job is not None
-        outcomes = {
-            EntryId(rank, sgid, idx, end): LoadOutcome.from_status(st)
-            for rank, sgid, idx, end, st in r.load_results
-        }
+        outcomes = {res.entry: res.outcome for res in r.load_results}
         self.stats.add("load_calls")
         resolution = r.lc.finish_load(outcomes)
         r.load = None
         r.memo = None
         if resolution.verified:
-            r.loaded_boundary = job.boundary
+            r.saves.loaded_boundary = job.boundary
             return
         # vLLM discards what this load wrote and restarts the request from 0 computed tokens: nothing
         # came from the store, and positional saves restart at the request's next first scheduled
         # position (the retry's loaded boundary, or the local hit), so invalidated entries get re-saved.
-        r.loaded_boundary = 0
-        r.saved_upto = None
+        r.saves.restart()
         self.stats.add("truncations")
         self.stats.add("load_transient_faults", resolution.num_transient_faults)
         if resolution.invalid_keys:
@@ -671,50 +575,30 @@ class SchedulerSide:
             return False
         return True
 
-    def _finish_job(self, j: _Job) -> None:
-        del self._jobs[j.job.job_id]
-        if self._pool is not None and j.pinned:
-            self._pool.free_blocks(list(reversed(j.pinned)))
-        if j.results and all(st == "dropped" for *_, st in j.results):
-            # Backpressure on every rank: nothing was written, so nothing can be published.
-            j.wave.drop("backpressure")
-            return
-        outcomes = {EntryId(rank, sgid, idx, end): st == "ok" for rank, sgid, idx, end, st in j.results}
-        stored = j.wave.finish_put(outcomes)
-        with self._lock:
-            # A reset since the job was created, or an invalidation removal still pending for a block,
-            # may remove what was just stored: publish nothing rather than something untrue.
-            if j.epoch != self._reset_epoch or self.namespace_closed:
-                return
-            self._events.extend(
-                self._stored_event(block.group_index, block.key_boundary, block.block_hash, j.request)
-                for block in stored
-                if (block.group_index, block.block_hash) not in self._removals_pending
-            )
-
-    def _stored_event(self, sgid: int, end: int, block_hash: bytes, request: Request) -> Any:
-        from vllm.distributed.kv_events import BlockStored
-
-        g = self.geo.groups[sgid]
-        # The block's tokens up to the key boundary: [block start, end) (a prompt tail or Mamba state at
-        # a boundary inside a block covers less than a span).
-        start = (cdiv(end, g.span) - 1) * g.span
-        tokens = list(request.all_token_ids[start:end])
-        return BlockStored(
-            block_hashes=[block_hash],
-            parent_block_hash=None,
-            token_ids=tokens,
-            block_size=g.span,
-            lora_id=None,
-            medium="STORAGE",
-            lora_name=None,
-            group_idx=g.gid,
-        )
-
     def _removed_event(self, sgid: int, block_hash: bytes) -> Any:
         from vllm.distributed.kv_events import BlockRemoved
 
         return BlockRemoved(block_hashes=[block_hash], medium="STORAGE", group_idx=self.geo.groups[sgid].gid)
+
+    @property
+    def reset_epoch(self) -> int:
+        """Namespace resets requested so far (a save job remembers the epoch it was created in)."""
+        return self._reset_epoch
+
+    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
+        """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``.
+
+        A reset since the job was created, or an invalidation removal still pending for a block, may
+        remove what was just stored: then nothing (or not that block) is published rather than something
+        untrue."""
+        with self._lock:
+            if epoch != self._reset_epoch or self.namespace_closed:
+                return
+            self._events.extend(
+                event
+                for sgid, block_hash, event in stored
+                if (sgid, block_hash) not in self._removals_pending
+            )
 
     def take_events(self) -> list[Any]:
         with self._lock:
@@ -728,7 +612,26 @@ class SchedulerSide:
             r.lc.evict("finished")
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._jobs) or bool(self._pending_saves)
+        return self.saves.has_work()
+
+    # ------------------------------------------------------------------ inspection (tests, benches, tools)
+    def lifecycle(self, request_id: str) -> RequestLifecycle | None:
+        """The current lifecycle of a tracked request (None once finished or never seen)."""
+        r = self._reqs.get(request_id)
+        return r.lc if r is not None else None
+
+    def loaded_boundary(self, request_id: str) -> int:
+        """Tokens the tracked request restored from this store (0: none, or not tracked)."""
+        r = self._reqs.get(request_id)
+        return r.saves.loaded_boundary if r is not None else 0
+
+    def tracked_request_ids(self) -> list[str]:
+        """The requests this half follows (from ``on_new_request`` until ``request_finished``)."""
+        return list(self._reqs)
+
+    def is_idle(self) -> bool:
+        """No tracked request, no load job waiting to be sent, no save job unsent or in flight."""
+        return not self._reqs and not self._pending_loads and not self.saves.has_work()
 
     def reset_cache(self) -> bool:
         """Remove this deployment's namespace (``reset_prefix_cache(reset_connector=True)``).
@@ -787,10 +690,7 @@ class SchedulerSide:
         return fut.exception() is None
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            for j in self._jobs.values():
-                self._pool.free_blocks(list(reversed(j.pinned)))
-        self._jobs.clear()
+        self.saves.release_all()
         self._maintenance.shutdown(wait=False, cancel_futures=True)
         self.lookups.close()
         if self.audit is not None:

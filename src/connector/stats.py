@@ -4,7 +4,7 @@ All values are counters since the previous collection; ``aggregate`` sums them (
 Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit_tokens.g<N>`` (per store
 group), ``truncations``, ``invalidated_entries``, ``load_transient_faults``, ``hit_declined``,
 ``maintenance_dropped``, ``reset_timeouts``, ``load_calls``, ``load_keys``, ``load_bytes``,
-``load_failed_keys``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
+``load_failed_keys``, ``load_job_seconds``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
 ``save_skipped_keys`` (already stored), ``put_wave_drops``; and one gauge, ``breaker_open`` (0 or 1, sent by
 the scheduler whenever the lookup circuit breaker changed state).
 
@@ -120,6 +120,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
     "load_keys": ("vllm:hybridkv_load_keys", "Keys read from the store."),
     "load_bytes": ("vllm:hybridkv_load_bytes", "Bytes read from the store into the KV cache."),
     "load_failed_keys": ("vllm:hybridkv_load_failed_keys", "Keys whose read failed or was corrupt."),
+    "load_job_seconds": (
+        "vllm:hybridkv_load_job_seconds",
+        "Seconds worker load threads spent running load jobs (store reads and writes into the KV cache).",
+    ),
     "save_calls": ("vllm:hybridkv_save_calls", "PUT waves sent."),
     "save_keys": ("vllm:hybridkv_save_keys", "Keys written to the store."),
     "save_bytes": ("vllm:hybridkv_save_bytes", "Bytes written to the store."),

@@ -44,26 +44,30 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
-from hybridkv.connector.geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
+    LoadResult,
     SaveJob,
+    SaveOutcome,
+    SaveResult,
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import KIND_RULES
-from hybridkv.store.base import Status, collect_late_calls
+from hybridkv.lifecycle.load import LoadOutcome
+from hybridkv.store.base import Status, Value, collect_late_calls
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +93,61 @@ class _LateOwnership:
     def take(self, late: list[Future[object]], batches: list[StagedBlocks]) -> None:
         self.calls.extend(late)
         self.batches.extend(batches)
+
+
+class _Outbox:
+    """What this rank still has to report to the scheduler: finished loads (for ``finished_recving`` /
+    ``failed_recving``) and the per-entry results and finished save jobs (for the worker metadata).
+
+    Filled by the transfer threads, emptied by the engine thread; ``WorkerSide``'s lock guards it. A
+    load's results go out in the worker metadata of the step that reported the load finished, never
+    before: the scheduler judges a load only once vLLM knows it finished.
+    """
+
+    def __init__(self) -> None:
+        #: request id -> whether its load succeeded, for loads not yet reported as finished
+        self._finished_loads: dict[str, bool] = {}
+        #: the results of those loads, held back until they are reported
+        self._held_load_results: dict[str, list[LoadResult]] = {}
+        self._load_results: dict[str, list[LoadResult]] = {}
+        self._save_results: dict[int, list[SaveResult]] = {}
+        self._finished_saves: list[int] = []
+
+    @property
+    def has_finished_loads(self) -> bool:
+        return bool(self._finished_loads)
+
+    def load_finished(self, req_id: str, ok: bool, results: list[LoadResult]) -> None:
+        self._finished_loads[req_id] = ok
+        self._held_load_results[req_id] = results
+
+    def save_finished(self, job_id: int, results: list[SaveResult]) -> None:
+        self._save_results.setdefault(job_id, []).extend(results)
+        self._finished_saves.append(job_id)
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; their results join the next metadata."""
+        done, self._finished_loads = self._finished_loads, {}
+        for req_id, results in self._held_load_results.items():
+            self._load_results.setdefault(req_id, []).extend(results)
+        self._held_load_results = {}
+        return set(done), {req_id for req_id, ok in done.items() if not ok}
+
+    def take_metadata(self, tp_rank: int) -> HybridStoreWorkerMetadata | None:
+        """Everything reportable since the last call, or None when there is nothing."""
+        meta = HybridStoreWorkerMetadata(
+            loads=self._load_results,
+            saves=self._save_results,
+            saves_done={job_id: [tp_rank] for job_id in self._finished_saves},
+        )
+        self._load_results, self._save_results, self._finished_saves = {}, {}, []
+        return None if meta.is_empty() else meta
+
+
+def _as_store_buffers(parts: list[list[np.ndarray]]) -> list[Value]:
+    """Per-block numpy parts as store values. numpy arrays are buffers; its stubs declare the buffer
+    protocol only for Python >= 3.12, hence the cast."""
+    return cast("list[Value]", parts)
 
 
 def _ranks() -> tuple[int, int]:
@@ -120,11 +179,7 @@ class WorkerSide:
         # Signalled when a load finishes; ``transfer_results`` waits on it briefly (see there).
         self._load_finished = threading.Condition(self._lock)
         self._num_loads_in_flight = 0
-        self._loads_done: dict[str, bool] = {}
-        self._load_results: dict[str, list[tuple[int, int, int, int, str]]] = {}
-        self._pending_load_results: dict[str, list[tuple[int, int, int, int, str]]] = {}
-        self._save_results: dict[int, list[tuple[int, int, int, int, str]]] = {}
-        self._saves_done: list[int] = []
+        self._outbox = _Outbox()  # guarded by _lock
         self._inflight_bytes = 0
         # Jobs waiting for late store calls (see "Buffer ownership"); signalled on the lock when one returns.
         self._num_late_jobs = 0
@@ -197,8 +252,20 @@ class WorkerSide:
             **self.geo.describe(),
         )
 
+    def _load_results(self, job: LoadJob, outcome: LoadOutcome) -> list[LoadResult]:
+        return [LoadResult(ref.entry(self.tp_rank), outcome) for ref in job.blocks]
+
+    def _save_results(self, job: SaveJob, outcome: SaveOutcome) -> list[SaveResult]:
+        return [SaveResult(ref.entry(self.tp_rank), outcome) for ref in job.blocks]
+
     def block_nbytes(self, sgid: int) -> int:
+        """Bytes of one block of store group ``sgid`` (all its layers)."""
         return int(self._movers[sgid].block_nbytes)
+
+    def group_tensors(self, sgid: int) -> list[torch.Tensor]:
+        """The registered KV cache tensors of store group ``sgid``, in the group's layer order; index one
+        with a block id for that block's page (inspection: tests and tools)."""
+        return list(self._movers[sgid].tensors)
 
     def _fence(self) -> Fence:
         """CUDA: an event on the current (compute) stream; transfers queued after it wait for it."""
@@ -230,10 +297,7 @@ class WorkerSide:
             # reported failed, so vLLM recomputes those requests.
             for job in meta.loads:
                 self._finish_load(
-                    job,
-                    False,
-                    [(self.tp_rank, r.sgid, r.index, r.key_boundary, "transfer_failed") for r in job.blocks],
-                    queued=False,
+                    job, False, self._load_results(job, LoadOutcome.TRANSPORT_ERROR), queued=False
                 )
             return
         fence = self._fence()
@@ -242,12 +306,9 @@ class WorkerSide:
         for job in meta.loads:
             self._load_q.put((meta.scheme, job, fence))
 
-    def _finish_load(
-        self, job: LoadJob, ok: bool, results: list[tuple[int, int, int, int, str]], *, queued: bool = True
-    ) -> None:
+    def _finish_load(self, job: LoadJob, ok: bool, results: list[LoadResult], *, queued: bool = True) -> None:
         with self._lock:
-            self._loads_done[job.req_id] = ok
-            self._pending_load_results[job.req_id] = results
+            self._outbox.load_finished(job.req_id, ok, results)
             if queued:
                 self._num_loads_in_flight -= 1
             self._load_finished.notify_all()
@@ -279,15 +340,14 @@ class WorkerSide:
                 continue
             scheme, job, fence = item
             owned = _LateOwnership()
+            started = time.perf_counter()
             try:
                 ok, results = self._load_job(scheme, job, fence, owned)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
                 log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
                 ok = False
-                results = [
-                    (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "transfer_failed")
-                    for ref in job.blocks
-                ]
+                results = self._load_results(job, LoadOutcome.TRANSPORT_ERROR)
+            self.stats.add("load_job_seconds", time.perf_counter() - started)
             if not owned.calls:
                 self._finish_load(job, ok, results)
             elif self._staging is not None:
@@ -331,12 +391,12 @@ class WorkerSide:
 
     def _load_job(
         self, scheme: KeyScheme, job: LoadJob, fence: Fence, owned: _LateOwnership
-    ) -> tuple[bool, list[tuple[int, int, int, int, str]]]:
+    ) -> tuple[bool, list[LoadResult]]:
         refs = job.blocks
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
         if not refs:
             return False, []  # a hit the scheduler declined after vLLM allocated it: report it failed
-        # None: never attempted (staging stayed exhausted); reported "not_attempted", which keeps the entry.
+        # None: never attempted (staging stayed exhausted); reported NOT_ATTEMPTED, which keeps the entry.
         statuses: list[Status | None] = [None] * len(refs)
         nbytes = 0
         for batches in self._batches(refs, range(len(refs))):
@@ -352,10 +412,9 @@ class WorkerSide:
                 order = [i for _, idxs in held for i in idxs]
                 if not order:
                     continue
+                destinations = _as_store_buffers([p for sb, _ in held for p in sb.parts])
                 with collect_late_calls() as late:
-                    got = self.store.get_into(
-                        [keys[i] for i in order], [p for sb, _ in held for p in sb.parts]
-                    )
+                    got = self.store.get_into([keys[i] for i in order], destinations)
                 for i, st in zip(order, got, strict=True):
                     statuses[i] = st
                 if late:  # the call still writes these destinations: never commit nor release them here
@@ -370,11 +429,11 @@ class WorkerSide:
                 for sb, _ in held:
                     sb.release()
         results = []
-        for ref, st in zip(refs, statuses, strict=True):
-            if st is not Status.OK:
+        for ref, status in zip(refs, statuses, strict=True):
+            if status is not Status.OK:
                 self.stats.add("load_failed_keys")
-            status = "not_attempted" if st is None else st.value
-            results.append((self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status))
+            outcome = LoadOutcome.NOT_ATTEMPTED if status is None else LoadOutcome.from_status(status.value)
+            results.append(LoadResult(ref.entry(self.tp_rank), outcome))
         self.stats.add("load_keys", len(keys))
         self.stats.add("load_bytes", nbytes)
         return all(st is Status.OK for st in statuses), results
@@ -389,13 +448,9 @@ class WorkerSide:
         the GIL, so the load runs at full speed; steps with no load in flight never wait.
         """
         with self._lock:
-            if self._num_loads_in_flight and not self._loads_done:
+            if self._num_loads_in_flight and not self._outbox.has_finished_loads:
                 self._load_finished.wait(_LOAD_YIELD_S)
-            done, self._loads_done = self._loads_done, {}
-            for rid, res in self._pending_load_results.items():
-                self._load_results.setdefault(rid, []).extend(res)
-            self._pending_load_results = {}
-        return set(done), {rid for rid, ok in done.items() if not ok}
+            return self._outbox.take_finished_loads()
 
     # ------------------------------------------------------------------ saves
     def enqueue_saves(self, meta: HybridStoreMetadata) -> None:
@@ -421,10 +476,7 @@ class WorkerSide:
                 self._save_q.put((meta.scheme, job, nbytes, fence, self._snapshot_open_tails(job)))
             else:
                 self.stats.add("put_wave_drops")
-                self._finish_save(
-                    job,
-                    [(self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "dropped") for ref in job.blocks],
-                )
+                self._finish_save(job, self._save_results(job, SaveOutcome.DROPPED))
 
     def _snapshot_open_tails(self, job: SaveJob) -> dict[int, list[np.ndarray]]:
         """Host path: private copies of the job's blocks the next steps may still write (see the module
@@ -439,10 +491,9 @@ class WorkerSide:
         self.num_tail_snapshots += len(snapshots)  # engine thread only
         return snapshots
 
-    def _finish_save(self, job: SaveJob, results: list[tuple[int, int, int, int, str]]) -> None:
+    def _finish_save(self, job: SaveJob, results: list[SaveResult]) -> None:
         with self._lock:
-            self._save_results.setdefault(job.job_id, []).extend(results)
-            self._saves_done.append(job.job_id)
+            self._outbox.save_finished(job.job_id, results)
 
     def _save_loop(self) -> None:
         while (item := self._save_q.get()) is not None:
@@ -455,10 +506,7 @@ class WorkerSide:
                 results = self._put_job(scheme, job, fence, owned, snapshots)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
                 log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
-                results = [
-                    (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, "transfer_failed")
-                    for ref in job.blocks
-                ]
+                results = self._save_results(job, SaveOutcome.TRANSPORT_ERROR)
             if owned.calls:
                 # A late put still reads the source pages (host) or its slab (CUDA): the job's pins, slabs
                 # and in-flight bytes are released only once it returned.
@@ -466,7 +514,7 @@ class WorkerSide:
             else:
                 self._end_save(job, nbytes, results)
 
-    def _end_save(self, job: SaveJob, nbytes: int, results: list[tuple[int, int, int, int, str]]) -> None:
+    def _end_save(self, job: SaveJob, nbytes: int, results: list[SaveResult]) -> None:
         with self._lock:
             self._inflight_bytes -= nbytes
         self._finish_save(job, results)
@@ -478,13 +526,13 @@ class WorkerSide:
         fence: Fence,
         owned: _LateOwnership,
         snapshots: dict[int, list[np.ndarray]],
-    ) -> list[tuple[int, int, int, int, str]]:
+    ) -> list[SaveResult]:
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in job.blocks]
-        status: dict[int, str] = {}
+        status: dict[int, SaveOutcome] = {}
         # Insert-if-absent makes duplicates harmless; asking first saves reading and sending the bytes.
         for i, st in enumerate(self.store.exists(keys)):
             if st.is_ok:
-                status[i] = "ok"
+                status[i] = SaveOutcome.OK
                 self.stats.add("save_skipped_keys")
         todo = [i for i in range(len(keys)) if i not in status]
         staged = self._staging is not None
@@ -507,8 +555,9 @@ class WorkerSide:
                 wave, wave_bytes = [], 0
         if wave:
             self._put_wave(job, keys, wave, status, fence, owned, snapshots)
+        # A block absent from ``status`` was never sent (its staging stayed exhausted).
         return [
-            (self.tp_rank, ref.sgid, ref.index, ref.key_boundary, status.get(i, "dropped"))
+            SaveResult(ref.entry(self.tp_rank), status.get(i, SaveOutcome.DROPPED))
             for i, ref in enumerate(job.blocks)
         ]
 
@@ -517,7 +566,7 @@ class WorkerSide:
         job: SaveJob,
         keys: list[str],
         wave: list[int],
-        status: dict[int, str],
+        status: dict[int, SaveOutcome],
         fence: Fence,
         owned: _LateOwnership,
         snapshots: dict[int, list[np.ndarray]],
@@ -537,7 +586,9 @@ class WorkerSide:
                 order = [i for _, idxs in held for i in idxs]
                 if not order:
                     continue
-                values = [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
+                values = _as_store_buffers(
+                    [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
+                )
                 with collect_late_calls() as late:
                     statuses = self.store.put([keys[i] for i in order], values)
                 if late:  # the call still reads these values: keep their slabs out of the pool
@@ -547,10 +598,10 @@ class WorkerSide:
                 for sb, _ in held:
                     sb.release()
             self.stats.add("save_calls")
-            if any(st.value == "no_space" for st in statuses):
+            if any(st is Status.NO_SPACE for st in statuses):
                 self.stats.add("put_wave_drops")
             for i, st in zip(order, statuses, strict=True):
-                status[i] = "ok" if st.is_ok else st.value
+                status[i] = SaveOutcome.from_status(st)
                 if st.is_ok:
                     self.stats.add("save_keys")
                     self.stats.add("save_bytes", self.block_nbytes(job.blocks[i].sgid))
@@ -558,14 +609,9 @@ class WorkerSide:
                     self.stats.add("save_failed_keys")
 
     def worker_meta(self) -> HybridStoreWorkerMetadata | None:
+        """The results to send the scheduler this step (``build_connector_worker_meta``), or None."""
         with self._lock:
-            wm = HybridStoreWorkerMetadata(
-                loads=self._load_results,
-                saves=self._save_results,
-                saves_done={j: [self.tp_rank] for j in self._saves_done},
-            )
-            self._load_results, self._save_results, self._saves_done = {}, {}, []
-        return None if wm.is_empty() else wm
+            return self._outbox.take_metadata(self.tp_rank)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every save queued so far is written and every late store call (load or save) has

@@ -270,7 +270,7 @@ class _Engine:
             self._stack.close()
             raise
         sink = self.sched_connector.scheduler_side.audit
-        self.audit = _AuditTail(audit_log, flush=getattr(sink, "flush", None))
+        self.audit = _AuditTail(audit_log, flush=sink.flush if sink is not None else None)
 
     # counters ------------------------------------------------------------------------------------
     def geometry(self) -> dict[str, Any]:

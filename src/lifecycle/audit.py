@@ -90,6 +90,11 @@ class AuditSink:
     def emit(self, event: str, **fields: Any) -> None:
         self._logger.info(event, **fields)
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every record emitted so far is delivered; False if ``timeout_s`` ran out first.
+        This sink hands records to its logger synchronously: always True."""
+        return True
+
     def close(self) -> None:
         """Release the sink's resources. Idempotent."""
 

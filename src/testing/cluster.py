@@ -433,9 +433,7 @@ class Cluster:
         assert not leaked, f"blocks still referenced (pins leaked?): {leaked[:10]}"
         assert self.pool.get_num_free_blocks() == len(self.pool.blocks) - 1
         side = self.side
-        assert not side._jobs and not side._pending_saves and not side._pending_loads, "connector holds jobs"
-        assert not side._reqs, f"live lifecycles: {list(side._reqs)}"
-        assert not side.has_pending_push_work()
+        assert side.is_idle(), f"connector holds jobs or live lifecycles: {side.tracked_request_ids()}"
         report = replay_records(json.dumps(r, default=str) for r in self.audit.records)
         assert report.ok, report.to_dict()["violations"]
         assert report.num_terminated == report.num_lifecycles, report.to_dict()

@@ -75,13 +75,13 @@ def test_hung_store_costs_the_scheduler_nothing_and_a_request_one_budget(vllm_ob
         time.sleep(0.01)  # one engine step
     assert waited_steps >= 1, "the first ask must not have an answer from a 3 s store"
     assert out.num_scheduled_tokens["h1"] > 0 and out.kv_connector_metadata.loads == []
-    assert side.stats.totals["lookup_errors"] == 1 and side._reqs["h1"].lc.state == "MISS"
+    assert side.stats.totals["lookup_errors"] == 1 and side.lifecycle("h1").state == "MISS"
     # The store call is still hung: a new request is a miss at its first ask, without queueing behind it.
     assert side.lookup_breaker_open
     sched.add_request(_request("h2", 100, first=900))
     out, took = _timed_schedule(sched)
     assert took < budget_s / 2 and out.num_scheduled_tokens.get("h2", 0) > 0
-    assert side.stats.totals["lookup_errors"] == 1 and side._reqs["h2"].lc.state == "MISS"
+    assert side.stats.totals["lookup_errors"] == 1 and side.lifecycle("h2").state == "MISS"
 
 
 def test_pending_lookup_waits_alone_and_answers_like_the_full_scan(vllm_objs: dict[str, Any]) -> None:
@@ -103,7 +103,7 @@ def test_pending_lookup_waits_alone_and_answers_like_the_full_scan(vllm_objs: di
     out, took = _timed_schedule(sched)
     assert took < 0.1, f"schedule() took {took:.3f} s"
     assert out.num_scheduled_tokens.get("other", 0) > 0, "a pending lookup delayed another request"
-    assert "hit" not in out.num_scheduled_tokens and side._reqs["hit"].lc.state in ("NEW", "LOOKUP")
+    assert "hit" not in out.num_scheduled_tokens and side.lifecycle("hit").state in ("NEW", "LOOKUP")
     assert side.lookups.wait_idle(10)
     out = sched.schedule()
     loads = out.kv_connector_metadata.loads

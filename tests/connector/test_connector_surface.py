@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+from hybridkv.connector.metadata import HybridStoreWorkerMetadata, LoadResult, SaveOutcome, SaveResult
 from hybridkv.connector.stats import HybridStoreStats
+from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.testing.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
@@ -72,7 +73,7 @@ def test_sliding_window_under_dcp_is_refused_by_name(vllm_objs: dict[str, Any]) 
 
 
 def test_geometry_matches_vllm_and_is_logged_fields(vllm_objs: dict[str, Any]) -> None:
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
 
     geo = resolve_geometry(vllm_objs["vc"], kv_cache_config(), "ns", check_vllm_sizes=True)
     d = geo.describe()
@@ -86,7 +87,7 @@ def test_geometry_matches_vllm_and_is_logged_fields(vllm_objs: dict[str, Any]) -
 
 
 def test_mismatched_hash_unit_fails_startup(vllm_objs: dict[str, Any]) -> None:
-    from hybridkv.connector.geometry import resolve_geometry
+    from hybridkv.connector.vllm_geometry import resolve_geometry
 
     kvc = kv_cache_config()
     kvc.hash_block_size = 16
@@ -95,16 +96,16 @@ def test_mismatched_hash_unit_fails_startup(vllm_objs: dict[str, Any]) -> None:
 
 
 def test_worker_metadata_aggregate_merges_ranks() -> None:
-    a = HybridStoreWorkerMetadata(
-        loads={"r": [(0, 0, 0, 32, "ok")]}, saves={1: [(0, 0, 0, 32, "ok")]}, saves_done={1: [0]}
-    )
-    b = HybridStoreWorkerMetadata(
-        loads={"r": [(1, 0, 0, 32, "corrupt")], "s": [(1, 1, 2, 96, "ok")]}, saves_done={1: [1], 2: [1]}
-    )
+    r0_ok = LoadResult(EntryId(0, 0, 0, 32), LoadOutcome.OK)
+    r1_corrupt = LoadResult(EntryId(1, 0, 0, 32), LoadOutcome.CORRUPT)
+    s1_ok = LoadResult(EntryId(1, 1, 2, 96), LoadOutcome.OK)
+    saved = SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.OK)
+    a = HybridStoreWorkerMetadata(loads={"r": [r0_ok]}, saves={1: [saved]}, saves_done={1: [0]})
+    b = HybridStoreWorkerMetadata(loads={"r": [r1_corrupt], "s": [s1_ok]}, saves_done={1: [1], 2: [1]})
     m = a.aggregate(b)
-    assert m.loads == {"r": [(0, 0, 0, 32, "ok"), (1, 0, 0, 32, "corrupt")], "s": [(1, 1, 2, 96, "ok")]}
-    assert m.saves_done == {1: [0, 1], 2: [1]} and m.saves == {1: [(0, 0, 0, 32, "ok")]}
-    assert a.loads == {"r": [(0, 0, 0, 32, "ok")]}, "aggregate must not mutate its inputs"
+    assert m.loads == {"r": [r0_ok, r1_corrupt], "s": [s1_ok]}
+    assert m.saves_done == {1: [0, 1], 2: [1]} and m.saves == {1: [saved]}
+    assert a.loads == {"r": [r0_ok]}, "aggregate must not mutate its inputs"
 
 
 def test_stats_roundtrip_through_a_dict() -> None:
@@ -143,8 +144,8 @@ def test_messages_survive_pickling_between_processes(vllm_objs: dict[str, Any]) 
     """With TP > 1 the scheduler output (our metadata inside) and worker outputs cross process boundaries."""
     import pickle
 
-    from hybridkv.connector.geometry import resolve_geometry
     from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
+    from hybridkv.connector.vllm_geometry import resolve_geometry
 
     scheme = resolve_geometry(vllm_objs["vc"], kv_cache_config(), "ns", check_vllm_sizes=True).scheme
     ref = BlockRef(0, 0, 1, 7, b"\x01" * 32, 64)
@@ -153,5 +154,10 @@ def test_messages_survive_pickling_between_processes(vllm_objs: dict[str, Any]) 
     )
     back = pickle.loads(pickle.dumps(meta))
     assert back == meta and back.scheme.key(0, 1, ref.block_hash) == scheme.key(0, 1, ref.block_hash)
-    wm = HybridStoreWorkerMetadata(loads={"r": [(1, 0, 1, 64, "ok")]}, saves_done={3: [1]})
-    assert pickle.loads(pickle.dumps(wm)) == wm
+    wm = HybridStoreWorkerMetadata(
+        loads={"r": [LoadResult(ref.entry(1), LoadOutcome.OK)]},
+        saves={3: [SaveResult(ref.entry(1), SaveOutcome.DROPPED)]},
+        saves_done={3: [1]},
+    )
+    back_wm = pickle.loads(pickle.dumps(wm))
+    assert back_wm == wm and back_wm.saves[3][0].outcome is SaveOutcome.DROPPED

@@ -47,7 +47,7 @@ def test_real_preemption_of_loaded_requests_and_none_while_loading() -> None:
             if not cl.sched.requests and not side.has_pending_push_work():
                 break
             running = {r.request_id for r in cl.sched.running}
-            if not gated and "p2w" in side._reqs and side._reqs["p2w"].lc.state == "VERIFIED":
+            if not gated and (lc := side.lifecycle("p2w")) is not None and lc.state == "VERIFIED":
                 # Hold a load in flight while the others grow: add a fourth request and gate its load.
                 for f in cl.faults:
                     f.gate.clear()

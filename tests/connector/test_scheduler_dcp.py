@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hybridkv.connector.metadata import LoadResult, SaveOutcome, SaveResult
+from hybridkv.lifecycle import LoadOutcome
 from hybridkv.store import open_store
 from hybridkv.testing.cluster import HASH
 from hybridkv.testing.cluster import kv_cache_config as _kv_cache_config
@@ -97,17 +99,15 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert plan == [(0, 0), (0, 1), (0, 2), (1, 2)], plan  # 3 full blocks; Mamba block cdiv(96,32)-1
     assert side.stats.totals["hit_tokens.g1"] == 96
 
-    results = {
-        "b": [(rank, b.sgid, b.index, b.key_boundary, "ok") for rank in (0, 1) for b in loads[0].blocks]
-    }
+    results = {"b": [LoadResult(b.entry(rank), LoadOutcome.OK) for rank in (0, 1) for b in loads[0].blocks]}
     sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
-    assert side._reqs["b"].lc.state == "VERIFIED"
+    assert side.lifecycle("b").state == "VERIFIED"
     out = sched.schedule()
     assert out.num_scheduled_tokens.get("b") == 4  # 96 loaded + 4 computed
     # Preempted and back: a new incarnation looks up again (the verified one is closed, not reused).
-    verified = side._reqs["b"].lc
+    verified = side.lifecycle("b")
     assert side.lookup(req_b, 0) == (96, True)
-    assert verified.state == "EVICTED" and side._reqs["b"].lc.state == "PARTIAL_HIT"
+    assert verified.state == "EVICTED" and side.lifecycle("b").state == "PARTIAL_HIT"
 
 
 def _load_results(job: Any, bad: set[tuple[int, int, int]]) -> Any:
@@ -117,7 +117,9 @@ def _load_results(job: Any, bad: set[tuple[int, int, int]]) -> Any:
     return HybridStoreWorkerMetadata(
         loads={
             job.req_id: [
-                (rank, b.sgid, b.index, b.key_boundary, "corrupt" if (rank, b.sgid, b.index) in bad else "ok")
+                LoadResult(
+                    b.entry(rank), LoadOutcome.CORRUPT if (rank, b.sgid, b.index) in bad else LoadOutcome.OK
+                )
                 for rank in (0, 1)
                 for b in job.blocks
             ]
@@ -149,7 +151,7 @@ def _truncate_on_rank1(
     (job,) = out.kv_connector_metadata.loads
     assert job.boundary == 128
     sched.update_from_output(out, _output(out, _load_results(job, {(1, 0, 2)}), {rid}, {rid}))
-    lc = side._reqs[rid].lc
+    lc = side.lifecycle(rid)
     # Full-attention block 2 failed (on one DCP rank: bad for both): boundaries past 64 need it. The
     # retry cap is 64; the Mamba state at 64 is still in the store.
     assert lc.state == "TRUNCATED" and lc.max_boundary == 64
@@ -176,10 +178,10 @@ def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
     plan = sorted((b.sgid, b.index, b.key_boundary) for b in job.blocks)
     assert plan == [(0, 0, 32), (0, 1, 64), (1, 1, 64)], plan
     assert "c" not in out.num_scheduled_tokens
-    r = side._reqs["c"]
-    assert r.lc.state == "LOADING" and r.load is job and r.load_results == [] and r.load_ranks == set()
+    lc = side.lifecycle("c")
+    assert lc is not None and lc.state == "LOADING" and side.loaded_boundary("c") == 0
     sched.update_from_output(out, _output(out, _load_results(job, set()), {"c"}, set()))
-    assert r.lc.state == "VERIFIED" and r.loaded_boundary == 64
+    assert lc.state == "VERIFIED" and side.loaded_boundary("c") == 64
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("c", 64)]
     assert out.kv_connector_metadata.loads == []
@@ -208,7 +210,7 @@ def test_a_failed_retry_is_the_last_one(vllm_objs: dict[str, Any]) -> None:
     assert job.boundary == 64
     # The retry's Mamba state at 64 fails on rank 1 too: truncated again, the state is removed.
     sched.update_from_output(out, _output(out, _load_results(job, {(1, 1, 1)}), {"e"}, {"e"}))
-    lc = side._reqs["e"].lc
+    lc = side.lifecycle("e")
     assert lc.state == "TRUNCATED" and lc.max_boundary == 32 and side.stats.totals["truncations"] == 2
     assert side.wait_maintenance(10)
     assert not store.exists([side.scheme.key(1, 1, hashes[64 // HASH - 1])])[0].is_ok
@@ -260,8 +262,8 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
             assert table[0][b.index] == b.block_id
         assert pool.blocks[b.block_id].ref_cnt >= 2, "a save source block must be pinned"
 
-    def report(ranks: tuple[int, ...], status: str = "ok") -> None:
-        res = [(r, b.sgid, b.index, b.key_boundary, status) for r in ranks for b in blocks]
+    def report(ranks: tuple[int, ...]) -> None:
+        res = [SaveResult(b.entry(r), SaveOutcome.OK) for r in ranks for b in blocks]
         wm = HybridStoreWorkerMetadata(
             saves={saves[0].job_id: res}, saves_done={saves[0].job_id: list(ranks)}
         )
@@ -340,9 +342,10 @@ def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dic
     sched.add_request(req)
     out = sched.schedule()
     (save,) = out.kv_connector_metadata.saves
-    wave = side._jobs[save.job_id].wave
+    wave = side.saves.wave(save.job_id)
+    assert wave is not None
     refs_before = {b.block_id: pool.blocks[b.block_id].ref_cnt for b in save.blocks}
-    results = [(r, b.sgid, b.index, b.key_boundary, "dropped") for r in (0, 1) for b in save.blocks]
+    results = [SaveResult(b.entry(r), SaveOutcome.DROPPED) for r in (0, 1) for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: [0, 1]})
     sched.update_from_output(
         out,

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from connector_helpers import HASH
 from hybridkv.connector.identity import MANIFEST_NAME
-from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+from hybridkv.connector.metadata import HybridStoreWorkerMetadata, LoadResult, SaveOutcome, SaveResult
+from hybridkv.lifecycle import LoadOutcome
 from hybridkv.lifecycle.audit import MemoryAuditSink
 from hybridkv.store import open_store
 from test_scheduler_dcp import _fill, _output, _request, _scheduler
@@ -39,12 +40,12 @@ def objs(vllm_objs: dict[str, Any]) -> Any:
         extra.update(saved)
 
 
-def _results(job: Any, status_of: dict[tuple[int, int, int], str]) -> HybridStoreWorkerMetadata:
-    """Both ranks' per-block results for ``job``; (rank, sgid, index) -> status, else ``ok``."""
+def _results(job: Any, outcome_of: dict[tuple[int, int, int], LoadOutcome]) -> HybridStoreWorkerMetadata:
+    """Both ranks' per-block results for ``job``; (rank, sgid, index) -> outcome, else ``OK``."""
     return HybridStoreWorkerMetadata(
         loads={
             job.req_id: [
-                (rank, b.sgid, b.index, b.key_boundary, status_of.get((rank, b.sgid, b.index), "ok"))
+                LoadResult(b.entry(rank), outcome_of.get((rank, b.sgid, b.index), LoadOutcome.OK))
                 for rank in RANKS
                 for b in job.blocks
             ]
@@ -82,9 +83,9 @@ def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict
     sched, side, store, out, keys = _planned_load(objs, "t1", first=3000)
     (job,) = out.kv_connector_metadata.loads
     # Rank 1 timed out on full-attention block 2 and never attempted the Mamba state at 128.
-    wm = _results(job, {(1, 0, 2): "timeout", (1, 1, 3): "not_attempted"})
+    wm = _results(job, {(1, 0, 2): LoadOutcome.TIMEOUT, (1, 1, 3): LoadOutcome.NOT_ATTEMPTED})
     sched.update_from_output(out, _output(out, wm, {"t1"}, {"t1"}))
-    lc = side._reqs["t1"].lc
+    lc = side.lifecycle("t1")
     assert lc.state == "TRUNCATED" and lc.max_boundary == 64  # this request may not use block 2
     assert side.wait_maintenance(10)
     assert _present(store, keys) == set(keys), "a timeout says nothing about the entry: nothing removed"
@@ -102,7 +103,9 @@ def test_a_corrupt_block_is_removed_on_every_rank_and_nothing_else(objs: dict[st
     sched, side, store, out, keys = _planned_load(objs, "c1", first=3200)
     (job,) = out.kv_connector_metadata.loads
     hashes = list(sched.requests["c1"].block_hashes)
-    sched.update_from_output(out, _output(out, _results(job, {(1, 0, 2): "corrupt"}), {"c1"}, {"c1"}))
+    sched.update_from_output(
+        out, _output(out, _results(job, {(1, 0, 2): LoadOutcome.CORRUPT}), {"c1"}, {"c1"})
+    )
     assert side.wait_maintenance(10)
     bad = {side.scheme.key(0, r, hashes[96 // HASH - 1]) for r in RANKS}
     assert set(keys) - _present(store, keys) == bad
@@ -119,7 +122,9 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     side.store = open_store(f"faulty+{objs['store_url']}?delay_ms=1500")  # every call now hangs 1.5 s
     side.reset_wait_s = 0.1
     t0 = time.monotonic()
-    sched.update_from_output(out, _output(out, _results(job, {(0, 0, 1): "corrupt"}), {"h1"}, {"h1"}))
+    sched.update_from_output(
+        out, _output(out, _results(job, {(0, 0, 1): LoadOutcome.CORRUPT}), {"h1"}, {"h1"})
+    )
     assert time.monotonic() - t0 < 0.5, "the invalidation removal must not run on the scheduler thread"
     t0 = time.monotonic()
     assert side.reset_cache() is True  # in effect: nothing from before it is served any more
@@ -130,7 +135,7 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     t0 = time.monotonic()
     out = sched.schedule()
     assert time.monotonic() - t0 < 0.5
-    assert side._reqs["h2"].lc.state == "MISS"
+    assert side.lifecycle("h2").state == "MISS"
     assert out.kv_connector_metadata.loads == [] and out.kv_connector_metadata.saves == []
     assert side.wait_maintenance(10)
     assert _present(store, keys) == set() and not side.namespace_closed
@@ -179,7 +184,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("m1", 0)]
     assert out.kv_connector_metadata.loads == []  # no second hit for this incarnation
-    assert side._reqs["m1"].lc.state == "MISS"
+    assert side.lifecycle("m1").state == "MISS"
 
 
 # ------------------------------------------------------------------------------------------------- item 6
@@ -238,7 +243,7 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     scheme = out.kv_connector_metadata.scheme
     keys = [scheme.key(b.sgid, r, b.block_hash) for r in RANKS for b in save.blocks]
     assert all(st.is_ok for st in store.put(keys, [b"x"] * len(keys)))
-    results = [(r, b.sgid, b.index, b.key_boundary, "ok") for r in RANKS for b in save.blocks]
+    results = [SaveResult(b.entry(r), SaveOutcome.OK) for r in RANKS for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: list(RANKS)})
     sched.update_from_output(
         out,
@@ -258,7 +263,9 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     sched2.add_request(_request("e2", 100, first=3800))
     out2 = sched2.schedule()
     (job,) = out2.kv_connector_metadata.loads
-    sched2.update_from_output(out2, _output(out2, _results(job, {(1, 0, 1): "corrupt"}), {"e2"}, {"e2"}))
+    sched2.update_from_output(
+        out2, _output(out2, _results(job, {(1, 0, 1): LoadOutcome.CORRUPT}), {"e2"}, {"e2"})
+    )
     assert side2.wait_maintenance(10)
     recorder.events.extend(side2.take_events())
     assert _replay(recorder.events) == _stored_blocks(side2, store)
@@ -277,5 +284,5 @@ def test_a_tail_save_event_covers_the_block_start_to_its_boundary(objs: dict[str
     side = sched.connector.scheduler_side
     req = _request("tail", 100, first=4000)
     # A full-attention entry of block 2 ([64, 96)) stored under boundary 80 (a prompt tail).
-    event = side._stored_event(0, 80, b"\x05" * 32, req)
+    event = side.saves.stored_event(0, 80, b"\x05" * 32, req)
     assert event.token_ids == list(req.all_token_ids[64:80]) and event.block_size == 32

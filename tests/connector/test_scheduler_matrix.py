@@ -136,7 +136,7 @@ def test_hit_loads_the_served_boundary(stored: Stored) -> None:
         out = cl.step()
         assert cl.loads_checked == {"a2": H}  # every slot / state on every rank, checked
         assert out.num_scheduled_tokens["a2"] == PROMPT - H
-        assert side._reqs["a2"].lc.state == "VERIFIED"
+        assert side.lifecycle("a2").state == "VERIFIED"
 
 
 def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_boundary(stored: Stored) -> None:
@@ -175,7 +175,7 @@ def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_bounda
 
         cl.step(before_load=fail_one_block)
         cl.faults[last].fail_keys = set()
-        lc = side._reqs["b2"].lc
+        lc = side.lifecycle("b2")
         assert side.stats.totals["truncations"] == 1
         assert lc.max_boundary == cap and lc.state == "TRUNCATED"
         assert "b2" not in cl.loads_checked
@@ -192,7 +192,7 @@ def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_bounda
         assert 0 < retry_hit <= cap
         assert "b2" not in out.num_scheduled_tokens  # waiting for the retry's load
         assert cl.loads_checked["b2"] == retry_hit  # equal to a recompute, every rank
-        assert side._reqs["b2"].lc.state == "VERIFIED"
+        assert side.lifecycle("b2").state == "VERIFIED"
         out = cl.step()  # the prefill resumes at the retry's boundary (maybe split at a Mamba checkpoint)
         n = out.num_scheduled_tokens["b2"]
         assert 0 < n <= PROMPT - retry_hit
@@ -222,7 +222,7 @@ def test_abort_while_loading_ignores_the_late_results(stored: Stored) -> None:
         out = cl.step(wait_loads=False)
         assert [j.req_id for j in out.kv_connector_metadata.loads] == ["c2"]
         cl.sched.finish_requests("c2", RequestStatus.FINISHED_ABORTED)
-        assert "c2" not in side._reqs  # evicted at once
+        assert side.lifecycle("c2") is None  # evicted at once
         assert "c2" in cl.sched.requests  # vLLM keeps its blocks until every rank finished the load
         for f in cl.faults:
             f.gate.set()
@@ -246,8 +246,8 @@ def test_preemption_after_loading_starts_a_new_incarnation(stored: Stored) -> No
         assert req.status == RequestStatus.RUNNING
         cl.sched.running.remove(req)
         cl.sched._preempt_request(req, time.monotonic())
-        verified = side._reqs["d2"].lc
+        verified = side.lifecycle("d2")
         out = cl.step()
         # Back with its device-cached prefix: a new incarnation, which the store does not need to serve.
-        assert verified.state == "EVICTED" and side._reqs["d2"].lc is not verified
+        assert verified.state == "EVICTED" and side.lifecycle("d2") is not verified
         assert out.kv_connector_metadata.loads == []

@@ -17,8 +17,8 @@ import pytest
 import torch
 from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.geometry import resolve_geometry
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
+from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
 from hybridkv.store import open_store
 

@@ -17,9 +17,17 @@ import torch
 from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext
-from hybridkv.connector.geometry import resolve_geometry
-from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
+from hybridkv.connector.metadata import (
+    BlockRef,
+    HybridStoreMetadata,
+    LoadJob,
+    SaveJob,
+    SaveOutcome,
+    SaveResult,
+)
+from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
+from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
 
 pytestmark = pytest.mark.vllm
@@ -73,7 +81,7 @@ def test_late_load_never_writes_kv_pages_after_its_report(vllm_objs: dict[str, A
         assert reported_after_s >= LATE_MS / 1000 * 0.9
         assert ws.num_late_store_calls == 1
         wm = ws.worker_meta()
-        assert wm is not None and [res[-1] for res in wm.loads["r"]] == ["timeout"]
+        assert wm is not None and [res.outcome for res in wm.loads["r"]] == [LoadOutcome.TIMEOUT]
     finally:
         ws.shutdown()
 
@@ -111,7 +119,11 @@ def test_late_put_keeps_the_save_job_and_its_pins_until_it_returned(vllm_objs: d
         assert wm is None or 1 not in wm.saves_done, "the job was reported (pins released) under a late put"
         assert ws.flush(5.0)
         wm = ws.worker_meta()
-        assert wm is not None and wm.saves_done == {1: [0]} and wm.saves[1] == [(0, 0, 0, 32, "timeout")]
+        assert (
+            wm is not None
+            and wm.saves_done == {1: [0]}
+            and wm.saves[1] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.TIMEOUT)]
+        )
         assert open_store(f"memory://{name}").exists([scheme.key(0, 0, H1)])[0].is_ok  # it did land, late
     finally:
         ws.shutdown()

@@ -9,9 +9,18 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.geometry import resolve_geometry
-from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
+from hybridkv.connector.metadata import (
+    BlockRef,
+    HybridStoreMetadata,
+    LoadJob,
+    LoadResult,
+    SaveJob,
+    SaveOutcome,
+    SaveResult,
+)
+from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
+from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
 from hybridkv.testing.cluster import kv_cache_config
 
@@ -58,7 +67,10 @@ def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> No
         ws.flush()
         wm = ws.worker_meta()
         assert wm is not None and wm.saves_done == {1: [0]}
-        assert sorted(wm.saves[1]) == [(0, 0, 0, 32, "ok"), (0, 1, 0, 32, "ok")]
+        assert sorted(wm.saves[1]) == [
+            SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.OK),
+            SaveResult(EntryId(0, 1, 0, 32), SaveOutcome.OK),
+        ]
         store = open_store(url)
         assert all(s.is_ok for s in store.exists([scheme.key(0, 0, H1), scheme.key(1, 0, H2)]))
         assert not store.exists([scheme.key(0, 1, H1)])[0].is_ok  # rank 1's entry is rank 1's to write
@@ -70,8 +82,12 @@ def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> No
         assert torch.equal(caches["attn.0"][7], caches["attn.0"][3])
         assert torch.equal(caches["mamba.0"][9], caches["mamba.0"][5])
         wm = ws.worker_meta()
-        assert wm is not None and sorted(wm.loads["r"]) == [(0, 0, 0, 32, "ok"), (0, 1, 0, 32, "ok")]
+        assert wm is not None and sorted(wm.loads["r"]) == [
+            LoadResult(EntryId(0, 0, 0, 32), LoadOutcome.OK),
+            LoadResult(EntryId(0, 1, 0, 32), LoadOutcome.OK),
+        ]
         assert ws.stats.totals["load_bytes"] == 16 * 64 * 2 + 256
+        assert ws.stats.totals["load_job_seconds"] > 0, "the load thread's time per job is exported"
     finally:
         ws.shutdown()
 
@@ -92,7 +108,7 @@ def test_failed_or_corrupt_load_is_reported_per_request(vllm_objs: dict[str, Any
         done, failed = _wait_loads(ws)
         assert done == {"r"} and failed == {"r"}  # failed is reported AND finished (vLLM's contract)
         wm = ws.worker_meta()
-        assert wm is not None and [res[-1] for res in wm.loads["r"]] != ["ok"]
+        assert wm is not None and [res.outcome for res in wm.loads["r"]] != [LoadOutcome.OK]
         assert ws.stats.totals["load_failed_keys"] == 1
     finally:
         ws.shutdown()
@@ -112,7 +128,7 @@ def test_backpressure_drops_a_wave_instead_of_stalling(vllm_objs: dict[str, Any]
         ws.flush()
         wm = ws.worker_meta()
         assert wm is not None and sorted(wm.saves_done) == [1, 2]  # a dropped job still finishes (unpins)
-        assert wm.saves[2] == [(0, 0, 1, 64, "dropped")]
+        assert wm.saves[2] == [SaveResult(EntryId(0, 0, 1, 64), SaveOutcome.DROPPED)]
         assert ws.stats.totals["put_wave_drops"] == 1
     finally:
         ws.shutdown()
@@ -158,7 +174,9 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
         ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
         assert ws.suspend(timeout=10)
         wm = ws.worker_meta()
-        assert wm is not None and wm.saves[1][0][-1] == "ok", "a save queued before sleep is written"
+        assert wm is not None and wm.saves[1][0].outcome is SaveOutcome.OK, (
+            "a save queued before sleep is written"
+        )
         expected = caches["attn.0"][3].clone()
         caches["attn.0"][7].zero_()
         load = LoadJob("asleep", 32, (BlockRef(0, 0, 0, 7, H1, 32),))
@@ -170,7 +188,7 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
             HybridStoreMetadata(scheme=scheme, saves=[SaveJob(2, "r2", (BlockRef(0, 0, 1, 4, H2, 32),))])
         )
         wm = ws.worker_meta()
-        assert wm is not None and wm.saves[2][0][-1] == "dropped"
+        assert wm is not None and wm.saves[2][0].outcome is SaveOutcome.DROPPED
         ws.resume()
         ws.start_load(
             HybridStoreMetadata(scheme=scheme, loads=[LoadJob("awake", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])

@@ -38,11 +38,11 @@ def _watch_reports(worker_side: Any) -> tuple[list[tuple[torch.Tensor, bool]], l
     pending_at_report: list[int] = []
     faulty = worker_side.store.backend
     assert isinstance(faulty, FaultyBackend), type(faulty).__name__
-    finish_load, transfer_results = worker_side._finish_load, worker_side.transfer_results
+    start_load, transfer_results = worker_side.start_load, worker_side.transfer_results
 
-    def recording_finish_load(job: Any, *args: Any, **kwargs: Any) -> None:
-        jobs[job.req_id] = job
-        finish_load(job, *args, **kwargs)
+    def recording_start_load(meta: Any) -> None:
+        jobs.update((job.req_id, job) for job in meta.loads)
+        start_load(meta)
 
     def snapshotting_transfer_results() -> tuple[set[str], set[str]]:
         done, failed = transfer_results()
@@ -50,12 +50,12 @@ def _watch_reports(worker_side: Any) -> tuple[list[tuple[torch.Tensor, bool]], l
             pending_at_report.append(faulty.num_late_pending)
         for request_id in done:
             for ref in jobs.pop(request_id).blocks:
-                for tensor in worker_side._movers[ref.sgid].tensors:
+                for tensor in worker_side.group_tensors(ref.sgid):
                     page = tensor[ref.block_id]
                     pages.append((page, _scribbled(page)))
         return done, failed
 
-    worker_side._finish_load = recording_finish_load
+    worker_side.start_load = recording_start_load
     worker_side.transfer_results = snapshotting_transfer_results
     return pages, pending_at_report
 

@@ -1,0 +1,331 @@
+"""The save path of the scheduler half: which blocks to save when, save jobs and their pins, and the
+``BlockStored`` events of the waves every rank stored.
+
+:class:`SavePlanner` is owned by :class:`~hybridkv.connector.scheduler.SchedulerSide`, which decides
+*whether* a request may save now (role, namespace state) and hands the planner the step's inputs. The
+planner decides *what* to save:
+
+- full attention and SWA positionally, as prompt blocks complete (``step_job``);
+- Mamba only from ``boundary_state_offloads`` (per step) and ``register_finished_partial_tail`` (at
+  finish), at boundaries a later lookup can ask for and that did not come from this store;
+- for every Mamba state at a boundary inside a full-attention block, that block's prompt tail under the
+  same boundary, so a lookup can reach the state.
+
+Each job's source blocks are pinned (``touch``) until every rank reported it, then freed exactly once.
+A job every rank dropped is a dropped wave; otherwise the lifecycle's ``SaveWave`` judges the results
+and the stored blocks are published through the owner (:class:`StoredPublisher`), which withholds them
+when a namespace reset or an invalidation may have removed them since.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hybridkv.connector.metadata import BlockRef, HybridStoreWorkerMetadata, SaveJob, SaveOutcome, SaveResult
+from hybridkv.connector.stats import StatsBox
+from hybridkv.connector.vllm_geometry import ConnectorGeometry
+from hybridkv.lifecycle.kinds import KIND_RULES, cdiv
+from hybridkv.lifecycle.machine import LifecycleMachine, SaveWave
+from hybridkv.lifecycle.save import plan_save
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: (sgid, block index or key boundary, block id): one block to save, before it becomes a ``BlockRef``
+SaveItem = tuple[int, int, int]
+
+
+class StoredPublisher(Protocol):
+    """Where the planner publishes the blocks of waves every rank stored (the scheduler half)."""
+
+    @property
+    def reset_epoch(self) -> int:
+        """The number of namespace resets requested so far."""
+        ...
+
+    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
+        """Publish ``(sgid, block hash, BlockStored)`` for a wave created in reset epoch ``epoch``."""
+        ...
+
+
+@dataclass
+class RequestSaves:
+    """One request's save progress (lives as long as the scheduler tracks the request)."""
+
+    request: Request
+    #: next block index to save, per store group (full / SWA); set on the first scheduled step
+    saved_upto: dict[int, int] | None = None
+    #: tokens restored from this store, so saves skip them
+    loaded_boundary: int = 0
+    #: (sgid, key boundary) of full-attention prompt tails already saved
+    tails_saved: set[tuple[int, int]] = field(default_factory=set)
+
+    def restart(self) -> None:
+        """A load failed: vLLM recomputes from 0, so nothing came from the store and positional saves
+        restart at the request's next first scheduled position (invalidated entries get re-saved)."""
+        self.loaded_boundary = 0
+        self.saved_upto = None
+
+
+@dataclass
+class _Job:
+    job: SaveJob
+    wave: SaveWave
+    pinned: list[Any]
+    request: Request
+    #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
+    epoch: int
+    ranks_done: set[int] = field(default_factory=set)
+    results: list[SaveResult] = field(default_factory=list)
+
+
+class SavePlanner:
+    """Save jobs of one engine core; driven from the scheduler thread only."""
+
+    def __init__(
+        self,
+        geo: ConnectorGeometry,
+        machine: LifecycleMachine,
+        stats: StatsBox,
+        publisher: StoredPublisher,
+        ranks: frozenset[int],
+    ) -> None:
+        self.geo = geo
+        self.scheme = geo.scheme
+        self.machine = machine
+        self.stats = stats
+        self._publisher = publisher
+        self._all_ranks = ranks
+        self._by_gid = {g.gid: g for g in geo.groups}
+        self._jobs: dict[int, _Job] = {}
+        #: jobs created between steps (finish-time tails), sent with the next step's metadata
+        self._unsent: list[SaveJob] = []
+        self._next_job = 1
+        self._pool: Any = None
+
+    def bind_block_pool(self, pool: Any) -> None:
+        """vLLM's block pool: source blocks are pinned through it while their job is in flight."""
+        self._pool = pool
+
+    # ------------------------------------------------------------------ planning
+    def step_job(
+        self,
+        saves: RequestSaves,
+        num_done_tokens: int,
+        block_state: Any,
+        state_offloads: list[tuple[int, int, int]],
+        loading_boundary: int,
+    ) -> SaveJob | None:
+        """The save job for one request's scheduled step, or None when it completes nothing to save.
+
+        ``num_done_tokens``: the request's computed tokens at the end of this step. ``block_state``:
+        the step's ``kv_connector_block_state`` (the request's block table). ``state_offloads``: its
+        ``boundary_state_offloads`` (gid, block id, boundary). ``loading_boundary``: the boundary of the
+        load in flight for the request (0: none); boundaries up to it come from this store.
+        """
+        items = self._positional_saves(saves, num_done_tokens, block_state)
+        states = self._boundary_saves(saves, state_offloads, loading_boundary)
+        if states:
+            items += states + self._tail_saves(
+                saves, states, block_state.get_block_ids(saves.request.request_id)
+            )
+        return self._new_job(saves, items) if items else None
+
+    def finished_partial_tail(
+        self,
+        saves: RequestSaves,
+        tails: list[tuple[int, int, int]],
+        block_ids: tuple[list[int], ...] | None,
+        loading_boundary: int,
+    ) -> None:
+        """A finish-time Mamba tail hand-off (and, from ``block_ids``, the full-attention tail it needs):
+        a job sent with the next step's metadata."""
+        items = self._boundary_saves(saves, tails, loading_boundary)
+        if items:
+            items += self._tail_saves(saves, items, block_ids)
+            self._unsent.append(self._new_job(saves, items))
+
+    def take_unsent(self) -> list[SaveJob]:
+        """Jobs created since the last step, for this step's metadata."""
+        jobs, self._unsent = self._unsent, []
+        return jobs
+
+    def _positional_saves(self, saves: RequestSaves, done: int, bs: Any) -> list[SaveItem]:
+        """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
+        req = saves.request
+        unit = self.scheme.geometry.hash_unit
+        upto = min(done, req.num_prompt_tokens, len(req.block_hashes) * unit)
+        if saves.saved_upto is None:
+            # Blocks before the first scheduled position came from the device cache or from this store.
+            first = max(req.num_computed_tokens, saves.loaded_boundary)
+            saves.saved_upto = {g.sgid: first // g.span for g in self.geo.groups}
+        table = None
+        out: list[SaveItem] = []
+        for g in self.geo.groups:
+            if not KIND_RULES[g.kind].positional_saves:
+                continue
+            start, stop = saves.saved_upto[g.sgid], upto // g.span
+            if stop <= start:
+                continue
+            if table is None:
+                table = bs.get_block_ids(req.request_id)
+                if table is None:
+                    return out
+            for idx in range(start, stop):
+                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                if bid != 0:  # SWA: 0 = already slid out of the window and freed
+                    out.append((g.sgid, (idx + 1) * g.span, bid))
+            saves.saved_upto[g.sgid] = stop
+        return out
+
+    def _boundary_saves(
+        self, saves: RequestSaves, offloads: list[tuple[int, int, int]], loading_boundary: int
+    ) -> list[SaveItem]:
+        """(sgid, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
+        req = saves.request
+        geometry = self.scheme.geometry
+        limit = min(req.num_prompt_tokens, len(req.block_hashes) * geometry.hash_unit)
+        out = []
+        for gid, bid, boundary in offloads:
+            g = self._by_gid.get(gid)
+            if g is None or KIND_RULES[g.kind].positional_saves or bid == 0:
+                continue
+            if boundary % geometry.hit_alignment or boundary > limit:
+                continue  # no lookup can ask for it
+            if boundary <= max(saves.loaded_boundary, loading_boundary):
+                continue  # came from this store
+            out.append((g.sgid, boundary, bid))
+        return out
+
+    def _tail_saves(
+        self, saves: RequestSaves, states: list[SaveItem], table: tuple[list[int], ...] | None
+    ) -> list[SaveItem]:
+        """(sgid, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
+
+        A Mamba state at a boundary ``b`` inside a full-attention block (fine-grained geometries: Mamba
+        block > hash unit, or full attention widened by DCP) is only reachable if that block is stored
+        under ``b``'s hash too: a lookup probes the interior hash boundaries of the first missing block
+        (vLLM's ``FullAttentionManager`` caches the same partial tail locally). Whole blocks before it
+        are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
+        recomputes from ``b`` and overwrites them.
+        """
+        if table is None:
+            return []
+        out = []
+        for _, boundary, _ in states:
+            for g in self.geo.groups:
+                if not KIND_RULES[g.kind].stores_partial_tails or boundary % g.span == 0:
+                    continue
+                if (g.sgid, boundary) in saves.tails_saved:
+                    continue
+                idx = boundary // g.span
+                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                if bid == 0:
+                    continue
+                saves.tails_saved.add((g.sgid, boundary))
+                out.append((g.sgid, boundary, bid))
+        return out
+
+    def _new_job(self, saves: RequestSaves, items: list[SaveItem]) -> SaveJob:
+        """A save job for ``items``: its lifecycle wave started, its source blocks pinned."""
+        request = saves.request
+        by_group: dict[int, list[int]] = {}
+        for sgid, boundary, _ in items:
+            by_group.setdefault(sgid, []).append(boundary)
+        plan = plan_save(self.scheme, list(request.block_hashes), by_group)
+        bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
+        refs = tuple(
+            BlockRef(
+                b.group_index,
+                self.geo.groups[b.group_index].gid,
+                b.block_index,
+                bid_of[(b.group_index, b.key_boundary)],
+                b.block_hash,
+                b.key_boundary,
+            )
+            for b in plan.blocks
+        )
+        job = SaveJob(self._next_job, request.request_id, refs)
+        self._next_job += 1
+        wave = self.machine.new_save_wave(request.request_id, job.job_id, plan)
+        pinned: list[Any] = []
+        if self._pool is not None:
+            pinned = [self._pool.blocks[ref.block_id] for ref in refs]
+            self._pool.touch(pinned)
+        self._jobs[job.job_id] = _Job(job, wave, pinned, request, self._publisher.reset_epoch)
+        wave.start_put()
+        return job
+
+    # ------------------------------------------------------------------ results
+    def on_results(self, wm: HybridStoreWorkerMetadata) -> None:
+        """Record the ranks' save results; a job every rank finished is finished: its pins are freed and
+        its wave judged (dropped, stored and published, or failed). Unknown job ids are ignored (a job
+        released at shutdown)."""
+        for job_id, save_results in wm.saves.items():
+            if (j := self._jobs.get(job_id)) is not None:
+                j.results.extend(save_results)
+        for job_id, done_ranks in wm.saves_done.items():
+            if (j := self._jobs.get(job_id)) is not None:
+                j.ranks_done.update(done_ranks)
+                if j.ranks_done >= self._all_ranks:
+                    self._finish_job(j)
+
+    def _finish_job(self, j: _Job) -> None:
+        del self._jobs[j.job.job_id]
+        if self._pool is not None and j.pinned:
+            self._pool.free_blocks(list(reversed(j.pinned)))
+        if j.results and all(res.outcome is SaveOutcome.DROPPED for res in j.results):
+            # Backpressure on every rank: nothing was written, so nothing can be published.
+            j.wave.drop("backpressure")
+            return
+        outcomes = {res.entry: res.outcome is SaveOutcome.OK for res in j.results}
+        stored = j.wave.finish_put(outcomes)
+        self._publisher.publish_stored(
+            j.epoch,
+            [
+                (
+                    block.group_index,
+                    block.block_hash,
+                    self.stored_event(block.group_index, block.key_boundary, block.block_hash, j.request),
+                )
+                for block in stored
+            ],
+        )
+
+    def stored_event(self, sgid: int, end: int, block_hash: bytes, request: Request) -> Any:
+        """vLLM's ``BlockStored`` for the entry of group ``sgid`` stored under key boundary ``end``."""
+        from vllm.distributed.kv_events import BlockStored
+
+        g = self.geo.groups[sgid]
+        # The block's tokens up to the key boundary: [block start, end) (a prompt tail or Mamba state at
+        # a boundary inside a block covers less than a span).
+        start = (cdiv(end, g.span) - 1) * g.span
+        tokens = list(request.all_token_ids[start:end])
+        return BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=g.span,
+            lora_id=None,
+            medium="STORAGE",
+            lora_name=None,
+            group_idx=g.gid,
+        )
+
+    # ------------------------------------------------------------------ inspection and lifetime
+    def has_work(self) -> bool:
+        """Whether a job is unsent or not yet finished by every rank (its pins are held)."""
+        return bool(self._jobs) or bool(self._unsent)
+
+    def wave(self, job_id: int) -> SaveWave | None:
+        """The lifecycle wave of an unfinished job (inspection)."""
+        j = self._jobs.get(job_id)
+        return j.wave if j is not None else None
+
+    def release_all(self) -> None:
+        """Shutdown: free every pin; later results for these jobs are ignored."""
+        if self._pool is not None:
+            for j in self._jobs.values():
+                self._pool.free_blocks(list(reversed(j.pinned)))
+        self._jobs.clear()
