@@ -9,9 +9,10 @@ PYTEST_ARGS ?=
 # vLLM 0.33 (CUDA build only) layered over $(VENV): see scripts/setup-vllm033.sh.
 VENV033 ?= .venv-vllm033
 READY033 := $(VENV033)/.hybridkv-ready
-# The tests that drive vLLM's Python side (scheduler, KV-cache manager, configs, connector base classes)
-# without kernels or an engine; engine tests are marked `slow` and live elsewhere.
-VLLM033_TESTS := tests/connector tests/lifecycle -m "vllm and not slow"
+# The tests that drive vLLM's Python side (scheduler, KV-cache manager, configs, connector base classes,
+# metrics, CLI parser) without kernels or an engine; engine tests are marked `slow` and live elsewhere.
+VLLM033_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
+	tests/docs/test_examples.py -m "vllm and not slow"
 
 .PHONY: demo test test-vllm033 test-fast fuzz-long setup clean
 
