@@ -1,15 +1,27 @@
 # hybridkv: `make demo` runs the demo, `make test` runs the whole test suite.
 # Both prepare the machine first (scripts/setup.sh); a ready machine is not touched again.
+# `make test` also runs the vLLM-facing tests a second time against vLLM 0.33 (`make test-vllm033`).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.hybridkv-ready
 PYTEST_ARGS ?=
+# vLLM 0.33 (CUDA build only) layered over $(VENV): see scripts/setup-vllm033.sh.
+VENV033 ?= .venv-vllm033
+READY033 := $(VENV033)/.hybridkv-ready
+# The tests that drive vLLM's Python side (scheduler, KV-cache manager, configs, connector base classes,
+# metrics, CLI parser) without kernels or an engine; engine tests are marked `slow` and live elsewhere.
+VLLM033_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
+	tests/docs/test_examples.py -m "vllm and not slow"
 
-.PHONY: demo test test-fast fuzz-long setup clean
+.PHONY: demo test test-vllm033 test-fast fuzz-long setup clean
 
 $(READY): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
+	touch $@
+
+$(READY033): $(READY) scripts/setup-vllm033.sh
+	VENV=$(VENV) VENV033=$(VENV033) bash scripts/setup-vllm033.sh
 	touch $@
 
 setup: $(READY)
@@ -18,8 +30,13 @@ demo: $(READY)
 	$(VENV)/bin/hybridkv demo
 
 # The suite runs in a private network namespace with only loopback up (see scripts/netns-run).
-test: $(READY)
+test: $(READY) $(READY033)
 	scripts/netns-run $(PY) -m pytest $(PYTEST_ARGS)
+	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM033_TESTS)
+
+# The scheduler-level tests against vLLM 0.33's Python code over the CPU torch.
+test-vllm033: $(READY033)
+	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM033_TESTS) $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests.
 test-fast: $(READY)
@@ -30,4 +47,4 @@ fuzz-long: $(READY)
 	scripts/netns-run $(PY) -m pytest tests -k "fuzz or stateful" --hypothesis-profile=long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV033) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,71 @@
+"""The connector's hooks against the installed vLLM's connector base class (0.32 and 0.33 alike).
+
+`make test` runs this file under both releases: vLLM's CPU build 0.32 and vLLM 0.33's Python code
+(`make test-vllm033`). A hook whose parameters drift from the base class vLLM calls it through would only
+fail on a real engine of that release; these checks fail at test time instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+# Sleep mode: vLLM 0.33 added these hooks to the connector base class; 0.32 never calls them.
+SLEEP_HOOKS = ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches")
+
+
+def _vllm_release() -> tuple[int, int]:
+    import vllm
+
+    major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
+    return major, minor
+
+
+def _parameters(function: object) -> list[tuple[str, inspect._ParameterKind]]:
+    """Names and kinds, not annotations: vLLM annotates with names hybridkv does not import."""
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]  # type: ignore[arg-type]
+
+
+def _is_method(attribute: object) -> bool:
+    # A classmethod object itself is not callable; supports_sleep_mode and build_*_stats are classmethods.
+    return isinstance(attribute, classmethod | staticmethod) or callable(attribute)
+
+
+def test_every_overridden_hook_keeps_the_base_class_parameters() -> None:
+    from hybridkv.connector import HybridStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    overridden = sorted(
+        name
+        for name in vars(HybridStoreConnector)
+        if not name.startswith("__") and _is_method(inspect.getattr_static(KVConnectorBase_V1, name, None))
+    )
+    assert "build_kv_connector_stats" in overridden, f"classmethod hooks missing from {overridden}"
+    assert len(overridden) >= 20, f"only {overridden} found: is HybridStoreConnector still a connector?"
+    for name in overridden:
+        ours = inspect.getattr_static(HybridStoreConnector, name)
+        theirs = inspect.getattr_static(KVConnectorBase_V1, name)
+        assert type(ours) is type(theirs), (
+            f"{name}: {type(ours).__name__} here, {type(theirs).__name__} in vLLM's KVConnectorBase_V1"
+        )
+        assert _parameters(getattr(HybridStoreConnector, name)) == _parameters(
+            getattr(KVConnectorBase_V1, name)
+        ), f"{name}: parameters differ from vLLM's KVConnectorBase_V1.{name}"
+
+
+def test_sleep_hooks_are_the_connectors_own_where_vllm_calls_them() -> None:
+    from hybridkv.connector import HybridStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    declared = [name for name in SLEEP_HOOKS if hasattr(KVConnectorBase_V1, name)]
+    if _vllm_release() >= (0, 33):
+        # 0.33's default supports_sleep_mode() is True: inheriting it would promise a drain nobody does.
+        assert declared == list(SLEEP_HOOKS)
+        for name in SLEEP_HOOKS:
+            assert name in vars(HybridStoreConnector), f"{name} is inherited from vLLM's default"
+    else:
+        assert declared == [], f"vLLM {_vllm_release()} already declares {declared}"
+    assert HybridStoreConnector.supports_sleep_mode(None) is True
