@@ -16,9 +16,22 @@ counted. Medians over rounds; the bytes the external hit loaded come from the wo
 counter, and the copy floor divides them by a ``memcpy`` (``numpy.copyto``) of the same value size and count
 measured in the same run.
 
-Baseline (``baseline=True``, non-hybrid families only): vLLM's in-tree ``ExampleConnector`` (safetensors
-files per request, no HMA, so hybrids cannot run it) in a separate engine on the same scratch filesystem,
-prefix caching off (as it requires), the same prompt sent twice: the second send is its external hit.
+Baselines, each its own engine on the same machine in the same run:
+
+- ``baseline=True`` (non-hybrid families): vLLM's in-tree ``ExampleConnector`` (safetensors files per request,
+  no HMA) on the same scratch filesystem, prefix caching off (as it requires), the same prompt sent twice: the
+  second send is its external hit; its overhead uses the file-store engine's local hits.
+- ``mooncake=True``: the bench starts a ``mooncake_master`` on 127.0.0.1 (so it must run in a loopback-only
+  network namespace: ``scripts/netns-run hybridkv bench ttft --mooncake``) and adds hybridkv on ``mooncake://``
+  and vLLM's in-tree ``MooncakeStoreConnector`` (embedded segment, TCP, non-hybrid families) with the same
+  protocol. The latter runs in a spawned child that writes its samples and exits hard: in-process, its
+  engine's teardown hangs in ``zmq.Context.term``.
+
+Each row's overhead is the median over rounds of (external - local) of the same engine, with its [min, max];
+it is divided by the memcpy floor (measured in this process) and by ``MooncakeStoreConnector``'s overhead.
+The hit profile splits a hybridkv hit: lookup and load wall time from the connector's audit log
+(``monotonic`` of ``lookup_started`` / ``hit_found`` / ``load_started`` / ``load_verified``), and the store's
+own read, verify and a memcpy of the same bytes from a microbench in this process (``PROFILE_SOURCES``).
 """
 
 from __future__ import annotations
@@ -49,8 +62,14 @@ from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, t
 
 __all__ = [
     "DEFAULT_FAMILIES",
+    "PEER_CONNECTOR",
+    "PROFILE_COLUMNS",
+    "PROFILE_SOURCES",
     "TABLE_COLUMNS",
     "default_scratch_dir",
+    "measure_mooncake_store_connector",
+    "measure_store_path",
+    "mooncake_master",
     "plot_report",
     "run_ttft_bench",
 ]
