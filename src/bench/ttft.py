@@ -958,7 +958,9 @@ def _measure_families(
             (row["overhead_ms"] for row in family_rows if row["connector"] == PEER_CONNECTOR), None
         )
         for row in family_rows:
-            row["overhead_over_peer"] = _ratio(row["overhead_ms"], peer_overhead)
+            # A peer overhead at or below zero (noise larger than the hit) makes the ratio meaningless.
+            if peer_overhead is not None and peer_overhead > 0:
+                row["overhead_over_peer"] = _ratio(row["overhead_ms"], peer_overhead)
         rows.extend(family_rows)
     return rows, details, profiles, not_measured
 
