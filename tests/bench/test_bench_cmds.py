@@ -7,6 +7,7 @@ exercise the same ``register`` / ``func`` path either way.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,7 @@ def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: P
 def test_bench_ttft_mooncake_rows_next_to_the_file_store(tmp_path: Path) -> None:
     """hybridkv on Mooncake and vLLM's MooncakeStoreConnector (own process) against the bench's own master:
     every engine really hit the external tier, and each overhead is divided by the peer's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mooncake_fixture import assert_loopback_only_namespace
 
     assert_loopback_only_namespace()
