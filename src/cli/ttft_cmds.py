@@ -125,6 +125,7 @@ def handle_ttft(args: argparse.Namespace) -> int:
         PROFILE_COLUMNS,
         TABLE_COLUMNS,
         default_scratch_dir,
+        loopback_only_namespace,
         plot_report,
         run_ttft_bench,
     )
@@ -139,24 +140,25 @@ def handle_ttft(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
+    if args.mooncake and not loopback_only_namespace():
+        print(
+            "error: --mooncake needs a private network namespace with only 'lo' (Mooncake clients listen on "
+            "0.0.0.0): run it as `scripts/netns-run hybridkv bench ttft --mooncake ...`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     with default_scratch_dir() as scratch:
-        try:
-            report = run_ttft_bench(
-                families,
-                scratch_dir=scratch,
-                prompt_tokens=args.prompt_tokens,
-                rounds=args.rounds,
-                size=args.size,
-                dtype=args.dtype,
-                baseline=not args.no_baseline,
-                mooncake=args.mooncake,
-                models_dir=models_dir,
-            )
-        except RuntimeError as error:
-            if not args.mooncake:
-                raise
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USAGE
+        report = run_ttft_bench(
+            families,
+            scratch_dir=scratch,
+            prompt_tokens=args.prompt_tokens,
+            rounds=args.rounds,
+            size=args.size,
+            dtype=args.dtype,
+            baseline=not args.no_baseline,
+            mooncake=args.mooncake,
+            models_dir=models_dir,
+        )
     print(
         f"prompt {report['prompt_tokens']} tokens, {report['rounds']} rounds, dtype {report['dtype']}, "
         f"size {report['size']} (medians; spread = min..max over rounds; ratios from the same run)"

@@ -170,6 +170,19 @@ def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: P
     assert _load_profile_from_audit(tmp_path / "missing.jsonl") == []
 
 
+def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridkv.bench.ttft import loopback_only_namespace
+
+    if loopback_only_namespace():
+        pytest.skip("this process already runs in a loopback-only namespace (the Mooncake test run)")
+    out = tmp_path / "ttft.json"
+    assert _main(["bench", "ttft", "--mooncake", "--family", "llama", "--out", str(out)]) == 2
+    assert "scripts/netns-run" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.mooncake
 def test_bench_ttft_mooncake_rows_next_to_the_file_store(tmp_path: Path) -> None:
