@@ -16,32 +16,60 @@ counted. Medians over rounds; the bytes the external hit loaded come from the wo
 counter, and the copy floor divides them by a ``memcpy`` (``numpy.copyto``) of the same value size and count
 measured in the same run.
 
-Baseline (``baseline=True``, non-hybrid families only): vLLM's in-tree ``ExampleConnector`` (safetensors
-files per request, no HMA, so hybrids cannot run it) in a separate engine on the same scratch filesystem,
-prefix caching off (as it requires), the same prompt sent twice: the second send is its external hit.
+Baselines, each its own engine on the same machine in the same run:
+
+- ``baseline=True`` (non-hybrid families): vLLM's in-tree ``ExampleConnector`` (safetensors files per request,
+  no HMA) on the same scratch filesystem, prefix caching off (as it requires), the same prompt sent twice: the
+  second send is its external hit; its overhead uses the file-store engine's local hits.
+- ``mooncake=True``: the bench starts a ``mooncake_master`` on 127.0.0.1 (so it must run in a loopback-only
+  network namespace: ``scripts/netns-run hybridkv bench ttft --mooncake``) and adds hybridkv on ``mooncake://``
+  and vLLM's in-tree ``MooncakeStoreConnector`` (embedded segment, TCP, non-hybrid families) with the same
+  protocol. The latter runs in a spawned child that writes its samples and exits hard: in-process, its
+  engine's teardown hangs in ``zmq.Context.term``.
+
+Each row's overhead is the median over rounds of (external - local) of the same engine, with its [min, max];
+it is divided by the memcpy floor (measured in this process) and by ``MooncakeStoreConnector``'s overhead.
+The hit profile splits a hybridkv hit: lookup and load wall time from the connector's audit log
+(``monotonic`` of ``lookup_started`` / ``hit_found`` / ``load_started`` / ``load_verified``), and the store's
+own read, verify and a memcpy of the same bytes from a microbench in this process (``PROFILE_SOURCES``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import multiprocessing
 import os
 import platform
 import random
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none
-from hybridkv.bench.store import bench_scratch_dir, measure_memcpy
+from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
+from hybridkv.store.frame import compute_checksum, default_checksum
+from hybridkv.store.url import open_store
 from hybridkv.testing import vllm_harness
 from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 
 __all__ = [
     "DEFAULT_FAMILIES",
+    "PEER_CONNECTOR",
+    "PROFILE_COLUMNS",
+    "PROFILE_SOURCES",
     "TABLE_COLUMNS",
     "default_scratch_dir",
+    "measure_mooncake_store_connector",
+    "measure_store_path",
+    "mooncake_master",
     "plot_report",
     "run_ttft_bench",
 ]
@@ -55,11 +83,11 @@ TABLE_COLUMNS = [
     "external_hit_ms",
     "external_hit_tokens",
     "loaded_mb",
-    "load_job_ms",
+    "overhead_ms",
+    "overhead_ms_spread",
     "copy_floor_ms",
-    "external_over_local",
-    "cold_over_external",
     "overhead_over_floor",
+    "overhead_over_peer",
 ]
 
 DEFAULT_FAMILIES = ("llama", "lfm2")
@@ -108,6 +136,145 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
+MOONCAKE_MASTER_BINARY = Path(sys.executable).parent / "mooncake_master"
+
+
+def loopback_only_namespace() -> bool:
+    """Whether this process's network namespace has only ``lo`` (``scripts/netns-run``). Mooncake clients
+    listen on 0.0.0.0 and cannot be told otherwise, so the bench runs them only in such a namespace."""
+    return sorted(name for _index, name in socket.if_nameindex()) == ["lo"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def mooncake_master(log_dir: Path) -> Iterator[str]:
+    """A ``mooncake_master`` child on 127.0.0.1 for the bench's lifetime; yields its ``HOST:PORT``.
+
+    ``RuntimeError`` outside a loopback-only namespace or without the binary."""
+    if not loopback_only_namespace():
+        raise RuntimeError(
+            "the Mooncake rows need a private network namespace with only 'lo' (Mooncake clients listen on "
+            "0.0.0.0): run the bench as `scripts/netns-run hybridkv bench ttft --mooncake ...`"
+        )
+    if not MOONCAKE_MASTER_BINARY.exists():
+        raise RuntimeError(f"mooncake_master not found next to the interpreter ({MOONCAKE_MASTER_BINARY})")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    rpc_port, metrics_port = _free_port(), _free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "mooncake_master.log", "ab") as log_file:
+        process = subprocess.Popen(
+            [
+                str(MOONCAKE_MASTER_BINARY),
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics_port}",
+                "--logtostderr",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 10.0
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited at start; see {log_dir / 'mooncake_master.log'}")
+            try:
+                with socket.create_connection(("127.0.0.1", rpc_port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("mooncake_master did not listen within 10 s") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{rpc_port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+def _load_profile_from_audit(path: Path) -> list[dict[str, float]]:
+    """Per external hit (in request order), from the connector's audit log (scheduler-side transitions,
+    ``monotonic`` seconds): ``lookup_ms`` = lookup_started -> hit_found, ``load_ms`` = load_started ->
+    load_verified (the scheduler's view of the load: issue, the worker's read + verify + copy into the pages,
+    and the engine steps until the scheduler saw it finished)."""
+    by_request: dict[str, dict[str, float]] = {}
+    order: list[str] = []
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        request_id, event = record.get("request_id"), record.get("event")
+        if not isinstance(request_id, str) or not isinstance(record.get("monotonic"), (int, float)):
+            continue
+        times = by_request.setdefault(request_id, {})
+        if event not in times:  # the first of each event (a retry would start a second lookup)
+            times[str(event)] = float(record["monotonic"])
+        if event == "load_verified":
+            order.append(request_id)
+    profiles = []
+    for request_id in order:
+        times = by_request[request_id]
+        profiles.append(
+            {
+                "lookup_ms": (times.get("hit_found", math.nan) - times.get("lookup_started", math.nan)) * 1e3,
+                "load_ms": (times["load_verified"] - times.get("load_started", math.nan)) * 1e3,
+            }
+        )
+    return profiles
+
+
+def _median_ms(samples: Sequence[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def measure_store_path(
+    store_url: str, value_size: int, num_values: int, *, repeats: int = 5
+) -> dict[str, Any]:
+    """The store's own costs for one hit's bytes, in this process (ms, medians of ``repeats``): the whole
+    framed ``get_into`` (checksum on), the same with ``checksum=none`` (read + copy alone), the checksum of
+    those bytes alone, and one ``memcpy`` of them. The difference of the first two is the verify cost."""
+    joiner = "&" if "?" in store_url else "?"
+    out: dict[str, Any] = {}
+    for name, url in (("get_ms", store_url), ("get_no_checksum_ms", f"{store_url}{joiner}checksum=none")):
+        store = open_store(url)
+        try:
+            samples = []
+            for _ in range(max(1, repeats)):
+                gbps = measure_put_get(store, value_size, num_values, repeats=1)["get_gbps"]
+                samples.append(value_size * num_values / gbps / 1e9)
+            out[name] = _median_ms(samples)
+        finally:
+            store.close()
+    algo = default_checksum()
+    buffers = [memoryview(os.urandom(value_size)) for _ in range(num_values)]
+    checksum_s = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        for buffer in buffers:
+            compute_checksum(algo, [buffer])
+        checksum_s.append(time.perf_counter() - start)
+    out["checksum_ms"] = _median_ms(checksum_s)
+    out["checksum_algo"] = algo.url_name
+    memcpy_s = [
+        value_size * num_values / measure_memcpy(value_size, num_values, repeats=1)["memcpy_gbps"] / 1e9
+        for _ in range(max(1, repeats))
+    ]
+    out["memcpy_ms"] = _median_ms(memcpy_s)
+    return out
+
+
 def _model_facts(family: str, size: str, dtype: str) -> dict[str, Any]:
     _, kw = tiny_config_kwargs(family, size=size)
     layer_types = kw.get("layer_types") or ["full_attention"] * kw["num_hidden_layers"]
@@ -147,11 +314,16 @@ def measure_hybridkv(
     rounds: int,
     kv_cache_bytes: int,
     dtype: str,
+    audit_log: Path | None = None,
     warmup_tokens: int = 512,
     seed: int = 1000,
 ) -> dict[str, Any]:
-    """Cold / local-hit / external-hit TTFT samples of one engine with ``HybridStoreConnector``."""
-    transfer = vllm_harness.connector_transfer_config({"store": store_url, "lookup_budget_ms": 5000})
+    """Cold / local-hit / external-hit TTFT samples of one engine with ``HybridStoreConnector``; with
+    ``audit_log``, also each counted external hit's lookup and load times from the connector's audit log."""
+    extra: dict[str, Any] = {"store": store_url, "lookup_budget_ms": 5000}
+    if audit_log is not None:
+        extra["audit_log"] = str(audit_log)
+    transfer = vllm_harness.connector_transfer_config(extra)
     samples: dict[str, list[float]] = {"cold": [], "local": [], "external": []}
     cached: dict[str, list[int]] = {"cold": [], "local": [], "external": []}
     loaded_bytes: list[int] = []
@@ -195,7 +367,10 @@ def measure_hybridkv(
             loaded_keys.append(int(totals.get("load_keys", 0) - keys_before))
             load_job_s.append(float(totals.get("load_job_seconds", 0.0) - load_s_before))
         sched_totals = dict(sched.scheduler_side.stats.totals)
+    # The engine is shut down: the audit log is closed. Its first load is the warm-up round's.
+    load_profile = _load_profile_from_audit(audit_log)[1:] if audit_log is not None else []
     return {
+        "load_profile": load_profile,
         "engine_start_s": engine_start_s,
         "geometry": geo,
         "samples_s": samples,
@@ -257,6 +432,146 @@ def measure_example_connector(
     return {"samples_s": samples, "num_cached_tokens": cached, "file_bytes": file_bytes}
 
 
+#: Blocks vLLM may keep pinned right after a request (saves in flight); a few engine steps release them.
+_PUMP_TOKENS = [7] * 8
+
+
+def _drop_local_cache_any_connector(llm: Any, attempts: int = 40) -> None:
+    """``reset_prefix_cache()`` keeping the external tier, for any connector: vLLM refuses while saves still
+    pin blocks, so step the engine with a short request between attempts."""
+    from vllm import SamplingParams
+
+    for _ in range(attempts):
+        if llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
+            return
+        llm.generate(
+            [{"prompt_token_ids": _PUMP_TOKENS}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
+        )
+        time.sleep(0.05)
+    raise RuntimeError(f"vLLM refused to reset its prefix cache {attempts} times (blocks still in use)")
+
+
+def _mooncake_store_connector_rounds(
+    model_dir: Path,
+    *,
+    prompt_tokens: int,
+    rounds: int,
+    kv_cache_bytes: int,
+    dtype: str,
+    warmup_tokens: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Cold / local / external samples of vLLM's ``MooncakeStoreConnector`` (``MOONCAKE_CONFIG_PATH`` set by
+    the caller); the same protocol as :func:`measure_hybridkv`. Runs in a child process (see
+    :func:`measure_mooncake_store_connector`)."""
+    from vllm.config import KVTransferConfig
+
+    vllm_harness.prepare_inprocess_environment("ERROR")
+    transfer = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+    samples: dict[str, list[float]] = {"cold": [], "local": [], "external": []}
+    cached: dict[str, list[int]] = {"cold": [], "local": [], "external": []}
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        enable_prefix_caching=True,
+        kv_transfer_config=transfer,
+        **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
+    )
+    for round_index in range(rounds + 1):
+        n = min(prompt_tokens, warmup_tokens) if round_index == 0 else prompt_tokens
+        tokens = _prompt(n, seed + round_index)
+        cold_s, cold_cached = _timed_generate(llm, tokens)
+        local_s, local_cached = _timed_generate(llm, tokens)
+        # Succeeds only once its saves have been reported (until then they pin the blocks): untimed.
+        _drop_local_cache_any_connector(llm)
+        ext_s, ext_cached = _timed_generate(llm, tokens)
+        if round_index == 0:
+            continue
+        for name, sec, num in (
+            ("cold", cold_s, cold_cached),
+            ("local", local_s, local_cached),
+            ("external", ext_s, ext_cached),
+        ):
+            samples[name].append(sec)
+            cached[name].append(num)
+    return {"samples_s": samples, "num_cached_tokens": cached}
+
+
+def _mooncake_store_connector_child(kwargs: dict[str, Any], config_path: str, out_path: str) -> None:
+    """Child process body: measure, write the JSON result, and exit hard (in-process, the engine's
+    teardown hangs in ``zmq.Context.term``: its lookup server's socket is never closed)."""
+    os.environ["MOONCAKE_CONFIG_PATH"] = config_path
+    code = 0
+    try:
+        result = _mooncake_store_connector_rounds(**kwargs)
+    except BaseException as error:  # noqa: BLE001 -- reported to the parent as text
+        result = {"error": f"{type(error).__name__}: {error}"}
+        code = 1
+    Path(out_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def measure_mooncake_store_connector(
+    model_dir: Path,
+    *,
+    master_address: str,
+    segment_bytes: int,
+    prompt_tokens: int,
+    rounds: int,
+    kv_cache_bytes: int,
+    dtype: str,
+    work_dir: Path,
+    timeout_s: float = 1800.0,
+    warmup_tokens: int = 512,
+    seed: int = 3000,
+) -> dict[str, Any]:
+    """vLLM's in-tree ``MooncakeStoreConnector`` (embedded segment of ``segment_bytes`` in the engine, TCP,
+    the bench's master) in its own spawned process; ``{"error": ...}`` when it fails or times out."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    config_path = work_dir / "mooncake_store_connector.json"
+    config_path.write_text(
+        json.dumps(
+            {
+                "mode": "embedded",
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_address,
+                "global_segment_size": segment_bytes,
+                "local_buffer_size": 64 << 20,
+                "protocol": "tcp",
+                "device_name": "",
+            }
+        )
+    )
+    out_path = work_dir / "mooncake_store_connector.result.json"
+    kwargs = {
+        "model_dir": model_dir,
+        "prompt_tokens": prompt_tokens,
+        "rounds": rounds,
+        "kv_cache_bytes": kv_cache_bytes,
+        "dtype": dtype,
+        "warmup_tokens": warmup_tokens,
+        "seed": seed,
+    }
+    process = multiprocessing.get_context("spawn").Process(
+        target=_mooncake_store_connector_child,
+        args=(kwargs, str(config_path), str(out_path)),
+        name="hybridkv-bench-mooncake-store-connector",
+    )
+    process.start()
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+        return {"error": f"MooncakeStoreConnector child did not finish within {timeout_s:.0f} s (killed)"}
+    if not out_path.exists():
+        return {"error": f"MooncakeStoreConnector child exited with {process.exitcode} and no result"}
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -269,27 +584,39 @@ def _ms(seconds: float | None) -> float | None:
     return seconds * 1e3 if seconds is not None else None
 
 
+def _spread(values: Sequence[float]) -> list[float] | None:
+    """[min, max] of the samples (the spread the medians hide)."""
+    return [min(values), max(values)] if values else None
+
+
 def _row(
     family: str,
     connector: str,
     *,
-    cold: float | None,
-    local: float | None,
-    ext: float | None,
+    samples_s: dict[str, list[float]],
     ext_tokens: int,
     loaded_bytes: int,
     loaded_keys: int | None,
     memcpy_gbps: float | None,
-    load_job: float | None,
+    local_s: list[float] | None = None,
+    load_job: float | None = None,
 ) -> dict[str, Any]:
+    """One table row. ``local_s`` overrides the local-hit samples (a connector measured without a local hit
+    borrows the hybridkv engine's). The overhead is the median over rounds of (external - local), each round
+    on its own prompt; its spread is [min, max] over rounds."""
+    local_samples = samples_s.get("local") or local_s or []
+    ext_samples = samples_s.get("external", [])
+    cold, local, ext = (_median(samples_s.get("cold", [])), _median(local_samples), _median(ext_samples))
+    overheads_ms = [(e - lo) * 1e3 for e, lo in zip(ext_samples, local_samples, strict=False)]
     floor_ms = loaded_bytes / memcpy_gbps / 1e6 if memcpy_gbps and loaded_bytes else None
-    extra_ms = (ext - local) * 1e3 if ext is not None and local is not None else None
+    overhead_ms = _median(overheads_ms)
     return {
         "family": family,
         "connector": connector,
         "cold_ms": _ms(cold),
         "local_hit_ms": _ms(local),
         "external_hit_ms": _ms(ext),
+        "external_hit_ms_spread": [v * 1e3 for v in _spread(ext_samples) or []] or None,
         "external_hit_tokens": ext_tokens,
         "loaded_bytes": loaded_bytes,
         "loaded_mb": loaded_bytes / 1e6,
@@ -299,9 +626,80 @@ def _row(
         "copy_floor_ms": floor_ms,
         "external_over_local": _ratio(ext, local),
         "cold_over_external": _ratio(cold, ext),
-        "external_minus_local_ms": extra_ms,
-        "overhead_over_floor": _ratio(extra_ms, floor_ms),
+        "overhead_ms": overhead_ms,
+        "overhead_ms_spread": _spread(overheads_ms),
+        "overhead_over_floor": _ratio(overhead_ms, floor_ms),
+        "overhead_over_floor_spread": (
+            [v / floor_ms for v in _spread(overheads_ms) or []] or None if floor_ms else None
+        ),
+        "overhead_over_peer": None,  # filled once the MooncakeStoreConnector row exists
     }
+
+
+#: The rows' peer for ``overhead_over_peer``.
+PEER_CONNECTOR = "MooncakeStoreConnector (vLLM)"
+
+
+def _profile(
+    overhead_ms: float | None,
+    load_profile: Sequence[dict[str, float]],
+    store_path: dict[str, Any] | None,
+    load_job: float | None,
+) -> dict[str, Any]:
+    """Where a hybridkv hit's time above the local hit goes (ms, medians); see ``PROFILE_SOURCES``."""
+    lookup_ms = _median([p["lookup_ms"] for p in load_profile if not math.isnan(p["lookup_ms"])])
+    load_ms = _median([p["load_ms"] for p in load_profile if not math.isnan(p["load_ms"])])
+    out: dict[str, Any] = {
+        "overhead_ms": overhead_ms,
+        "lookup_ms": lookup_ms,
+        "load_ms": load_ms,
+        "load_job_ms": _ms(load_job),
+    }
+    if store_path is not None:
+        read_ms = store_path["get_no_checksum_ms"]
+        verify_ms = max(0.0, store_path["get_ms"] - read_ms)
+        out |= {
+            "store_read_into_dest_ms": read_ms,
+            "verify_ms": verify_ms,
+            "checksum_alone_ms": store_path["checksum_ms"],
+            "memcpy_ms": store_path["memcpy_ms"],
+        }
+        if load_ms is not None:
+            out["load_wait_ms"] = load_ms - read_ms - verify_ms
+    if overhead_ms is not None and load_ms is not None:
+        out["outside_load_ms"] = overhead_ms - load_ms - (lookup_ms or 0.0)
+    return out
+
+
+#: Where each number of the hit profile comes from.
+PROFILE_SOURCES = {
+    "overhead_ms": "TTFT external - local, median over rounds (llm.generate wall time)",
+    "lookup_ms": "audit log: lookup_started -> hit_found (monotonic), scheduler side",
+    "load_ms": "audit log: load_started -> load_verified, scheduler side: the worker's read, verify and copy "
+    "into the pages plus the engine steps until the scheduler saw it finished",
+    "load_job_ms": "worker's load thread, wall time of its load jobs during the request (load_job_seconds)",
+    "store_read_into_dest_ms": "microbench, this process: framed get_into of the same bytes (value size x "
+    "count) into host buffers, checksum=none",
+    "verify_ms": "microbench: get_into with the checksum minus without",
+    "checksum_alone_ms": "microbench: the checksum over the same bytes, no store",
+    "memcpy_ms": "microbench: np.copyto of the same bytes (the copy floor)",
+    "load_wait_ms": "load_ms - read - verify: issue, thread hand-off and the engine's step cadence",
+    "outside_load_ms": "overhead - lookup - load: scheduling around the load (the extra steps of an async load)",
+}
+
+#: The hit-profile columns ``hybridkv bench ttft`` prints.
+PROFILE_COLUMNS = [
+    "family",
+    "connector",
+    "overhead_ms",
+    "lookup_ms",
+    "load_ms",
+    "store_read_into_dest_ms",
+    "verify_ms",
+    "load_wait_ms",
+    "outside_load_ms",
+    "memcpy_ms",
+]
 
 
 def run_ttft_bench(
@@ -313,10 +711,15 @@ def run_ttft_bench(
     size: str = "bench",
     dtype: str = "auto",
     baseline: bool = True,
+    mooncake: bool = False,
     models_dir: Path = DEFAULT_MODELS_DIR,
     kv_cache_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Measure every family; one row per (family, connector) with medians and same-run ratios."""
+    """Measure every family; one row per (family, connector) with medians and same-run ratios.
+
+    ``mooncake``: also hybridkv on ``mooncake://`` and vLLM's ``MooncakeStoreConnector`` (own process),
+    against a ``mooncake_master`` the bench starts; needs a loopback-only network namespace
+    (``scripts/netns-run``), else ``RuntimeError``."""
     # One process, so the connector's worker half is reachable; vLLM logs to stdout: keep the table readable.
     vllm_harness.prepare_inprocess_environment("ERROR")
     if rounds < 1 or prompt_tokens < 1:
@@ -325,87 +728,22 @@ def run_ttft_bench(
     scratch = Path(scratch_dir)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    details: dict[str, Any] = {}
-    not_measured: list[str] = []
-    for family in families:
-        model_dir = build_tiny_model(family, models_dir, size=size)
-        facts = _model_facts(family, size, resolved_dtype)
-        per_prompt = prompt_tokens * max(1, facts["kv_bytes_per_token_full_attention"])
-        # Room for a few prompts in vLLM's cache (hybrids: the state groups take as much again).
-        kv_bytes = kv_cache_bytes or max(64 << 20, 6 * per_prompt)
-        capacity = max(256 << 20, 4 * (rounds + 1) * per_prompt)
-        ours = measure_hybridkv(
-            model_dir,
-            store_url=f"file://{scratch}/store-{family}?capacity={capacity}",
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(mooncake_master(scratch / "mooncake")) if mooncake else None
+        rows, details, profiles, not_measured = _measure_families(
+            families,
+            scratch=scratch,
+            master_address=master,
             prompt_tokens=prompt_tokens,
             rounds=rounds,
-            kv_cache_bytes=kv_bytes,
+            size=size,
             dtype=resolved_dtype,
+            baseline=baseline,
+            models_dir=models_dir,
+            kv_cache_bytes=kv_cache_bytes,
         )
-        med_bytes = int(statistics.median(ours["loaded_bytes"]))
-        med_keys = int(statistics.median(ours["loaded_keys"]))
-        memcpy_gbps = None
-        if med_bytes > 0 and med_keys > 0:
-            # The same bytes in the same value size as the load, measured now (same machine load).
-            memcpy_gbps = measure_memcpy(max(1, med_bytes // med_keys), med_keys, repeats=5)["memcpy_gbps"]
-        local = _median(ours["samples_s"]["local"])
-        rows.append(
-            _row(
-                family,
-                "HybridStoreConnector",
-                cold=_median(ours["samples_s"]["cold"]),
-                local=local,
-                ext=_median(ours["samples_s"]["external"]),
-                ext_tokens=int(statistics.median(ours["num_cached_tokens"]["external"])),
-                loaded_bytes=med_bytes,
-                loaded_keys=med_keys,
-                memcpy_gbps=memcpy_gbps,
-                load_job=_median(ours["load_job_s"]),
-            )
-        )
-        details[family] = {
-            "model": str(model_dir),
-            "model_facts": facts,
-            "params": _num_params(model_dir),
-            "kv_cache_memory_bytes": kv_bytes,
-            **ours,
-        }
-        if not baseline:
-            continue
-        if family not in _EXAMPLE_FAMILIES:
-            not_measured.append(
-                f"{family}: no in-tree baseline (ExampleConnector does not support the hybrid KV-cache manager)"
-            )
-            continue
-        example = measure_example_connector(
-            model_dir,
-            storage_dir=scratch / f"example-{family}",
-            prompt_tokens=prompt_tokens,
-            rounds=rounds,
-            kv_cache_bytes=kv_bytes,
-            dtype=resolved_dtype,
-        )
-        rows.append(
-            _row(
-                family,
-                "ExampleConnector (vLLM)",
-                cold=_median(example["samples_s"]["cold"]),
-                local=local,  # it runs with prefix caching off: ratios use the same family's local hit above
-                ext=_median(example["samples_s"]["external"]),
-                ext_tokens=int(statistics.median(example["num_cached_tokens"]["external"])),
-                loaded_bytes=int(statistics.median(example["file_bytes"])),
-                loaded_keys=None,
-                memcpy_gbps=memcpy_gbps,
-                load_job=None,
-            )
-            | {"local_hit_ms": None}
-        )
-        details[f"{family}/ExampleConnector"] = example
-    not_measured.append(
-        "MooncakeStoreConnector baseline: not run (needs a mooncake_master process, and in-process its engine "
-        "hangs on shutdown in zmq.Context.term)"
-    )
+    if not mooncake:
+        not_measured.append("Mooncake rows: not run (pass --mooncake, under scripts/netns-run)")
     return {
         "benchmark": "ttft",
         "unit": "ms of wall time of llm.generate(max_tokens=1) for one request; medians over rounds",
@@ -417,14 +755,17 @@ def run_ttft_bench(
         "cpu_fast_bf16": cpu_has_fast_bf16(),
         "protocol": "per round a fresh prompt: cold; the same prompt again (local hit); reset_prefix_cache() "
         "(keeps the store) then the same prompt (external hit). Saves are flushed between requests, untimed. "
-        "One warm-up round on a short prompt is not counted.",
-        "ratios": "external_over_local = external-hit / local-hit TTFT; cold_over_external = cold / external-hit; "
-        "copy_floor_ms = loaded bytes / memcpy GB/s of the same value size, measured in the same run; "
-        "overhead_over_floor = (external-hit - local-hit) / copy floor; load_job_ms = time the worker's load "
-        "thread spent reading the store and writing the blocks during the request (the load_job_seconds "
-        "counter). ExampleConnector runs with prefix caching off "
-        "(its loaded_bytes = safetensors bytes it wrote), so its ratios use the HybridStoreConnector local hit.",
+        "One warm-up round on a short prompt is not counted. MooncakeStoreConnector runs the same protocol "
+        "in its own spawned process (its in-process teardown hangs), against the same mooncake_master.",
+        "ratios": "overhead_ms = median over rounds of (external-hit - local-hit) of the same engine; "
+        "copy_floor_ms = loaded bytes / memcpy GB/s of the same value size, measured in this process; "
+        "overhead_over_floor = overhead / copy floor; overhead_over_peer = overhead / the same family's "
+        "MooncakeStoreConnector overhead; *_spread = [min, max] over rounds. ExampleConnector runs with "
+        "prefix caching off (its loaded_bytes = safetensors bytes it wrote), so its overhead uses the "
+        "file-store engine's local hits.",
         "rows": rows,
+        "profiles": profiles,
+        "profile_sources": PROFILE_SOURCES,
         "details": details,
         "not_measured": not_measured,
         "seconds": time.perf_counter() - started,
@@ -432,6 +773,157 @@ def run_ttft_bench(
         "loadavg_after": os.getloadavg(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+def _measure_families(
+    families: Sequence[str],
+    *,
+    scratch: Path,
+    master_address: str | None,
+    prompt_tokens: int,
+    rounds: int,
+    size: str,
+    dtype: str,
+    baseline: bool,
+    models_dir: Path,
+    kv_cache_bytes: int | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], list[str]]:
+    rows: list[dict[str, Any]] = []
+    details: dict[str, Any] = {}
+    profiles: list[dict[str, Any]] = []
+    not_measured: list[str] = []
+    for family in families:
+        model_dir = build_tiny_model(family, models_dir, size=size)
+        facts = _model_facts(family, size, dtype)
+        per_prompt = prompt_tokens * max(1, facts["kv_bytes_per_token_full_attention"])
+        # Room for a few prompts in vLLM's cache (hybrids: the state groups take as much again).
+        kv_bytes = kv_cache_bytes or max(64 << 20, 6 * per_prompt)
+        capacity = max(256 << 20, 4 * (rounds + 1) * per_prompt)
+        stores = [("HybridStoreConnector file://", f"file://{scratch}/store-{family}?capacity={capacity}")]
+        if master_address is not None:
+            stores.append(
+                (
+                    "HybridStoreConnector mooncake://",
+                    f"mooncake://{master_address}?segment={capacity}&local_buffer=16MiB",
+                )
+            )
+        family_rows: list[dict[str, Any]] = []
+        memcpy_gbps: float | None = None
+        first_local: list[float] = []
+        for label, url in stores:
+            audit = scratch / f"audit-{family}-{len(family_rows)}.jsonl"
+            ours = measure_hybridkv(
+                model_dir,
+                store_url=url,
+                prompt_tokens=prompt_tokens,
+                rounds=rounds,
+                kv_cache_bytes=kv_bytes,
+                dtype=dtype,
+                audit_log=audit,
+            )
+            med_bytes = int(statistics.median(ours["loaded_bytes"]))
+            med_keys = int(statistics.median(ours["loaded_keys"]))
+            store_path = None
+            if med_bytes > 0 and med_keys > 0:
+                value_size = max(1, med_bytes // med_keys)
+                # The same bytes in the same value size as the load, measured now (same machine load).
+                gbps = measure_memcpy(value_size, med_keys, repeats=5)["memcpy_gbps"]
+                memcpy_gbps = memcpy_gbps or gbps
+                path_url = url.replace(f"store-{family}", f"store-{family}-microbench")
+                store_path = measure_store_path(path_url, value_size, med_keys)
+            row = _row(
+                family,
+                label,
+                samples_s=ours["samples_s"],
+                ext_tokens=int(statistics.median(ours["num_cached_tokens"]["external"])),
+                loaded_bytes=med_bytes,
+                loaded_keys=med_keys,
+                memcpy_gbps=memcpy_gbps,
+                load_job=_median(ours["load_job_s"]),
+            )
+            family_rows.append(row)
+            first_local = first_local or ours["samples_s"]["local"]
+            profiles.append(
+                {"family": family, "connector": label}
+                | _profile(row["overhead_ms"], ours["load_profile"], store_path, _median(ours["load_job_s"]))
+            )
+            details[f"{family}/{label}"] = {
+                "model": str(model_dir),
+                "model_facts": facts,
+                "params": _num_params(model_dir),
+                "kv_cache_memory_bytes": kv_bytes,
+                "store_path": store_path,
+                **ours,
+            }
+        peer_ok = master_address is not None and family in _EXAMPLE_FAMILIES
+        if master_address is not None and not peer_ok:
+            not_measured.append(
+                f"{family}: MooncakeStoreConnector not run (hybrids need mamba_cache_mode=align there)"
+            )
+        if peer_ok:
+            assert master_address is not None
+            peer = measure_mooncake_store_connector(
+                model_dir,
+                master_address=master_address,
+                segment_bytes=capacity,
+                prompt_tokens=prompt_tokens,
+                rounds=rounds,
+                kv_cache_bytes=kv_bytes,
+                dtype=dtype,
+                work_dir=scratch / f"peer-{family}",
+            )
+            details[f"{family}/{PEER_CONNECTOR}"] = peer
+            if "error" in peer:
+                not_measured.append(f"{family}: {PEER_CONNECTOR} failed: {peer['error']}")
+            else:
+                tokens = int(statistics.median(peer["num_cached_tokens"]["external"]))
+                family_rows.append(
+                    _row(
+                        family,
+                        PEER_CONNECTOR,
+                        samples_s=peer["samples_s"],
+                        ext_tokens=tokens,
+                        loaded_bytes=tokens * facts["kv_bytes_per_token_full_attention"],
+                        loaded_keys=None,
+                        memcpy_gbps=memcpy_gbps,
+                    )
+                )
+        if baseline and family in _EXAMPLE_FAMILIES:
+            example = measure_example_connector(
+                model_dir,
+                storage_dir=scratch / f"example-{family}",
+                prompt_tokens=prompt_tokens,
+                rounds=rounds,
+                kv_cache_bytes=kv_bytes,
+                dtype=dtype,
+            )
+            family_rows.append(
+                _row(
+                    family,
+                    "ExampleConnector (vLLM)",
+                    samples_s=example["samples_s"],
+                    local_s=first_local,  # prefix caching off there: the file-store engine's local hits
+                    ext_tokens=int(statistics.median(example["num_cached_tokens"]["external"])),
+                    loaded_bytes=int(statistics.median(example["file_bytes"])),
+                    loaded_keys=None,
+                    memcpy_gbps=memcpy_gbps,
+                )
+                | {"local_hit_ms": None}
+            )
+            details[f"{family}/ExampleConnector"] = example
+        elif baseline:
+            not_measured.append(
+                f"{family}: no ExampleConnector baseline (it does not support the hybrid KV-cache manager)"
+            )
+        peer_overhead = next(
+            (row["overhead_ms"] for row in family_rows if row["connector"] == PEER_CONNECTOR), None
+        )
+        for row in family_rows:
+            # A peer overhead at or below zero (noise larger than the hit) makes the ratio meaningless.
+            if peer_overhead is not None and peer_overhead > 0:
+                row["overhead_over_peer"] = _ratio(row["overhead_ms"], peer_overhead)
+        rows.extend(family_rows)
+    return rows, details, profiles, not_measured
 
 
 def plot_report(report: dict[str, Any], path: Path) -> Path | None:

@@ -7,8 +7,9 @@ import argparse
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
-from hybridkv.bench.report import format_table, save_report
+from hybridkv.bench.report import format_cell, format_table, save_report
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.testing.tiny_models import FAMILIES
 
@@ -27,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "(under /dev/shm when present) and times llm.generate(max_tokens=1) of one request: cold prefill, "
         "local prefix-cache hit, and external hit after reset_prefix_cache(). Medians over rounds, ratios "
         "measured in the same run, the bytes loaded and their memcpy floor; vLLM's ExampleConnector as an "
-        "in-tree baseline for non-hybrid families.",
+        "in-tree baseline for non-hybrid families; with --mooncake, hybridkv on Mooncake and vLLM's "
+        "MooncakeStoreConnector too. Each hit's overhead above the local hit, over the memcpy floor and over "
+        "MooncakeStoreConnector's, and where the hybridkv hit spends its time.",
     )
     ttft.add_argument(
         "--family",
@@ -50,6 +53,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     )
     ttft.add_argument(
         "--no-baseline", action="store_true", help="skip vLLM's ExampleConnector baseline engine"
+    )
+    ttft.add_argument(
+        "--mooncake",
+        action="store_true",
+        help="also hybridkv on mooncake:// and vLLM's MooncakeStoreConnector (own process), against a "
+        "mooncake_master the bench starts on 127.0.0.1; run inside a loopback-only network namespace: "
+        "scripts/netns-run hybridkv bench ttft --mooncake",
     )
     ttft.add_argument(
         "--models-dir",
@@ -111,7 +121,14 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
 
 def handle_ttft(args: argparse.Namespace) -> int:
-    from hybridkv.bench.ttft import TABLE_COLUMNS, default_scratch_dir, plot_report, run_ttft_bench
+    from hybridkv.bench.ttft import (
+        PROFILE_COLUMNS,
+        TABLE_COLUMNS,
+        default_scratch_dir,
+        loopback_only_namespace,
+        plot_report,
+        run_ttft_bench,
+    )
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
     families = _csv(args.family)
@@ -123,6 +140,13 @@ def handle_ttft(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
+    if args.mooncake and not loopback_only_namespace():
+        print(
+            "error: --mooncake needs a private network namespace with only 'lo' (Mooncake clients listen on "
+            "0.0.0.0): run it as `scripts/netns-run hybridkv bench ttft --mooncake ...`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     with default_scratch_dir() as scratch:
         report = run_ttft_bench(
             families,
@@ -132,22 +156,34 @@ def handle_ttft(args: argparse.Namespace) -> int:
             size=args.size,
             dtype=args.dtype,
             baseline=not args.no_baseline,
+            mooncake=args.mooncake,
             models_dir=models_dir,
         )
     print(
         f"prompt {report['prompt_tokens']} tokens, {report['rounds']} rounds, dtype {report['dtype']}, "
-        f"size {report['size']} (medians; ratios from the same run)"
+        f"size {report['size']} (medians; spread = min..max over rounds; ratios from the same run)"
     )
-    print(format_table(report["rows"], TABLE_COLUMNS))
+    print(format_table([_with_spreads(row) for row in report["rows"]], TABLE_COLUMNS))
+    print("\nwhere the hybridkv hit's time goes (ms, medians; sources in the report's profile_sources):")
+    print(format_table(report["profiles"], PROFILE_COLUMNS))
     for line in report["not_measured"]:
         print(f"not measured: {line}")
     save_report(report, args.out, plot_report, no_plot=args.no_plot)
     status = EXIT_OK
     for row in report["rows"]:
-        if row["connector"] == "HybridStoreConnector" and not row["loaded_bytes"]:
+        if row["connector"].startswith("HybridStoreConnector") and not row["loaded_bytes"]:
             print(f"problem: {row['family']}: the external hit loaded no bytes", file=sys.stderr)
             status = EXIT_PROBLEM
     return status
+
+
+def _with_spreads(row: dict[str, Any]) -> dict[str, Any]:
+    """``*_spread`` [min, max] lists as ``min..max`` cells."""
+    return row | {
+        key: "..".join(format_cell(v) for v in value)
+        for key, value in row.items()
+        if key.endswith("_spread") and isinstance(value, list)
+    }
 
 
 def handle_lookup(args: argparse.Namespace) -> int:

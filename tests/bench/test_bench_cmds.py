@@ -7,6 +7,7 @@ exercise the same ``register`` / ``func`` path either way.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,9 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
     assert code == 0
     report = json.loads(out.read_text())
     assert report["benchmark"] == "ttft" and report["rounds"] == 1 and report["prompt_tokens"] == 300
-    ours = {row["family"]: row for row in report["rows"] if row["connector"] == "HybridStoreConnector"}
+    ours = {
+        row["family"]: row for row in report["rows"] if row["connector"] == "HybridStoreConnector file://"
+    }
     assert set(ours) == {"llama", "lfm2"}
     for family, row in ours.items():
         for key in ("cold_ms", "local_hit_ms", "external_hit_ms", "copy_floor_ms", "memcpy_gbps"):
@@ -104,7 +107,7 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
         # the external hit really came from the store: 2 full 128-token blocks, bytes moved by the worker
         assert row["external_hit_tokens"] == 256, (family, row)
         assert row["loaded_bytes"] > 0 and row["loaded_keys"] > 0, (family, row)
-        detail = report["details"][family]
+        detail = report["details"][f"{family}/HybridStoreConnector file://"]
         assert detail["num_cached_tokens"]["cold"] == [0]
         assert detail["num_cached_tokens"]["local"] == [256]
     # the hybrid loads a state group too: more keys than full attention alone
@@ -113,3 +116,102 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
     assert [row["family"] for row in baseline] == ["llama"]
     assert baseline[0]["external_hit_tokens"] > 0 and baseline[0]["loaded_bytes"] > 0
     assert any("lfm2" in line for line in report["not_measured"])
+    # the hit profile: one per hybridkv engine, lookup and load timed from the audit log
+    assert [(p["family"], p["connector"]) for p in report["profiles"]] == [
+        ("llama", "HybridStoreConnector file://"),
+        ("lfm2", "HybridStoreConnector file://"),
+    ]
+    for profile in report["profiles"]:
+        assert profile["load_ms"] > 0 and profile["lookup_ms"] >= 0, profile
+        assert profile["store_read_into_dest_ms"] > 0 and profile["memcpy_ms"] > 0, profile
+
+
+def test_overhead_is_the_median_of_per_round_differences_with_spread() -> None:
+    from hybridkv.bench.ttft import _row
+
+    row = _row(
+        "llama",
+        "x",
+        samples_s={
+            "cold": [1.0, 1.0, 1.0],
+            "local": [0.030, 0.040, 0.035],
+            "external": [0.050, 0.045, 0.065],
+        },
+        ext_tokens=256,
+        loaded_bytes=10_000_000,
+        loaded_keys=10,
+        memcpy_gbps=10.0,
+    )
+    # per round: 20, 5, 30 ms -> median 20 (not median(ext) - median(local) = 15)
+    assert row["overhead_ms"] == pytest.approx(20.0)
+    assert row["overhead_ms_spread"] == pytest.approx([5.0, 30.0])
+    assert row["copy_floor_ms"] == pytest.approx(1.0)
+    assert row["overhead_over_floor"] == pytest.approx(20.0)
+    assert row["overhead_over_floor_spread"] == pytest.approx([5.0, 30.0])
+
+
+def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: Path) -> None:
+    from hybridkv.bench.ttft import _load_profile_from_audit
+
+    records = [
+        {"event": "lookup_started", "request_id": "a", "monotonic": 1.000},
+        {"event": "miss_reported", "request_id": "a", "monotonic": 1.002},
+        {"event": "lookup_started", "request_id": "b", "monotonic": 2.000},
+        {"event": "hit_found", "request_id": "b", "monotonic": 2.004},
+        {"event": "load_started", "request_id": "b", "monotonic": 2.010},
+        {"event": "put_started", "request_id": "a", "wave": 0, "monotonic": 2.011},
+        {"event": "load_verified", "request_id": "b", "monotonic": 2.030},
+    ]
+    audit = tmp_path / "audit.jsonl"
+    audit.write_text("\n".join(json.dumps(r) for r in records) + "\nnot json\n")
+    [profile] = _load_profile_from_audit(audit)
+    assert profile["lookup_ms"] == pytest.approx(4.0)
+    assert profile["load_ms"] == pytest.approx(20.0)
+    assert _load_profile_from_audit(tmp_path / "missing.jsonl") == []
+
+
+def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridkv.bench.ttft import loopback_only_namespace
+
+    if loopback_only_namespace():
+        pytest.skip("this process already runs in a loopback-only namespace (the Mooncake test run)")
+    out = tmp_path / "ttft.json"
+    assert _main(["bench", "ttft", "--mooncake", "--family", "llama", "--out", str(out)]) == 2
+    assert "scripts/netns-run" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+def test_bench_ttft_mooncake_rows_next_to_the_file_store(tmp_path: Path) -> None:
+    """hybridkv on Mooncake and vLLM's MooncakeStoreConnector (own process) against the bench's own master:
+    every engine really hit the external tier, and each overhead is divided by the peer's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mooncake_fixture import assert_loopback_only_namespace
+
+    assert_loopback_only_namespace()
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", "--family", "llama", "--size", "tiny", "--prompt-tokens", "300"]
+    code = _main([*argv, "--rounds", "1", "--mooncake", "--no-baseline", "--out", str(out), "--no-plot"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = {row["connector"]: row for row in report["rows"]}
+    assert list(rows) == [
+        "HybridStoreConnector file://",
+        "HybridStoreConnector mooncake://",
+        "MooncakeStoreConnector (vLLM)",
+    ], report["not_measured"]
+    peer = rows["MooncakeStoreConnector (vLLM)"]
+    for row in rows.values():
+        assert row["external_hit_tokens"] == 256 and row["loaded_bytes"] > 0, row
+        if peer["overhead_ms"] > 0:
+            assert row["overhead_over_peer"] == pytest.approx(row["overhead_ms"] / peer["overhead_ms"])
+        else:  # noise larger than the peer's hit: no ratio rather than a meaningless negative one
+            assert row["overhead_over_peer"] is None
+    assert report["details"]["llama/MooncakeStoreConnector (vLLM)"]["num_cached_tokens"]["local"] == [256]
+    assert [p["connector"] for p in report["profiles"]] == [
+        "HybridStoreConnector file://",
+        "HybridStoreConnector mooncake://",
+    ]
