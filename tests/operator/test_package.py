@@ -159,6 +159,7 @@ def test_installed_wheel_runs_the_engine_round_trip(dist: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.registry
 @pytest.mark.parametrize("vllm_version", ["0.32.0", "0.33.0"])
 def test_vllm_extra_resolves(dist: Path, tmp_path: Path, vllm_version: str) -> None:
     """`pip install --dry-run "hybridkv[vllm]" vllm==X` resolves from the configured package index."""
