@@ -124,17 +124,17 @@ _WORDS = [
 
 @dataclass(frozen=True)
 class Workload:
-    """What the clients send. Sizes are in words (about 1.5-2 tokens each with the tiny models' tokenizer)."""
+    """What the clients send. Sizes are in words (about 3.3 tokens each with the tiny models' tokenizer)."""
 
-    num_sessions: int = 12
+    num_sessions: int = 16
     num_turns: int = 4
     concurrency: int = 2
     num_system_prompts: int = 2
-    system_prompt_words: int = 160
-    user_turn_words: int = 110
+    system_prompt_words: int = 100
+    user_turn_words: int = 60
     max_tokens: int = 16
     num_evict_prompts: int = 6
-    evict_prompt_words: int = 700
+    evict_prompt_words: int = 400
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -605,23 +605,21 @@ def run_config(
     )
 
 
-def working_set_tokens(records: Sequence[RequestRecord], workload: Workload) -> int:
-    """Distinct prompt tokens of the multi-turn load: each session's last prompt, minus the system prompts
-    it shares with other sessions (counted once)."""
+def working_set_tokens(records: Sequence[RequestRecord], workload: Workload, model: Path) -> int:
+    """Distinct tokens of the multi-turn load: each session's last prompt and answer, with the shared system
+    prompts counted once (their length from the model's tokenizer)."""
     last: dict[int, int] = {}
-    first: dict[int, int] = {}
     for r in records:
         if r.phase == "turn" and r.ok:
             last[r.session] = max(last.get(r.session, 0), r.prompt_tokens + r.completion_tokens)
-            if r.turn == 0:
-                first[r.session] = r.prompt_tokens
     if not last:
         return 0
-    # A session's first prompt is system prompt + one user turn; the system part is shared.
-    shared = min(first.values()) if first else 0
-    num_shared = min(workload.num_system_prompts, workload.num_sessions)
-    system_share = int(shared * 0.6)  # the system prompt is the larger part of a first prompt
-    return sum(last.values()) - system_share * (len(last) - num_shared)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    system_tokens = len(tokenizer.encode(system_prompt(workload, 0)).ids)
+    num_shared = min(workload.num_system_prompts, len(last))
+    return sum(last.values()) - system_tokens * (len(last) - num_shared)
 
 
 def run_serve_bench(
@@ -672,11 +670,11 @@ def run_serve_bench(
     finally:
         if master is not None:
             master.stop()
-    return build_report(runs, workload, shape, str(model))
+    return build_report(runs, workload, shape, model)
 
 
 def build_report(
-    runs: Mapping[str, ConfigRun], workload: Workload, shape: ServerShape, model: str
+    runs: Mapping[str, ConfigRun], workload: Workload, shape: ServerShape, model: Path
 ) -> dict[str, Any]:
     reference = runs.get("none")
     rows: list[dict[str, Any]] = []
@@ -691,7 +689,7 @@ def build_report(
             elif config != "none":
                 row["agreement"] = agreement(run.records, reference.records)
         rows.append(row)
-    working_set = max((working_set_tokens(r.records, workload) for r in runs.values()), default=0)
+    working_set = max((working_set_tokens(r.records, workload, model) for r in runs.values()), default=0)
     local = next((r.local_cache_tokens for r in runs.values() if r.local_cache_tokens), None)
     ratios: dict[str, Any] = {}
     by_config = {row["config"]: row for row in rows}
@@ -720,7 +718,7 @@ def build_report(
         for name, (op, bound) in targets.items()
     ]
     return {
-        "model": model,
+        "model": str(model),
         "workload": asdict(workload),
         "server": asdict(shape),
         "local_cache_tokens": local,
