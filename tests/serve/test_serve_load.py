@@ -16,15 +16,24 @@ log replays cleanly and every lifecycle in it terminated. The second test does i
 
 from __future__ import annotations
 
+import json
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hybridkv.bench.serve import LoadResult, Workload, audit_summary, check_after_load, run_load
-from hybridkv.testing.openai_server import OpenAIServer, hybridkv_transfer_config, metric, metrics_samples
+from hybridkv.testing.openai_server import (
+    OpenAIServer,
+    hybridkv_transfer_config,
+    metric,
+    metrics_samples,
+    vllm_bench_serve_command,
+)
 from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# Each test starts one server (about 20 s on an idle 2-core host, minutes on a busy one) and sends ~110 requests.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 #: CI size: 4 sessions x 3 turns, turn prompts of ~200-750 tokens (1-6 blocks of 128).
 WORKLOAD = Workload(
@@ -115,6 +124,24 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         samples = metrics_samples(server.base_url)
         assert metric(samples, "vllm:hybridkv_load_failed_keys_total") == 0
         assert metric(samples, "vllm:hybridkv_save_failed_keys_total") == 0
+
+        # vLLM's own client drives the same server: chat completions, random prompts of its tokenizer.
+        flags = [
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--dataset-name", "random", "--random-input-len", "300", "--random-output-len", "8",
+            "--num-prompts", "4", "--max-concurrency", "2", "--ignore-eos", "--disable-tqdm",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "vllm-bench.json",
+        ]  # fmt: skip
+        bench = subprocess.run(
+            vllm_bench_serve_command(server.base_url, Path(server.model), *flags),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+        result = json.loads((tmp_path / "vllm-bench.json").read_text())
+        assert result["completed"] == 4 and result["failed"] == 0, result
         _assert_clean_after(server, audit)
     finally:
         server.stop()
