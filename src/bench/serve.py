@@ -653,9 +653,10 @@ def run_serve_bench(
     self_check: bool = True,
     progress: Callable[[int], None] | None = None,
     on_config: Callable[[str], None] | None = None,
+    checkpoint: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
     """Run every configuration in order (``none`` first when present: the token reference); return the
-    report (JSON-ready)."""
+    report (JSON-ready). ``checkpoint`` gets the report so far after each configuration."""
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown serve configuration(s) {unknown}; expected some of {list(CONFIGS)}")
@@ -686,8 +687,14 @@ def run_serve_bench(
                     self_check=self_check and config == "none",
                     progress=progress,
                 )
-            except RuntimeError as error:  # a server that did not start: reported, the others still run
-                runs[config] = ConfigRun(config, {}, {}, [], [], None, error=str(error)[-2000:])
+            except (RuntimeError, OSError) as error:
+                # A server that did not start or died under load (its /metrics gone): reported with the last
+                # lines of its log, and the other configurations still run.
+                log = workdir / f"server-{config}.log"
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else ""
+                runs[config] = ConfigRun(config, {}, {}, [], [], None, error=f"{error}\n{tail}"[-4000:])
+            if checkpoint is not None:
+                checkpoint(build_report(runs, workload, shape, model))
     finally:
         if master is not None:
             master.stop()
@@ -800,7 +807,10 @@ def format_serve_table(report: Mapping[str, Any]) -> str:
     )
     for row in report["rows"]:
         if row.get("error"):
-            lines.append(f"{row['config']}: did not run: {row['error'].splitlines()[-1]}")
+            causes = [line for line in row["error"].splitlines() if "Error" in line] or row[
+                "error"
+            ].splitlines()
+            lines.append(f"{row['config']}: failed: {causes[-1].strip()[-300:]}")
     return "\n".join(lines)
 
 

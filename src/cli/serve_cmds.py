@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import save_report
+from hybridkv.bench.report import save_report, write_json
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.testing.tiny_models import FAMILIES
 
@@ -158,6 +158,7 @@ def handle_serve(args: argparse.Namespace) -> int:
             self_check=not args.no_self_check,
             progress=advance,
             on_config=describe,
+            checkpoint=lambda partial: write_json(args.out, {**partial, "partial": True}),
         )
     except RuntimeError as error:
         close()
