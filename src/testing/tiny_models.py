@@ -189,6 +189,7 @@ def build_tiny_model(
     out_dir = Path(out_dir)
     target = out_dir / f"{family}-{_digest(family, cls_name, kwargs, seed)}"
     if (target / "config.json").is_file():
+        ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
         return target
 
     import torch
