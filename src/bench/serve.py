@@ -828,12 +828,22 @@ def plot_serve(report: Mapping[str, Any], path: Path) -> Path | None:
         left.set_ylabel("TTFT (ms)")
         left.set_title("time to first token, all turns")
         left.tick_params(axis="x", rotation=20)
-    for config, turns in report["per_turn"].items():
+    num_turns = 0
+    for index, (config, turns) in enumerate(report["per_turn"].items()):
+        if not turns:
+            continue
+        color = f"C{index}"
         xs = [int(t["turn"]) + 1 for t in turns]
+        num_turns = max(num_turns, len(xs))
+        external = [t.get("external_hit_tokens", 0) for t in turns]
+        local = [t.get("local_hit_tokens", 0) for t in turns]
+        # Configurations with identical hits overlap: later ones are drawn thinner on top.
+        width = 4.0 - 1.2 * index
+        right.plot(xs, external, marker="o", color=color, linewidth=width, label=f"{config} external")
         right.plot(
-            xs, [t.get("external_hit_tokens", 0) for t in turns], marker="o", label=f"{config} external"
+            xs, local, marker="x", linestyle="--", color=color, linewidth=width, label=f"{config} local"
         )
-        right.plot(xs, [t.get("local_hit_tokens", 0) for t in turns], linestyle="--", label=f"{config} local")
+    right.set_xticks(range(1, num_turns + 1))
     right.set_xlabel("turn")
     right.set_ylabel("hit tokens (all sessions)")
     right.set_title("prefix hit tokens per turn")
