@@ -31,6 +31,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.demo_cmds",
     "hybridkv.cli.datapath_cmds",
     "hybridkv.cli.ttft_cmds",
+    "hybridkv.cli.serve_cmds",
     "hybridkv.cli.describe_cmds",
     "hybridkv.cli.mooncake_cmds",
 )

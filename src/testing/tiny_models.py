@@ -1,9 +1,14 @@
-"""Tiny random-weight models for end-to-end tests on CPU (no download, no tokenizer).
+"""Tiny random-weight models for end-to-end tests on CPU (no download).
 
-Contract: ``build_tiny_model(family, out_dir)`` returns a folder that vLLM (CPU build) can load with
-``skip_tokenizer_init=True``. Weights are random with a fixed seed, stored in bfloat16. The folder name
-carries a digest of the config (and builder version), so a repeat call with the same arguments returns the
-existing folder at once; a folder is published by atomic rename, so a crashed build is never reused.
+Contract: ``build_tiny_model(family, out_dir)`` returns a folder that vLLM (CPU build) can load, with token-id
+prompts (``skip_tokenizer_init=True``) or with text: the folder holds a real tokenizer (a byte-level BPE
+built with the ``tokenizers`` library, exactly ``vocab_size`` ids, so every id the model can sample decodes)
+and a chat template, so the OpenAI server answers ``/v1/completions`` and ``/v1/chat/completions`` with text
+and ``vllm bench serve`` can drive it. Weights are random with a fixed seed, stored in bfloat16. The folder
+name carries a digest of the config (and builder version), so a repeat call with the same arguments returns
+the existing folder at once; a folder is published by atomic rename, so a crashed build is never reused. The
+tokenizer is not part of the digest: a folder built before it existed gets its tokenizer files added (each
+written atomically, ``tokenizer_config.json`` last), weights untouched.
 
 Families and the KV-cache groups vLLM makes of them (facts from ``docs/vllm-cpu-e2e.md``):
 
@@ -184,6 +189,7 @@ def build_tiny_model(
     out_dir = Path(out_dir)
     target = out_dir / f"{family}-{_digest(family, cls_name, kwargs, seed)}"
     if (target / "config.json").is_file():
+        ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
         return target
 
     import torch
@@ -214,4 +220,87 @@ def build_tiny_model(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
     return target
+
+
+#: Special tokens at fixed ids, matching ``_COMMON``'s pad/bos/eos ids.
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>")
+
+#: Role markers of the chat template (plain text to the tokenizer: byte-level BPE spells any string).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+#: Training text of the tokenizer's merges: fixed, so the tokenizer is the same on every machine.
+_TOKENIZER_CORPUS = (
+    "You are a helpful assistant. Answer the question about the system, the cache and the store. "
+    "The user asks how the prefix cache works when many sessions share one system prompt and the "
+    "local memory is too small to hold them all. The assistant explains that blocks are saved to an "
+    "external store and loaded back when a conversation returns, so the model does not compute the "
+    "same tokens twice. Sessions, turns, requests, tokens, latency, throughput, eviction, memory, "
+    "attention, layers, hidden states, sliding windows, convolution, recurrent state, kernels, "
+    "scheduler, worker, connector, metrics, counters, errors, retries, timeouts, failures, recovery. "
+    "Please summarise the previous answer in one sentence and then list three follow-up questions "
+    "that an operator would ask before running this in production with thousands of users.\n"
+)
+
+
+def ensure_tokenizer(model_dir: Path, *, vocab_size: int) -> None:
+    """Write the tokenizer files of ``model_dir`` unless present: a byte-level BPE of exactly
+    ``vocab_size`` ids (``<pad>``/``<s>``/``</s>`` at 0/1/2, the 256 byte symbols, merges trained on a fixed
+    text), ``tokenizer_config.json`` with the chat template, and ``special_tokens_map.json``."""
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.is_file():
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The corpus repeated with varied spacing and case: enough distinct pairs for every merge.
+    lines = [_TOKENIZER_CORPUS, _TOKENIZER_CORPUS.upper(), _TOKENIZER_CORPUS.title()]
+    lines += [
+        " ".join(reversed(_TOKENIZER_CORPUS.split())),
+        "0123456789 " * 8,
+        "{}[]()<>|/\\:;,.!?'\"-_=+*&^%$#@~`",
+    ]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    assert tokenizer.get_vocab_size() == vocab_size, (
+        f"tokenizer of {model_dir.name}: {tokenizer.get_vocab_size()} ids, the model has {vocab_size}"
+    )
+    for index, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.token_to_id(token) == index, f"special token {token!r} not at id {index}"
+    pad, bos, eos = SPECIAL_TOKENS
+    files: dict[str, str] = {
+        "tokenizer.json": tokenizer.to_str(),
+        "special_tokens_map.json": json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": pad}),
+        # Last: its presence means the tokenizer is complete.
+        "tokenizer_config.json": json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": bos,
+                "eos_token": eos,
+                "pad_token": pad,
+                "add_bos_token": False,
+                "model_max_length": 1 << 20,
+                "chat_template": CHAT_TEMPLATE,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        ),
+    }
+    for name, text in files.items():
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}-", dir=model_dir)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp_name, model_dir / name)

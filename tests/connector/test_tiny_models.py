@@ -19,9 +19,31 @@ def test_build_is_cached_and_deterministic(tmp_path: Path) -> None:
     assert (a / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes(), "fixed seed"
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
-    assert not list(a.glob("tokenizer*")), "no tokenizer: engines run with skip_tokenizer_init"
     c = build_tiny_model("llama", tmp_path, num_key_value_heads=1)
     assert c != a, "another config is another folder"
+
+
+def test_tokenizer_spells_every_id_and_renders_the_chat_template(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model("llama", tmp_path)
+    weights = (model / "model.safetensors").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    assert len(tokenizer) == vocab_size, "every id the model can sample must decode"
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    text = "Hello, cache! 123"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+
+    # A folder built before tokenizers existed gets them on the next build call; the weights stay.
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / name).unlink()
+    assert build_tiny_model("llama", tmp_path) == model
+    assert (model / "tokenizer_config.json").is_file()
+    assert (model / "model.safetensors").read_bytes() == weights
 
 
 def test_lfm2_keeps_the_keys_vllm_reads(tmp_path: Path) -> None:

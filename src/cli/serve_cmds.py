@@ -1,0 +1,182 @@
+"""``hybridkv bench serve``: the OpenAI server under a multi-turn load, per KV-tier configuration."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hybridkv.bench.report import save_report, write_json
+from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.testing.tiny_models import FAMILIES
+
+_DEFAULT_CONFIGS = "none,hybridkv-file,hybridkv-mooncake,mooncake-store"
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``serve`` to ``bench_subparsers`` (no top-level commands)."""
+    del subparsers
+    from hybridkv.bench.serve import CONFIGS, ServerShape, Workload
+
+    defaults = Workload()
+    shape = ServerShape()
+    serve = bench_subparsers.add_parser(
+        "serve",
+        help="the OpenAI server under multi-turn load: no connector vs hybridkv vs MooncakeStoreConnector",
+        description="Starts `python -m vllm.entrypoints.openai.api_server` per configuration with a local KV "
+        "cache smaller than the working set and drives S sessions x T turns over HTTP at concurrency C "
+        "(streamed /v1/chat/completions, greedy), then the eviction probe (a prompt, unique long prompts, "
+        "the prompt again). Reports TTFT, latency, throughput, local/external hit tokens, errors, token "
+        "agreement with the no-connector run, and the after-load checks (nothing pinned, audit clean). "
+        "Mooncake configurations need a private network namespace (scripts/netns-run).",
+    )
+    serve.add_argument(
+        "--configs",
+        default=_DEFAULT_CONFIGS,
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
+    )
+    serve.add_argument("--family", default="qwen3_next", choices=FAMILIES, help="model family (%(default)s)")
+    serve.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="model size (%(default)s)")
+    serve.add_argument("--sessions", type=int, default=defaults.num_sessions, help="S (%(default)s)")
+    serve.add_argument("--turns", type=int, default=defaults.num_turns, help="T (%(default)s)")
+    serve.add_argument("--concurrency", type=int, default=defaults.concurrency, help="C (%(default)s)")
+    serve.add_argument(
+        "--system-prompts",
+        type=int,
+        default=defaults.num_system_prompts,
+        help="system prompts shared across sessions (%(default)s)",
+    )
+    serve.add_argument("--system-words", type=int, default=defaults.system_prompt_words, help="(%(default)s)")
+    serve.add_argument("--user-words", type=int, default=defaults.user_turn_words, help="(%(default)s)")
+    serve.add_argument(
+        "--max-tokens", type=int, default=defaults.max_tokens, help="answer length (%(default)s)"
+    )
+    serve.add_argument(
+        "--evict-prompts",
+        type=int,
+        default=defaults.num_evict_prompts,
+        help="unique long prompts of the eviction probe (%(default)s)",
+    )
+    serve.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=shape.kv_cache_bytes >> 20,
+        help="the server's local KV cache, MiB: keep it under a quarter of the working set (%(default)s)",
+    )
+    serve.add_argument(
+        "--full-store-capacity",
+        default=shape.full_store_capacity,
+        help="store capacity of hybridkv-full (%(default)s)",
+    )
+    serve.add_argument(
+        "--no-self-check",
+        action="store_true",
+        help="skip the no-connector server's second pass (its agreement with itself under the same load)",
+    )
+    serve.add_argument(
+        "--models-dir", default=None, help="where models are built (default: $HYBRIDKV_TEST_MODELS)"
+    )
+    serve.add_argument(
+        "--workdir", default=None, help="server logs, stores, audit logs (default: a temp dir)"
+    )
+    serve.add_argument("--out", default="bench-results/serve.json", help="JSON report path (%(default)s)")
+    serve.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    serve.set_defaults(func=handle_serve)
+
+
+def _progress_bar(total: int) -> tuple[Callable[[int], None], Callable[[str], None], Callable[[], None]]:
+    """(advance, describe, close) of a progress bar on stderr: tqdm when installed, else a counter line."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        done = [0]
+        label = [""]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            print(f"\r{label[0]} {done[0]}/{total} requests", end="", file=sys.stderr, flush=True)
+
+        def describe(text: str) -> None:
+            label[0] = text
+
+        return advance, describe, lambda: print(file=sys.stderr)
+    bar: Any = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+    return bar.update, bar.set_description, bar.close
+
+
+def handle_serve(args: argparse.Namespace) -> int:
+    from hybridkv.bench.serve import (
+        CONFIGS,
+        ServerShape,
+        Workload,
+        format_serve_table,
+        plot_serve,
+        run_serve_bench,
+    )
+    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if not configs or unknown:
+        print(
+            f"hybridkv bench serve: unknown --configs {unknown}; expected some of {list(CONFIGS)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        workload = Workload(
+            num_sessions=args.sessions,
+            num_turns=args.turns,
+            concurrency=args.concurrency,
+            num_system_prompts=args.system_prompts,
+            system_prompt_words=args.system_words,
+            user_turn_words=args.user_words,
+            max_tokens=args.max_tokens,
+            num_evict_prompts=args.evict_prompts,
+        )
+    except ValueError as error:
+        print(f"hybridkv bench serve: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    shape = ServerShape(kv_cache_bytes=args.kv_cache_mib << 20, full_store_capacity=args.full_store_capacity)
+    models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
+    model = build_tiny_model(args.family, models_dir, size=args.size)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hybridkv-bench-serve-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    per_pass = workload.num_sessions * workload.num_turns + workload.num_evict_prompts + 2
+    total = per_pass * (len(configs) + (0 if args.no_self_check or "none" not in configs else 1))
+    advance, describe, close = _progress_bar(total)
+    try:
+        report = run_serve_bench(
+            configs,
+            model,
+            workload,
+            shape,
+            workdir,
+            self_check=not args.no_self_check,
+            progress=advance,
+            on_config=describe,
+            checkpoint=lambda partial: write_json(args.out, {**partial, "partial": True}),
+        )
+    except RuntimeError as error:
+        close()
+        print(f"hybridkv bench serve: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    close()
+    report["workdir"] = str(workdir)
+    print(format_serve_table(report))
+    save_report(report, args.out, plot_serve, no_plot=args.no_plot)
+    failed = [
+        row["config"]
+        for row in report["rows"]
+        if row.get("error")
+        or row.get("errors")
+        or row.get("audit_ok") is False
+        or row.get("reset_attempts") is None
+    ]
+    if failed:
+        print(f"problems under load: {', '.join(failed)} (see {workdir})", file=sys.stderr)
+        return EXIT_PROBLEM
+    return EXIT_OK

