@@ -77,8 +77,11 @@ log = structlog.get_logger(__name__)
 _BREAKER_FAILURES = 3
 #: A lookup is a miss once the store took ``lookup_budget_ms`` to answer its rounds, or a call of the
 #: store is hung past it; the search's own CPU work and its queueing behind other searches (a busy host)
-#: count only against this many budgets of wall time since the request's first ask.
+#: count only against this many budgets of wall time since the request's first ask, and never less than
+#: ``_MIN_WAIT_S``: a lookup queued behind a busy host's own CPU work is not the store's fault, and waiting
+#: costs only this request (other requests are scheduled meanwhile).
 _MAX_WAIT_BUDGETS = 20
+_MIN_WAIT_S = 5.0
 _BREAKER_OPEN_S = 1.0
 #: Store maintenance calls (invalidation removes, namespace resets) queued or running at most.
 _MAINTENANCE_QUEUE = 64
@@ -305,7 +308,7 @@ class SchedulerSide:
         elif (
             task.store_s > budget_s
             or self.lookups.stalled(now)
-            or now - r.waiting_since > _MAX_WAIT_BUDGETS * budget_s
+            or now - r.waiting_since > max(_MAX_WAIT_BUDGETS * budget_s, _MIN_WAIT_S)
         ):
             self.stats.add("lookup_errors")
             log.warning(
