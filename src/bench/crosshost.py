@@ -16,7 +16,6 @@ cache dropped, the same prompt again (external hit), once more (local hit). The 
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import statistics
@@ -27,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing import tiny_models
+from hybridkv.testing import tiny_models, vllm_harness
 
 DEFAULT_FAMILY = "qwen3_next"
 DEFAULT_PROMPT_TOKENS = 1000
@@ -42,43 +41,22 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 
 @contextmanager
 def _engine(model_dir: Path, store_url: str, prompt_tokens: int) -> Iterator[Any]:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        dtype="bfloat16",
-        max_model_len=prompt_tokens + 16,
-        max_num_seqs=2,
-        max_num_batched_tokens=max(2048, prompt_tokens + 16),
-        kv_cache_memory_bytes=128 << 20,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "store": store_url,
-                "namespace": "bench-crosshost",
-                "lookup_budget_ms": 5000,
-            },
-        ),
+    """An in-process engine with hybridkv on ``store_url`` (a 5 s lookup budget: the bench measures the
+    store, not the breaker)."""
+    transfer = vllm_harness.connector_transfer_config(
+        {"store": store_url, "namespace": "bench-crosshost", "lookup_budget_ms": 5000}
     )
-    try:
+    kwargs = vllm_harness.engine_kwargs(
+        max_model_len=prompt_tokens + 16, kv_cache_bytes=128 << 20, max_num_seqs=2
+    )
+    kwargs["max_num_batched_tokens"] = max(2048, prompt_tokens + 16)
+    with vllm_harness.inprocess_engine(model_dir, transfer, **kwargs) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _halves(llm: Any) -> tuple[Any, Any]:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+    scheduler_connector, worker_connector = vllm_harness.connector_halves(llm)
+    return scheduler_connector, worker_connector
 
 
 def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
