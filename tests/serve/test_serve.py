@@ -108,7 +108,15 @@ def test_serve_cold_hot_reset_external_hit(tmp_path: Path) -> None:
     assert after, "the server did not run its shutdown"
     assert " ERROR " not in before, "errors while serving"
     assert "force killing" not in after, "vLLM had to kill a process at shutdown"
-    assert "all workers exited gracefully" in after
+    # vLLM gives its worker process 5 s to exit after the engine core asked it to, then sends SIGTERM; on a
+    # busy 2-core host the interpreter's own exit can take that long. Either way the connector's worker half
+    # must have finished its shutdown (saves written, threads joined) before that deadline.
+    graceful = "all workers exited gracefully" in after
+    worker_done = after.find("role=worker")
+    grace_over = after.find("workers still running after grace period")
+    assert graceful or 0 <= worker_done < grace_over, (
+        "the worker half did not shut down before vLLM's grace period"
+    )
     # Both connector halves ran their shutdown (worker: queued saves written, threads joined; scheduler:
     # store closed). vLLM's API server may still log EngineDeadError from its output handler when the
     # engine core process exits during shutdown; that is vLLM's race, not the connector's.
