@@ -19,7 +19,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cfg.namespace == "tiny-llama"
     assert cfg.audit_log is None
     assert cfg.put_wave_bytes == 64 << 20
-    assert cfg.lookup_budget_ms == 50.0
+    assert cfg.lookup_budget_ms == 200.0
     assert cfg.verify_checksums is True
 
 

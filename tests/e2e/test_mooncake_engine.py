@@ -48,7 +48,7 @@ def test_mooncake_store_then_reload_gives_identical_tokens(
         "namespace": f"e2e-{family}",
         "audit_log": str(log_path),
         # Measured: on a 2-core host at load ~14, the first Mooncake exists of an engine took longer than
-        # the default 50 ms budget (a TimeoutError, then a miss): the test asserts no lookup errors.
+        # the default budget (a TimeoutError, then a miss): the test asserts no lookup errors.
         "lookup_budget_ms": 5000,
     }
     tokens = prompt(PROMPT_LEN, seed=31)
