@@ -74,7 +74,17 @@ def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) ->
     leftover = [t for t in res["threads"] if t.startswith("hybridkv")]
     assert not leftover, f"{name}: connector threads alive after teardown: {leftover}"
     # Both halves ran their shutdown (worker: queued saves written, threads joined; scheduler: store closed).
-    assert "hybridkv connector shut down" in text and "role=worker" in text and "role=scheduler" in text
+    # vLLM's process manager gives the engine core 5 s to exit; the engine core first waits up to 5 s for its
+    # worker process, whose interpreter exit takes 4-5 s on this CPU build (also before the connector ran any
+    # thread). When vLLM force-kills the engine core for that, the scheduler half never gets to run: then
+    # the worker half must have shut down before the kill.
+    worker_done = text.find("role=worker")
+    assert "hybridkv connector shut down" in text and worker_done >= 0, (
+        f"{name}: worker half did not shut down"
+    )
+    if "role=scheduler" not in text:
+        killed = text.find("force killing remaining process EngineCore")
+        assert 0 <= worker_done < killed, f"{name}: scheduler half did not shut down and vLLM did not kill it"
     return res
 
 
