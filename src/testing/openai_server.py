@@ -174,7 +174,9 @@ class OpenAIServer:
             env.setdefault(key, value)
         env.update(
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
-            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            # INFO always: callers read the shutdown sequence from the log, and an in-process engine earlier in
+            # the same process (demo, benches) may have lowered this process's level.
+            VLLM_LOGGING_LEVEL="INFO",
         )
         env.update(extra_env or {})
         # The server's default: the engine core in its own process.
