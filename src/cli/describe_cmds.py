@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import secrets
 import statistics
 import sys
@@ -37,11 +36,8 @@ from urllib.parse import unquote, urlparse
 
 from hybridkv.bench.report import format_table
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store.params import format_size
-
-_KEY = re.compile(
-    r"^hkv1/(?P<namespace>[^/]+)/(?P<fingerprint>[0-9a-f]{12})/g(?P<group>\d+)/tp(?P<tp>\d+)/dcp(?P<dcp>\d+)/[0-9a-f]+$"
-)
 
 
 def register(
@@ -296,14 +292,14 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
             if breaker is not None:
                 health["store_breaker_state"] = breaker
             for key in store.iter_keys(""):
-                match = _KEY.match(key)
-                if match is None:
+                parsed = parse_block_key(key)
+                if parsed is None:
                     num_other_keys += 1
                     continue
-                where = (match["namespace"], match["fingerprint"], int(match["group"]))
+                where = (parsed.namespace, parsed.fingerprint, parsed.group_index)
                 row = counts.setdefault(where, {"entries": 0, "ranks": set()})
                 row["entries"] += 1
-                row["ranks"].add(f"tp{match['tp']}/dcp{match['dcp']}")
+                row["ranks"].add(f"tp{parsed.tp_rank}/dcp{parsed.dcp_rank}")
             if usage is not None:
                 usage["num_other_keys"] = num_other_keys
     key_counts = [

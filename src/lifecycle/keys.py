@@ -18,7 +18,15 @@ from typing import NamedTuple
 
 from hybridkv.lifecycle.geometry import Geometry
 
-__all__ = ["KEY_VERSION", "NAMESPACE_RE", "EntryId", "KeyScheme", "PlannedBlock"]
+__all__ = [
+    "KEY_VERSION",
+    "NAMESPACE_RE",
+    "BlockKey",
+    "EntryId",
+    "KeyScheme",
+    "PlannedBlock",
+    "parse_block_key",
+]
 
 KEY_VERSION = "hkv1"
 #: A deployment namespace: it becomes a key path segment (the one rule; the connector config uses it).
@@ -51,6 +59,32 @@ class PlannedBlock:
     def entry(self, tp_rank: int) -> EntryId:
         """The entry of this block on ``tp_rank``."""
         return EntryId(tp_rank, self.group_index, self.block_index, self.key_boundary)
+
+
+_BLOCK_KEY_RE = re.compile(
+    rf"^{KEY_VERSION}/(?P<namespace>[^/]+)/(?P<fingerprint>[0-9a-f]{{12}})/g(?P<group>\d+)/tp(?P<tp>\d+)"
+    r"/dcp(?P<dcp>\d+)/[0-9a-f]+$"
+)
+
+
+class BlockKey(NamedTuple):
+    """The parts of a block entry's key (the inverse of :meth:`KeyScheme.key`)."""
+
+    namespace: str
+    fingerprint: str
+    group_index: int
+    tp_rank: int
+    dcp_rank: int
+
+
+def parse_block_key(key: str) -> BlockKey | None:
+    """The parts of a block entry's key; None for any other key (a manifest, another tool's key)."""
+    match = _BLOCK_KEY_RE.match(key)
+    if match is None:
+        return None
+    return BlockKey(
+        match["namespace"], match["fingerprint"], int(match["group"]), int(match["tp"]), int(match["dcp"])
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
