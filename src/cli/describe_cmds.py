@@ -145,73 +145,52 @@ def describe_model_geometry(
     described store is never touched) and resolve the geometry from vLLM's own ``kv_cache_config``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    import gc
-
-    from hybridkv.connector.vllm_geometry import resolve_geometry
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from hybridkv.testing import vllm_harness
 
     engine_extra = {k: v for k, v in extra.items() if k != "audit_log"}
     engine_extra["store"] = f"memory://hybridkv-describe-{secrets.token_hex(4)}"
-    with _stdout_to_stderr():  # vLLM logs to stdout; `describe --json | jq` must see only the JSON
-        llm: Any = LLM(  # reached into below (the in-process engine core): typed loosely
-            model=model,
-            skip_tokenizer_init=True,
-            enable_prefix_caching=True,
-            dtype=dtype,  # type: ignore[arg-type]  # vLLM validates it, naming the bad value
-            max_model_len=max_model_len,
-            max_num_seqs=1,
-            max_num_batched_tokens=max_model_len,
-            kv_cache_memory_bytes=64 << 20,
-            enforce_eager=True,
-            use_tqdm_on_load=False,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="HybridStoreConnector",
-                kv_connector_module_path="hybridkv.connector",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=engine_extra,
-            ),
-        )
-        try:
-            vllm_config = llm.llm_engine.vllm_config
-            kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-            namespace = _connector_settings(extra, None, model)[1]
-            assert namespace is not None
-            geo = resolve_geometry(vllm_config, kv_cache_config, namespace, check_vllm_sizes=True)
-            geometry = geo.geometry
-            groups = []
-            for info, spec in zip(geo.groups, geometry.groups, strict=True):
-                vllm_group = kv_cache_config.kv_cache_groups[info.gid]
-                groups.append(
-                    {
-                        "group": info.sgid,
-                        "vllm_group": info.gid,
-                        "kind": info.kind.value,
-                        "spec": info.spec_name,
-                        "block": spec.block_size,
-                        "span": info.span,
-                        "dcp_sharded": spec.dcp_sharded,
-                        "layers": len(info.layer_names),
-                        "entry_bytes": _entry_bytes(info.sgid, vllm_group),
-                    }
-                )
-            return {
-                "model": model,
-                "namespace": geo.scheme.namespace,
-                "fingerprint": geo.scheme.fingerprint,
-                "key_prefix": geo.scheme.geometry_prefix,
-                "hash_unit": geometry.hash_unit,
-                "hit_alignment": geometry.hit_alignment,
-                "scheduler_block": geometry.scheduler_block_size,
-                "tp": geometry.topology.tp_size,
-                "dcp": geometry.topology.dcp_size,
-                "groups": groups,
-            }
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+    transfer = vllm_harness.connector_transfer_config(engine_extra)
+    kwargs = vllm_harness.engine_kwargs(
+        max_model_len=max_model_len, kv_cache_bytes=64 << 20, dtype=dtype, max_num_seqs=1
+    )
+    # vLLM logs to stdout; `describe --json | jq` must see only the JSON.
+    with (
+        _stdout_to_stderr(),
+        vllm_harness.inprocess_engine(Path(model), transfer, use_tqdm_on_load=False, **kwargs) as llm,
+    ):
+        # The serving connector resolved the geometry from vLLM's own kv_cache_config at start.
+        scheduler_connector, _ = vllm_harness.connector_halves(llm)
+        geo = scheduler_connector.scheduler_side.geo
+        kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        geometry = geo.geometry
+        groups = []
+        for info, spec in zip(geo.groups, geometry.groups, strict=True):
+            vllm_group = kv_cache_config.kv_cache_groups[info.gid]
+            groups.append(
+                {
+                    "group": info.sgid,
+                    "vllm_group": info.gid,
+                    "kind": info.kind.value,
+                    "spec": info.spec_name,
+                    "block": spec.block_size,
+                    "span": info.span,
+                    "dcp_sharded": spec.dcp_sharded,
+                    "layers": len(info.layer_names),
+                    "entry_bytes": _entry_bytes(info.sgid, vllm_group),
+                }
+            )
+        return {
+            "model": model,
+            "namespace": geo.scheme.namespace,
+            "fingerprint": geo.scheme.fingerprint,
+            "key_prefix": geo.scheme.geometry_prefix,
+            "hash_unit": geometry.hash_unit,
+            "hit_alignment": geometry.hit_alignment,
+            "scheduler_block": geometry.scheduler_block_size,
+            "tp": geometry.topology.tp_size,
+            "dcp": geometry.topology.dcp_size,
+            "groups": groups,
+        }
 
 
 @contextlib.contextmanager
