@@ -13,6 +13,11 @@ Keys (all optional):
                     waves' bytes are queued per rank; a save beyond that is dropped and counted.
 ``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0.
 ``verify_checksums``  verify value checksums on load (bool).
+``load_mode``       ``"async"`` (default): a hit waits for its whole load before it is scheduled.
+                    ``"layerwise"``: the hit is scheduled at once and its load overlaps the step's forward
+                    (``start_load_kv`` starts it, each attention layer waits for its own pages); only for
+                    models with one attention KV cache group (checked at engine start, see
+                    ``HybridStoreConnector``).
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -44,7 +49,11 @@ KNOWN_KEYS: tuple[str, ...] = (
     "put_wave_bytes",
     "lookup_budget_ms",
     "verify_checksums",
+    "load_mode",
 )
+
+#: values of ``load_mode``
+LOAD_MODES: tuple[str, ...] = ("async", "layerwise")
 
 _STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
 
@@ -91,6 +100,12 @@ class ConnectorConfig:
     put_wave_bytes: int
     lookup_budget_ms: float
     verify_checksums: bool
+    load_mode: str = "async"
+
+    @property
+    def layerwise(self) -> bool:
+        """Loads overlap the forward of the step that uses them (``load_mode: layerwise``)."""
+        return self.load_mode == "layerwise"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, model: str) -> ConnectorConfig:
@@ -154,6 +169,12 @@ class ConnectorConfig:
                 f"kv_connector_extra_config['verify_checksums']: expected true or false, got {verify!r}"
             )
 
+        load_mode = extra.get("load_mode", "async")
+        if load_mode not in LOAD_MODES:
+            raise ValueError(
+                f"kv_connector_extra_config['load_mode']: expected one of {list(LOAD_MODES)}, got {load_mode!r}"
+            )
+
         return cls(
             store=store,
             namespace=namespace,
@@ -161,4 +182,5 @@ class ConnectorConfig:
             put_wave_bytes=put_wave_bytes,
             lookup_budget_ms=float(budget),
             verify_checksums=verify,
+            load_mode=load_mode,
         )

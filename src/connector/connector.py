@@ -73,6 +73,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 f"({len(kv_cache_config.kv_cache_groups)} KV cache groups) would fail a request whenever "
                 f"its external load fails; set kv_load_failure_policy='recompute'"
             )
+        if self.config.layerwise:
+            check_layerwise_supported(kv_cache_config)
         if tc.kv_load_failure_policy != "recompute":
             log.warning(
                 "hybridkv: kv_load_failure_policy is not 'recompute'; a failed load will fail its request",
@@ -143,7 +145,9 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are async: a loading request is not scheduled until it finished
+        # async mode: a loading request is not scheduled until its load finished, nothing to wait for
+        if self.config.layerwise:
+            self.worker_side.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # saves are whole blocks, enqueued in wait_for_save
@@ -158,7 +162,11 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # failures are request-level (failed_recving): legal on hybrid models too
+        # async mode: failures are request-level (failed_recving), legal on hybrid models too. layerwise
+        # mode (one KV cache group only): every block of a failed load, so vLLM recomputes it whole.
+        if self.config.layerwise:
+            return self.worker_side.end_layerwise_step()
+        return set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         meta: KVConnectorWorkerMetadata | None = self.worker_side.worker_meta()
@@ -334,6 +342,30 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "hybridkv connector shut down",
             role="worker" if worker is not None else "scheduler",
             seconds=round(time.monotonic() - t0, 3),
+        )
+
+
+def check_layerwise_supported(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse ``load_mode: layerwise`` (``ValueError`` naming the key) for a model it cannot keep exact.
+
+    A layerwise load feeds the step that uses it, so a failed one must make vLLM discard that step's
+    output for the request and recompute its blocks. vLLM 0.32 does that only through block-level
+    ``invalid_block_ids`` (``Scheduler._handle_invalid_blocks``: truncate ``num_computed_tokens`` at the
+    first invalid block, skip the request's sampled token), and it raises ``RuntimeError`` there for a
+    model with more than one KV cache group; ``failed_recving`` is ignored for a running request
+    (``_handle_failed_recving`` acts only on ``WAITING_FOR_REMOTE_KVS``). So a hybrid model has no safe way
+    to report a failed layerwise load, and neither has a Mamba-only model (whose state layers never call
+    ``wait_for_layer_load``): layerwise mode takes models with one attention group only.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ValueError(
+            "kv_connector_extra_config['load_mode']: 'layerwise' needs a model with one attention KV cache "
+            f"group, this model has {len(groups)} ({kinds}); vLLM can recompute a failed synchronous load only "
+            "from block-level load errors, which it rejects for several groups. Use load_mode 'async'."
         )
 
 

@@ -44,6 +44,9 @@ class LoadJob:
     req_id: str
     boundary: int
     blocks: tuple[BlockRef, ...]
+    #: layerwise mode, a declined hit (``blocks`` empty): the block ids vLLM allocated for its external
+    #: tokens, reported as load errors so vLLM recomputes them (the one KV cache group's ids)
+    declined_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

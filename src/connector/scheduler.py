@@ -12,8 +12,9 @@ Contracts (``DESIGN.md`` hard rules):
 - ``lookup`` reports only tokens every prefix-cacheable group can restore from entries present on every
   TP/DCP rank, found by ONE batched ``exists`` bounded by ``lookup_budget_ms``; a slow or failing store is
   a miss and opens a short circuit breaker. Repeated asks with unchanged inputs reuse the answer.
-- Loads are async (``(n, True)``); the per-group plan is bound to the request's real block table in
-  ``update_state_after_alloc``.
+- Loads are async (``(n, True)``), or with ``load_mode: layerwise`` synchronous to the step that uses
+  them (``(n, False)``, one attention group only; see :mod:`hybridkv.connector.layerwise`); the
+  per-group plan is bound to the request's real block table in ``update_state_after_alloc``.
 - Saves: full attention and SWA positionally from the current tables as prompt blocks complete; Mamba only
   from ``boundary_state_offloads`` and ``register_finished_partial_tail``. Source blocks are pinned
   (``touch``) until every rank reports the wave, then freed.
@@ -258,7 +259,7 @@ class SchedulerSide:
         ext = boundary - num_computed_tokens
         if ext <= 0 or lc.current is not State.PARTIAL_HIT:
             return 0, False
-        return ext, True
+        return ext, not self.cfg.layerwise
 
     def _answer(self, r: _Req, inputs: tuple[int, int, int | None]) -> int | None:
         """The agreed boundary for ``inputs``, or None while the search is in flight."""
@@ -348,12 +349,16 @@ class SchedulerSide:
             if r is not None and r.lc.current is State.PARTIAL_HIT:
                 r.lc.decline()
             elif r is None and num_external_tokens:
-                self._decline_allocated(request, None, "request not tracked")
+                self._decline_allocated(
+                    request, None, "request not tracked", self._external_block_ids(r, blocks, num_external_tokens)
+                )
             return
         lc = r.lc
         refs, reason = self._bind_plan(request, lc, blocks, num_external_tokens)
         if reason is not None:
-            self._decline_allocated(request, r, reason)
+            self._decline_allocated(
+                request, r, reason, self._external_block_ids(r, blocks, num_external_tokens)
+            )
             return
         assert lc.lookup is not None and lc.lookup.plan is not None  # _bind_plan checked it
         job = LoadJob(request.request_id, lc.lookup.plan.boundary, tuple(refs))
@@ -393,11 +398,30 @@ class SchedulerSide:
             )
         return refs, None
 
-    def _decline_allocated(self, request: Request, r: _Req | None, reason: str) -> None:
-        """Refuse a hit vLLM already allocated. vLLM waits for the load to finish, so an empty load job
-        goes to the workers, which report it failed at once (``finished_recving`` + ``failed_recving``):
-        vLLM restarts the request from 0 and recomputes it. No later lookup of this incarnation hits."""
-        self._pending_loads.append(LoadJob(request.request_id, 0, ()))
+    def _external_block_ids(
+        self, r: _Req | None, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> tuple[int, ...]:
+        """Layer-wise mode: the block ids vLLM allocated for a hit's external tokens (its one group), from the
+        local hit the lookup was asked with (0 when unknown: then the local blocks too, which only costs
+        their recompute). Empty in async mode, where a declined hit fails request-level."""
+        if not self.cfg.layerwise:
+            return ()
+        span = self.geo.groups[0].span
+        num_local = r.memo[0][1] if r is not None and r.memo is not None else 0
+        row = blocks.get_block_ids()[0]
+        first, end = num_local // span, -(-(num_local + num_external_tokens) // span)
+        return tuple(bid for bid in row[first:end] if bid != 0)
+
+    def _decline_allocated(
+        self, request: Request, r: _Req | None, reason: str, declined_block_ids: tuple[int, ...] = ()
+    ) -> None:
+        """Refuse a hit vLLM already allocated. Async mode: vLLM waits for the load to finish, so an empty
+        load job goes to the workers, which report it failed at once (``finished_recving`` +
+        ``failed_recving``): vLLM restarts the request from 0 and recomputes it. Layer-wise mode: the empty
+        job carries ``declined_block_ids``, which the workers report as load errors after the step, so
+        vLLM discards the step for the request and recomputes those blocks. No later lookup of this
+        incarnation hits."""
+        self._pending_loads.append(LoadJob(request.request_id, 0, (), declined_block_ids))
         self.stats.add("hit_declined")
         log.warning(
             "hybridkv: hit declined; request recomputes", request_id=request.request_id, reason=reason
@@ -499,9 +523,10 @@ class SchedulerSide:
         if resolution.verified:
             r.saves.loaded_boundary = job.boundary
             return
-        # vLLM discards what this load wrote and restarts the request from 0 computed tokens: nothing
-        # came from the store, and positional saves restart at the request's next first scheduled
-        # position (the retry's loaded boundary, or the local hit), so invalidated entries get re-saved.
+        # vLLM discards what this load wrote and restarts the request from 0 computed tokens (layer-wise
+        # mode: from its first loaded block, the local hit): nothing came from the store, and positional
+        # saves restart at the request's next first scheduled position (the retry's loaded boundary, or
+        # the local hit), so invalidated entries get re-saved.
         r.saves.restart()
         self.stats.add("truncations")
         self.stats.add("load_transient_faults", resolution.num_transient_faults)

@@ -11,7 +11,9 @@ Contracts:
   (``_STAGING_SLABS`` slabs of about one PUT wave each) on side streams; see ``datapath``.
 - Loads run on a thread. Every load job this rank receives is reported in ``finished_recving`` once done;
   a job with any non-OK block is also in ``failed_recving`` (request-level, safe for hybrid models).
-  ``get_block_ids_with_load_errors`` is always empty.
+  ``get_block_ids_with_load_errors`` is always empty. In ``load_mode: layerwise`` loads are instead
+  synchronous to the step that uses them (see :mod:`hybridkv.connector.layerwise`): never in
+  ``finished_recving``; every block of a failed job is in ``get_block_ids_with_load_errors`` of that step.
 - Saves are enqueued in ``wait_for_save`` (on CPU the forward already finished, so the bytes are final; on
   CUDA a fence event is recorded on the compute stream there, and the save thread's device->host copies
   wait on it; the scheduler pins the source blocks until every rank reports the job). One kind of block
@@ -51,6 +53,7 @@ import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
+from hybridkv.connector.layerwise import LayerTensors, LayerwiseLoads
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -116,6 +119,11 @@ class _Outbox:
     @property
     def has_finished_loads(self) -> bool:
         return bool(self._finished_loads)
+
+    def load_judged(self, results: dict[str, list[LoadResult]]) -> None:
+        """Layer-wise loads: vLLM learns their fate in this step's output, so their results go out now."""
+        for req_id, load_results in results.items():
+            self._load_results.setdefault(req_id, []).extend(load_results)
 
     def load_finished(self, req_id: str, ok: bool, results: list[LoadResult]) -> None:
         self._finished_loads[req_id] = ok
@@ -203,6 +211,14 @@ class WorkerSide:
         ]
         for th in self._threads:
             th.start()
+        self._layerwise: LayerwiseLoads | None = None
+        if cfg.layerwise:
+            self._layerwise = LayerwiseLoads(
+                store=self.store,
+                stats=self.stats,
+                tp_rank=lambda: self.tp_rank,
+                on_late_calls=lambda late, then: self._after_late_calls(_LateOwnership(calls=late), then),
+            )
 
     # ------------------------------------------------------------------ layout
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
@@ -241,6 +257,15 @@ class WorkerSide:
             slab = self.cfg.put_wave_bytes + block_max + 256 * n_tensors
             self._staging = StagingContext(device, PinnedPool(slab, _STAGING_SLABS * slab, pin=True))
         self._movers = {sgid: BlockMover(pl, staging=self._staging) for sgid, pl in per_group.items()}
+        if self._layerwise is not None:
+            layers: dict[int, list[LayerTensors]] = {}
+            for g in self.geo.groups:
+                first = 0
+                layers[g.sgid] = []
+                for name, tensors in zip(g.layer_names, per_group[g.sgid], strict=True):
+                    layers[g.sgid].append(LayerTensors(name, tuple(range(first, first + len(tensors)))))
+                    first += len(tensors)
+            self._layerwise.register(self._movers, layers)
         log.info(
             "hybridkv worker geometry",
             tp_rank=self.tp_rank,
@@ -292,6 +317,10 @@ class WorkerSide:
     def start_load(self, meta: HybridStoreMetadata) -> None:
         if not meta.loads:
             return
+        if self._layerwise is not None and self.cfg.layerwise and not self._suspended:
+            self.stats.add("layerwise_load_steps")
+            self._layerwise.start(meta, self._fence())
+            return
         if self._suspended:
             # The KV cache memory is released while the engine sleeps: never write into it. Every job is
             # reported failed, so vLLM recomputes those requests.
@@ -305,6 +334,21 @@ class WorkerSide:
             self._num_loads_in_flight += len(meta.loads)
         for job in meta.loads:
             self._load_q.put((meta.scheme, job, fence))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Layer-wise mode: block until ``layer_name``'s pages of this step's loads are written."""
+        if self._layerwise is not None:
+            self._layerwise.wait_for_layer(layer_name)
+
+    def end_layerwise_step(self) -> set[int]:
+        """Layer-wise mode, after the forward: the step's load-error block ids (its results join the next
+        worker metadata, which vLLM takes in this same step)."""
+        if self._layerwise is None:
+            return set()
+        failed, results = self._layerwise.end_step()
+        with self._lock:
+            self._outbox.load_judged(results)
+        return failed
 
     def _finish_load(self, job: LoadJob, ok: bool, results: list[LoadResult], *, queued: bool = True) -> None:
         with self._lock:
@@ -459,6 +503,13 @@ class WorkerSide:
         CUDA: first records the fence on the current stream, so the save thread's device->host copies read
         the blocks only after every kernel this step queued before ``wait_for_save``.
         """
+        if self._layerwise is not None and self._layerwise.finish_step():
+            # A layer-wise load of this step failed: the step computed on its pages, so none of its KV may
+            # reach the store (vLLM discards the step for that request and recomputes).
+            for job in meta.saves:
+                self.stats.add("layerwise_dropped_saves")
+                self._finish_save(job, self._save_results(job, SaveOutcome.DROPPED))
+            return
         if not meta.saves:
             return
         fence = self._fence()
@@ -622,6 +673,8 @@ class WorkerSide:
         return marker.wait(timeout) and self._wait_late_calls(max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
+        if self._layerwise is not None:
+            self._layerwise.close()
         self.flush()
         self._load_q.put(None)
         self._save_q.put(None)
