@@ -127,8 +127,9 @@ class LayerwiseLoads:
             self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ engine thread
-    def start(self, meta: HybridStoreMetadata, fence: Fence) -> None:
-        """``start_load_kv``: start this step's loads in the background; returns at once."""
+    def start(self, meta: HybridStoreMetadata, fence: Fence, *, write: bool = True) -> None:
+        """``start_load_kv``: start this step's loads in the background; returns at once. ``write=False``
+        (the KV cache memory is released): the step's jobs fail without touching it."""
         assert self._step is None or self._step.ended, "a layer-wise step started before the last one ended"
         jobs = list(meta.loads)
         layer_ready = {
@@ -138,6 +139,12 @@ class LayerwiseLoads:
         }
         step = _Step(meta.scheme, jobs, fence, layer_ready, time.monotonic() + LAYERWISE_WAIT_S)
         self._step = step
+        if not write:
+            step.abandoned = True
+            for ready in layer_ready.values():
+                ready.set()
+            step.done.set()
+            return
         with self._cv:
             self._queue.append(step)
             self._cv.notify()
@@ -146,7 +153,7 @@ class LayerwiseLoads:
         """``wait_for_layer_load``: block until ``layer_name``'s pages of the step's loads are written (or
         the step's wait budget is spent: then ``finish_step`` abandons it)."""
         step = self._step
-        if step is None or step.ended:
+        if step is None or step.ended or step.abandoned:
             return
         ready = step.layer_ready.get(layer_name)
         if ready is None:

@@ -317,9 +317,10 @@ class WorkerSide:
     def start_load(self, meta: HybridStoreMetadata) -> None:
         if not meta.loads:
             return
-        if self._layerwise is not None and self.cfg.layerwise and not self._suspended:
+        if self._layerwise is not None and self.cfg.layerwise:
+            # Asleep: the KV cache memory is released; the step's jobs fail without a write (recomputed).
             self.stats.add("layerwise_load_steps")
-            self._layerwise.start(meta, self._fence())
+            self._layerwise.start(meta, self._fence(), write=not self._suspended)
             return
         if self._suspended:
             # The KV cache memory is released while the engine sleeps: never write into it. Every job is

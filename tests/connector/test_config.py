@@ -21,6 +21,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cfg.put_wave_bytes == 64 << 20
     assert cfg.lookup_budget_ms == 200.0
     assert cfg.verify_checksums is True
+    assert cfg.load_mode == "async" and not cfg.layerwise
 
 
 def test_full_config(tmp_path: Path) -> None:
@@ -32,11 +33,13 @@ def test_full_config(tmp_path: Path) -> None:
             "put_wave_bytes": "16MiB",
             "lookup_budget_ms": 5,
             "verify_checksums": False,
+            "load_mode": "layerwise",
         }
     )
     assert cfg.store == "memory://x" and cfg.namespace == "prod-a"
     assert cfg.audit_log == str(tmp_path / "audit.jsonl")
     assert cfg.put_wave_bytes == 16 << 20 and cfg.lookup_budget_ms == 5.0 and not cfg.verify_checksums
+    assert cfg.load_mode == "layerwise" and cfg.layerwise
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,10 @@ def test_full_config(tmp_path: Path) -> None:
         ("lookup_budget_ms", float("nan")),
         ("verify_checksums", "yes"),
         ("verify_checksums", 1),
+        ("load_mode", "sync"),
+        ("load_mode", "Layerwise"),
+        ("load_mode", None),
+        ("load_mode", 1),
     ],
 )
 def test_bad_key_or_value_names_both(key: str, value: object) -> None:
