@@ -69,6 +69,8 @@ class LayerTensors:
 class _Step:
     """One engine step's layer-wise loads."""
 
+    #: the step's connector metadata (``wait_for_save`` gets the same object)
+    meta: HybridStoreMetadata
     scheme: KeyScheme
     jobs: list[LoadJob]
     fence: Fence
@@ -79,17 +81,21 @@ class _Step:
     #: guards ``abandoned`` against a layer write in progress
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
+    #: results of an earlier unreported step, reported with this one
+    carried_results: dict[str, list[LoadResult]] = field(default_factory=dict)
     #: layers the forward waited for
     waited: set[str] = field(default_factory=set)
     #: request id -> its entries' outcomes (set by the load thread)
     results: dict[str, list[LoadResult]] = field(default_factory=dict)
     ended: bool = False
+    #: the verdict went to vLLM (``end_step``)
+    reported: bool = False
     failed_block_ids: set[int] = field(default_factory=set)
 
 
 class LayerwiseLoads:
     """The worker's layer-wise load pipeline (one background thread). Engine-thread methods:
-    :meth:`start`, :meth:`wait_for_layer`, :meth:`finish_step`, :meth:`end_step`."""
+    :meth:`start`, :meth:`wait_for_layer`, :meth:`saves_allowed`, :meth:`end_step`."""
 
     def __init__(
         self,
@@ -130,14 +136,18 @@ class LayerwiseLoads:
     def start(self, meta: HybridStoreMetadata, fence: Fence, *, write: bool = True) -> None:
         """``start_load_kv``: start this step's loads in the background; returns at once. ``write=False``
         (the KV cache memory is released): the step's jobs fail without touching it."""
-        assert self._step is None or self._step.ended, "a layer-wise step started before the last one ended"
+        carried: tuple[set[int], dict[str, list[LoadResult]]] = (set(), {})
+        if self._step is not None and not self._step.reported:
+            # Loads started outside an engine step (never expected): their verdict goes out with this one.
+            carried = self.end_step()
         jobs = list(meta.loads)
         layer_ready = {
             layer.name: threading.Event()
             for sgid in sorted({ref.sgid for job in jobs for ref in job.blocks})
             for layer in self._layers[sgid]
         }
-        step = _Step(meta.scheme, jobs, fence, layer_ready, time.monotonic() + LAYERWISE_WAIT_S)
+        step = _Step(meta, meta.scheme, jobs, fence, layer_ready, time.monotonic() + LAYERWISE_WAIT_S)
+        step.failed_block_ids, step.carried_results = carried
         self._step = step
         if not write:
             step.abandoned = True
@@ -151,7 +161,7 @@ class LayerwiseLoads:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: block until ``layer_name``'s pages of the step's loads are written (or
-        the step's wait budget is spent: then ``finish_step`` abandons it)."""
+        the step's wait budget is spent: then the step is abandoned after the forward)."""
         step = self._step
         if step is None or step.ended or step.abandoned:
             return
@@ -161,15 +171,17 @@ class LayerwiseLoads:
         step.waited.add(layer_name)
         ready.wait(max(0.0, step.deadline - time.monotonic()))
 
-    def finish_step(self) -> bool:
-        """Wait for the step's loads (within its wait budget; else abandon them) and settle its verdict.
-
-        Idempotent; ``wait_for_save`` calls it before queueing saves, ``end_step`` after. Returns True when
-        some job of the step failed: the step's saves must be dropped.
-        """
+    def saves_allowed(self, meta: HybridStoreMetadata) -> bool:
+        """``wait_for_save``: whether the saves of the step of ``meta`` may go to the store -- not when a
+        load of that step failed (its forward computed on the failed pages)."""
         step = self._step
-        if step is None:
-            return False
+        if step is None or step.meta is not meta:
+            return True  # no layer-wise load in that step
+        return not self._finish_step(step)
+
+    def _finish_step(self, step: _Step) -> bool:
+        """Wait for the step's loads (within its wait budget; else abandon them) and settle its verdict.
+        Idempotent. True when some job of the step failed."""
         if step.ended:
             return bool(step.failed_block_ids)
         if not step.done.wait(max(0.0, step.deadline - time.monotonic())):
@@ -209,11 +221,15 @@ class LayerwiseLoads:
     def end_step(self) -> tuple[set[int], dict[str, list[LoadResult]]]:
         """``get_block_ids_with_load_errors``: (block ids to report as load errors, each job's results)."""
         step = self._step
-        if step is None:
+        if step is None or step.reported:
             return set(), {}
-        self.finish_step()
-        self._step = None
-        return set(step.failed_block_ids), {job.req_id: step.results.get(job.req_id, []) for job in step.jobs if job.blocks}
+        self._finish_step(step)
+        step.reported = True
+        results = dict(step.carried_results)
+        for job in step.jobs:
+            if job.blocks:
+                results.setdefault(job.req_id, []).extend(step.results.get(job.req_id, []))
+        return set(step.failed_block_ids), results
 
     def close(self) -> None:
         with self._cv:

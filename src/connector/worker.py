@@ -504,7 +504,7 @@ class WorkerSide:
         CUDA: first records the fence on the current stream, so the save thread's device->host copies read
         the blocks only after every kernel this step queued before ``wait_for_save``.
         """
-        if self._layerwise is not None and self._layerwise.finish_step():
+        if self._layerwise is not None and not self._layerwise.saves_allowed(meta):
             # A layer-wise load of this step failed: the step computed on its pages, so none of its KV may
             # reach the store (vLLM discards the step for that request and recomputes).
             for job in meta.saves:
