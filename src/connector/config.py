@@ -16,8 +16,8 @@ Keys (all optional):
 ``load_mode``       ``"async"`` (default): a hit waits for its whole load before it is scheduled.
                     ``"layerwise"``: the hit is scheduled at once and its load overlaps the step's forward
                     (``start_load_kv`` starts it, each attention layer waits for its own pages); only for
-                    models with one attention KV cache group (checked at engine start, see
-                    ``HybridStoreConnector``).
+                    models with one attention KV cache group and with async scheduling off (checked at
+                    engine start, see ``connector.check_layerwise_supported``).
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.

@@ -74,7 +74,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 f"its external load fails; set kv_load_failure_policy='recompute'"
             )
         if self.config.layerwise:
-            check_layerwise_supported(kv_cache_config)
+            check_layerwise_supported(kv_cache_config, bool(vllm_config.scheduler_config.async_scheduling))
         if tc.kv_load_failure_policy != "recompute":
             log.warning(
                 "hybridkv: kv_load_failure_policy is not 'recompute'; a failed load will fail its request",
@@ -345,8 +345,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
 
-def check_layerwise_supported(kv_cache_config: KVCacheConfig) -> None:
-    """Refuse ``load_mode: layerwise`` (``ValueError`` naming the key) for a model it cannot keep exact.
+def check_layerwise_supported(kv_cache_config: KVCacheConfig, async_scheduling: bool) -> None:
+    """Refuse ``load_mode: layerwise`` (``ValueError`` naming the key) where it cannot be kept exact.
 
     A layerwise load feeds the step that uses it, so a failed one must make vLLM discard that step's
     output for the request and recompute its blocks. vLLM 0.32 does that only through block-level
@@ -356,6 +356,11 @@ def check_layerwise_supported(kv_cache_config: KVCacheConfig) -> None:
     (``_handle_failed_recving`` acts only on ``WAITING_FOR_REMOTE_KVS``). So a hybrid model has no safe way
     to report a failed layerwise load, and neither has a Mamba-only model (whose state layers never call
     ``wait_for_layer_load``): layerwise mode takes models with one attention group only.
+
+    Async scheduling (vLLM's default on GPU; always off on CPU) schedules the request's next step before
+    the failed step's output arrives, and ``_handle_invalid_blocks`` does not mark that in-flight step's
+    output stale: its token, computed on the failed pages, would be appended. So layerwise mode also needs
+    async scheduling off.
     """
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -366,6 +371,12 @@ def check_layerwise_supported(kv_cache_config: KVCacheConfig) -> None:
             "kv_connector_extra_config['load_mode']: 'layerwise' needs a model with one attention KV cache "
             f"group, this model has {len(groups)} ({kinds}); vLLM can recompute a failed synchronous load only "
             "from block-level load errors, which it rejects for several groups. Use load_mode 'async'."
+        )
+    if async_scheduling:
+        raise ValueError(
+            "kv_connector_extra_config['load_mode']: 'layerwise' needs async scheduling off "
+            "(--no-async-scheduling): with it, vLLM runs the request's next step before it learns that a "
+            "layer-wise load failed, and does not discard that step's token. Or use load_mode 'async'."
         )
 
 

@@ -145,3 +145,30 @@ def test_declined_hit_reports_its_blocks(vllm_objs: dict[str, Any]) -> None:
         assert ws.worker_meta() is None  # a declined hit has no entries to judge
     finally:
         ws.shutdown()
+
+
+def _single_group_config() -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn.0"], spec)])
+
+
+@pytest.mark.parametrize(
+    ("config", "async_scheduling", "refusal"),
+    [
+        (kv_cache_config, False, "needs a model with one attention KV cache group, this model has 2"),
+        (_single_group_config, True, "needs async scheduling off"),
+        (_single_group_config, False, None),
+    ],
+)
+def test_layerwise_is_refused_where_a_failure_could_not_be_discarded(
+    config: Any, async_scheduling: bool, refusal: str | None
+) -> None:
+    from hybridkv.connector.connector import check_layerwise_supported
+
+    if refusal is None:
+        check_layerwise_supported(config(), async_scheduling)
+        return
+    with pytest.raises(ValueError, match=rf"\['load_mode'\]: 'layerwise' {refusal}"):
+        check_layerwise_supported(config(), async_scheduling)
