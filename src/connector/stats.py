@@ -5,7 +5,8 @@ Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit
 group), ``truncations``, ``invalidated_entries``, ``load_transient_faults``, ``hit_declined``,
 ``maintenance_dropped``, ``reset_timeouts``, ``load_calls``, ``load_keys``, ``load_bytes``,
 ``load_failed_keys``, ``load_job_seconds``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
-``save_skipped_keys`` (already stored), ``put_wave_drops``; and one gauge, ``breaker_open`` (0 or 1, sent by
+``save_skipped_keys`` (already stored), ``put_wave_drops``, ``layerwise_load_steps``, ``layerwise_dropped_saves``,
+``layerwise_abandoned_steps``, ``layerwise_unwaited_steps`` (``load_mode: layerwise``); and one gauge, ``breaker_open`` (0 or 1, sent by
 the scheduler whenever the lookup circuit breaker changed state).
 
 Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
@@ -130,6 +131,19 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
     "save_failed_keys": ("vllm:hybridkv_save_failed_keys", "Keys whose write failed."),
     "save_skipped_keys": ("vllm:hybridkv_save_skipped_keys", "Keys already stored (not rewritten)."),
     "put_wave_drops": ("vllm:hybridkv_put_wave_drops", "PUT waves dropped by backpressure or a full store."),
+    "layerwise_load_steps": ("vllm:hybridkv_layerwise_load_steps", "Engine steps with layer-wise loads."),
+    "layerwise_dropped_saves": (
+        "vllm:hybridkv_layerwise_dropped_saves",
+        "Save jobs dropped because a layer-wise load of their step failed.",
+    ),
+    "layerwise_abandoned_steps": (
+        "vllm:hybridkv_layerwise_abandoned_steps",
+        "Steps whose layer-wise loads were not written within the wait budget (recomputed).",
+    ),
+    "layerwise_unwaited_steps": (
+        "vllm:hybridkv_layerwise_unwaited_steps",
+        "Steps with a loaded layer that never waited for its pages (recomputed).",
+    ),
 }
 
 
