@@ -5,8 +5,9 @@ requests (the engine idle) :func:`set_load_mode` switches both connector halves 
 both are measured on the same engine, weights, store and caches, interleaved round by round (the order
 alternates every round). A round, per mode, on a fresh prompt: store its first half (a request of that half
 alone, saves settled, vLLM's prefix cache dropped), then time one request of the whole prompt
-(``max_tokens=1``): half of it restored from the store, half computed. Each round also times one cold
-request of a fresh prompt of the same length (no hit) for scale.
+(``max_tokens=1``): half of it restored from the store, half computed. Each round also times the same
+kind of request with its first half in vLLM's own prefix cache (a local hit, the floor an external hit
+is compared with: "overhead" below is TTFT minus the local hit's) and one cold request (no hit) for scale.
 
 Run: ``python -m hybridkv.bench.layerwise [--family llama] [--size bench] [--prompt-tokens 2048] [--rounds 7]``.
 """
@@ -79,7 +80,7 @@ def measure_layerwise_ttft(
     transfer = vllm_harness.connector_transfer_config(extra)
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-    samples["cold"] = []
+    samples["local"], samples["cold"] = [], []
     cached: dict[str, list[int]] = {mode: [] for mode in MODES}
     load_s: dict[str, list[float]] = {mode: [] for mode in MODES}
     kwargs = vllm_harness.engine_kwargs(
@@ -105,12 +106,22 @@ def measure_layerwise_ttft(
                     samples[mode].append(seconds)
                     cached[mode].append(num_cached)
                     load_s[mode].append(float(totals.get("load_job_seconds", 0.0)) - load_before)
+            prefix = _prompt(half, rng)
+            vllm_harness.greedy(llm, prefix, max_tokens=1)
+            local_s, num_local = _timed(llm, prefix + _prompt(prompt_tokens - half, rng))
+            assert num_local == half, f"expected a local hit of {half} tokens, got {num_local}"
+            vllm_harness.drop_local_cache(llm)
             cold_s, _ = _timed(llm, _prompt(prompt_tokens, rng))
             vllm_harness.drop_local_cache(llm)
             if round_index:
+                samples["local"].append(local_s)
                 samples["cold"].append(cold_s)
         set_load_mode(llm, "layerwise")
     ratios = [lw / a for lw, a in zip(samples["layerwise"], samples["async"], strict=True)]
+    overhead = {
+        mode: [(s - local) * 1000.0 for s, local in zip(samples[mode], samples["local"], strict=True)]
+        for mode in MODES
+    }
     return {
         "prompt_tokens": prompt_tokens,
         "restored_tokens": half,
@@ -119,6 +130,9 @@ def measure_layerwise_ttft(
         "ttft_samples_ms": {name: [round(v * 1000.0, 2) for v in values] for name, values in samples.items()},
         "num_cached_tokens": cached,
         "load_job_ms": {mode: _summary(values) for mode, values in load_s.items()},
+        "overhead_above_local_ms": {
+            mode: {"median": statistics.median(v), "min": min(v), "max": max(v)} for mode, v in overhead.items()
+        },
         "layerwise_over_async": {
             "ratio_of_medians": statistics.median(samples["layerwise"]) / statistics.median(samples["async"]),
             "per_round_median": statistics.median(ratios),
