@@ -131,7 +131,8 @@ def measure_layerwise_ttft(
         "num_cached_tokens": cached,
         "load_job_ms": {mode: _summary(values) for mode, values in load_s.items()},
         "overhead_above_local_ms": {
-            mode: {"median": statistics.median(v), "min": min(v), "max": max(v)} for mode, v in overhead.items()
+            mode: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            for mode, v in overhead.items()
         },
         "layerwise_over_async": {
             "ratio_of_medians": statistics.median(samples["layerwise"]) / statistics.median(samples["async"]),
@@ -146,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridkv.bench.store import bench_scratch_dir
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
-    parser = argparse.ArgumentParser(prog="python -m hybridkv.bench.layerwise", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridkv.bench.layerwise", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--family", default="llama")
     parser.add_argument("--size", default="bench", help="tiny model size: tiny or bench (%(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=2048)

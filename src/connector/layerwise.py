@@ -188,7 +188,9 @@ class LayerwiseLoads:
             with step.lock:
                 step.abandoned = True  # no layer write starts after this
             self._stats.add("layerwise_abandoned_steps")
-            log.warning("hybridkv: layer-wise loads over their wait budget; recomputed", seconds=LAYERWISE_WAIT_S)
+            log.warning(
+                "hybridkv: layer-wise loads over their wait budget; recomputed", seconds=LAYERWISE_WAIT_S
+            )
         unwaited = [name for name in step.layer_ready if name not in step.waited]
         if unwaited and not step.abandoned:
             # Some attention layer ran without waiting (a model path that bypasses vLLM's per-layer hook):
@@ -278,14 +280,15 @@ class LayerwiseLoads:
         pin = mover.device.type == "cuda"
         # Layer-major host buffers: buffers[k][row] is block ``refs[row]``'s page of tensor k.
         buffers = [
-            torch.empty((len(refs), nbytes), dtype=torch.uint8, pin_memory=pin) for nbytes in mover.page_nbytes
+            torch.empty((len(refs), nbytes), dtype=torch.uint8, pin_memory=pin)
+            for nbytes in mover.page_nbytes
         ]
         arrays = [b.numpy() for b in buffers]
         destinations = [[a[row] for a in arrays] for row in range(len(refs))]
         statuses: list[Status]
         with collect_late_calls() as late:
             try:
-                statuses = self._store.get_into(keys, destinations)  # type: ignore[arg-type]
+                statuses = self._store.get_into(keys, destinations)
             except Exception as exc:  # noqa: BLE001 -- a store failure fails these jobs, never the engine
                 log.warning("hybridkv layer-wise get raised", error=repr(exc))
                 statuses = [Status.TRANSFER_FAILED] * len(refs)

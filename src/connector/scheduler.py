@@ -350,7 +350,10 @@ class SchedulerSide:
                 r.lc.decline()
             elif r is None and num_external_tokens:
                 self._decline_allocated(
-                    request, None, "request not tracked", self._external_block_ids(r, blocks, num_external_tokens)
+                    request,
+                    None,
+                    "request not tracked",
+                    self._external_block_ids(r, blocks, num_external_tokens),
                 )
             return
         lc = r.lc

@@ -151,7 +151,9 @@ def _single_group_config() -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn.0"], spec)])
+    return KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn.0"], spec)]
+    )
 
 
 @pytest.mark.parametrize(
