@@ -137,6 +137,7 @@ class SchedulerSide:
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
+        self._block_pool: Any = None  # vLLM's block pool (``bind_block_pool``)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
             self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
@@ -179,7 +180,18 @@ class SchedulerSide:
             )
 
     def bind_block_pool(self, pool: Any) -> None:
+        self._block_pool = pool
         self.saves.bind_block_pool(pool)
+
+    def _uncache(self, block_ids: set[int]) -> None:
+        """Layer-wise mode: take blocks whose load failed out of vLLM's prefix cache.
+
+        vLLM caches a synchronous load's blocks when it allocates them, and on a load error under
+        ``recompute`` it keeps them cached for the request that recomputes them. Until then their pages
+        hold whatever the failed load left, so no other request may find them: once their hashes are gone,
+        later requests recompute or load those tokens instead. (The blocks stay the request's own.)"""
+        if self._block_pool is not None and block_ids:
+            self._block_pool.evict_blocks(block_ids)
 
     def track(self, request: Request) -> None:
         """Start following a request (``on_new_request``): its prompt blocks may be saved, and its lookup
@@ -425,6 +437,7 @@ class SchedulerSide:
         vLLM discards the step for the request and recomputes those blocks. No later lookup of this
         incarnation hits."""
         self._pending_loads.append(LoadJob(request.request_id, 0, (), declined_block_ids))
+        self._uncache(set(declined_block_ids))
         self.stats.add("hit_declined")
         log.warning(
             "hybridkv: hit declined; request recomputes", request_id=request.request_id, reason=reason
@@ -531,6 +544,8 @@ class SchedulerSide:
         # saves restart at the request's next first scheduled position (the retry's loaded boundary, or
         # the local hit), so invalidated entries get re-saved.
         r.saves.restart()
+        if self.cfg.layerwise:
+            self._uncache({ref.block_id for ref in job.blocks})
         self.stats.add("truncations")
         self.stats.add("load_transient_faults", resolution.num_transient_faults)
         if resolution.invalid_keys:

@@ -54,6 +54,16 @@ class Hits:
     sched_totals: dict[str, Any]
     worker_totals: dict[str, Any]
     block_nbytes: int
+    #: name -> whether FULL's first block was in vLLM's prefix cache right after that hit's request
+    locally_cached: dict[str, bool]
+
+
+def full_first_block_cached(llm: Any) -> bool:
+    """Whether vLLM's prefix cache holds FULL's first block (by vLLM's own block hash)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    request = vllm_harness.block_hashed_request("probe", FULL, scheduler.block_size)
+    return pool.get_cached_block(request.block_hashes[0], [0]) is not None
 
 
 def run_hits(llama: Path, store: str, log_path: Path) -> Hits:
@@ -61,12 +71,14 @@ def run_hits(llama: Path, store: str, log_path: Path) -> Hits:
     extra = {"store": store, "audit_log": str(log_path), "load_mode": "layerwise"}
     outputs: dict[str, list[int]] = {}
     num_cached: dict[str, int] = {}
+    locally_cached: dict[str, bool] = {}
     with engine(llama, extra) as llm:
         generate(llm, FULL)
         for name, tokens in (("full", FULL), ("partial", PARTIAL)):
             reset_local_cache(llm)
             scribble_kv(llm)
             outputs[name], num_cached[name] = generate(llm, tokens)
+            locally_cached[name] = full_first_block_cached(llm)
         flush_saves(llm)  # every save's result seen by the scheduler before shutdown (audit terminal)
         sched, worker = connectors(llm)
         assert sched.scheduler_side.wait_maintenance(10), "invalidation removes still running after 10 s"
@@ -76,6 +88,7 @@ def run_hits(llama: Path, store: str, log_path: Path) -> Hits:
             dict(sched.scheduler_side.stats.totals),
             dict(worker.worker_side.stats.totals),
             worker.worker_side.block_nbytes(0),
+            locally_cached,
         )
 
 
@@ -91,6 +104,9 @@ def test_layerwise_hits_match_no_connector(
     assert w_tot["layerwise_load_steps"] == 2 and w_tot["load_bytes"] == 4 * hits.block_nbytes
     assert "layerwise_unwaited_steps" not in w_tot, "every attention layer waited for its pages"
     assert s_tot.get("truncations", 0) == 0 and s_tot["load_calls"] == 2
+    assert hits.locally_cached == {"full": True, "partial": True}, (
+        "verified loads stay in vLLM's prefix cache"
+    )
     report = audit_file(log_path)
     assert report.ok and report.num_truncations == 0, report.to_dict()
 
@@ -114,6 +130,9 @@ def test_layerwise_faults_keep_tokens_exact(
     assert s_tot["truncations"] >= 1 and report.num_truncations == s_tot["truncations"]
     assert w_tot["load_failed_keys"] == 2 * s_tot["truncations"]
     assert w_tot["layerwise_dropped_saves"] >= 1
+    # The failed blocks left vLLM's prefix cache: no other request could find their garbage before the
+    # recompute (and they are not re-cached after it).
+    assert hits.locally_cached["full"] is False
     if fault.startswith("corrupt"):
         assert s_tot["invalidated_entries"] > 0  # definite fault: removed from the store
     else:
