@@ -108,7 +108,16 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         metavar="URL",
         help="store URL to measure (repeatable; default: faulty+memory://...?delay_ms=5)",
     )
-    scheduler.add_argument("--requests", type=int, default=12, help="requests in the stream (%(default)s)")
+    scheduler.add_argument("--requests", type=int, default=24, help="requests in the stream (%(default)s)")
+    scheduler.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds; medians and spread over them (%(default)s)"
+    )
+    scheduler.add_argument(
+        "--forward-ms",
+        type=float,
+        default=1.0,
+        help="pause between schedule() calls standing in for the forward pass (%(default)s)",
+    )
     scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
     scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
     scheduler.add_argument(
@@ -241,8 +250,17 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
-    if args.requests < 1 or args.max_tokens < 4096 or args.per_step < 1:
-        print("error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1", file=sys.stderr)
+    if (
+        args.requests < 1
+        or args.max_tokens < 4096
+        or args.per_step < 1
+        or args.rounds < 1
+        or args.forward_ms < 0
+    ):
+        print(
+            "error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1, --rounds >= 1, --forward-ms >= 0",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     urls = args.stores or [f"faulty+memory://bench-sched-{uuid.uuid4().hex[:8]}?delay_ms=5"]
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
@@ -251,10 +269,14 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         num_requests=args.requests,
         max_tokens=args.max_tokens,
         per_step=args.per_step,
+        num_rounds=args.rounds,
+        forward_ms=args.forward_ms,
         models_dir=models_dir,
     )
     print(
-        f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens"
+        f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens; "
+        f"{report['num_rounds']} interleaved rounds (medians, spread min..max), "
+        f"{report['forward_ms']} ms between schedule() calls"
     )
     print(format_table(report["rows"], SCHEDULER_COLUMNS))
     save_report(report, args.out, lambda _report, _path: None, no_plot=True)

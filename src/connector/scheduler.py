@@ -189,7 +189,6 @@ class SchedulerSide:
             search = LookupSearch(
                 self.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
             )
-            r.block_hex = search.block_hex
             r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
             self.lookups.submit(r.task)
 
@@ -276,7 +275,6 @@ class SchedulerSide:
             if search is None:
                 return 0  # retries exhausted: MISS for the rest of this incarnation
             r.search, r.search_inputs, r.waiting_since = search, inputs, None
-            r.block_hex = search.block_hex
         search = r.search
         assert search is not None
         if self.namespace_closed:
@@ -285,6 +283,7 @@ class SchedulerSide:
         task = r.task
         if task is not None and task.done:
             r.task = None
+            r.block_hex = r.block_hex or task.search.block_hex  # made on the lookup thread; shared
             if task.error is not None and task.search is search:
                 self.stats.add("lookup_errors")
                 log.warning("hybridkv lookup failed; miss", request_id=request.request_id, error=task.error)
@@ -294,8 +293,9 @@ class SchedulerSide:
                 return lc.finish_search(task.search.result).boundary
             task = None
         if task is None:
-            # No store call in flight for this request: its facts may already answer (the prefetch).
-            if search.next_keys() is None:
+            # No store call in flight for this request: its facts may already answer (the prefetch). With
+            # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
+            if r.known and search.next_keys() is None:
                 assert search.result is not None
                 return lc.finish_search(search.result).boundary
             if not self._store_usable():
