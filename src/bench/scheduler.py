@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
 import statistics
 import time
 import uuid
@@ -54,6 +55,7 @@ K3_BLOCK = 64
 K3_DCP = 8
 _MAX_MODEL_LEN = 131072 + 1024
 _CHUNK = 8192  # saved Mamba states: one per prefill chunk end
+_PUT_BATCH = 512  # keys per put while filling the store (a remote store's deadline bounds one call)
 
 
 def k3_configs(store_url: str | None, models_dir: Path, *, num_blocks: int = 8192) -> tuple[Any, Any]:
@@ -179,8 +181,10 @@ def store_prefix(scheme: Any, store: Any, block_hashes: Sequence[bytes], num_tok
     states = sorted({*range(_CHUNK, num_tokens + 1, _CHUNK), num_tokens - num_tokens % unit})
     entries += [(1, b) for b in states if b > 0]
     keys = [scheme.key(g, r, block_hashes[b // unit - 1]) for g, b in entries for r in ranks]
-    statuses = store.put(keys, [b"k3"] * len(keys))
-    assert all(s.is_ok for s in statuses), f"bench put failed: {set(statuses)}"
+    for start in range(0, len(keys), _PUT_BATCH):
+        batch = keys[start : start + _PUT_BATCH]
+        statuses = store.put(batch, [b"k3"] * len(batch))
+        assert all(s.is_ok for s in statuses), f"bench put failed: {set(statuses)}"
     return len(keys)
 
 
@@ -227,13 +231,12 @@ def _drive(
     expected_hits = 0
     if side is not None:
         assert store_url is not None
-        inner = open_store(
-            store_url.split("+", 1)[1].split("?", 1)[0] if store_url.startswith("faulty+") else store_url
-        )
+        inner = open_store(_filler_url(store_url))
         for req, (fam, n, hit) in zip(requests, stream):
             if hit:
                 store_prefix(side.scheme, inner, req.block_hashes, int(n * prefixes.get(fam, 0.75)))
         expected_hits = sum(full_scan_hit(side.scheme, inner, req) for req in requests)
+        inner.close()
     # vLLM's EngineCore freezes its start-up heap (``freeze_gc_heap``) so that collections while serving
     # do not walk it. Without the freeze, one collection here walks every object of the imported vLLM
     # (tens of ms) and the p99 of either configuration measures when the collector happened to run.
@@ -331,6 +334,7 @@ def _summarize(
 def run_scheduler_bench(
     store_urls: Sequence[str],
     *,
+    labels: dict[str, str] | None = None,
     num_requests: int = 24,
     max_tokens: int = 131072,
     per_step: int = 2,
@@ -342,7 +346,8 @@ def run_scheduler_bench(
     """Per round: one run without the connector and one per store URL, in a rotating order (so a noisy
     moment hits every configuration alike); rows give medians over rounds with their spread, and ratios
     against the no-connector run of the same round. ``forward_ms``: the pause between ``schedule()``
-    calls standing in for the forward pass (short = the connector is asked again most often)."""
+    calls standing in for the forward pass (short = the connector is asked again most often).
+    ``labels``: table names for some URLs (e.g. a store behind a delay proxy on a random port)."""
     assert num_rounds >= 1, "num_rounds must be >= 1"
     stream = _stream(num_requests, max_tokens, seed)
     prefixes = {fam: random.Random(seed + fam).choice([0.5, 0.75, 1.0]) for fam, _, _ in stream}
@@ -357,7 +362,8 @@ def run_scheduler_bench(
             by_config[i].append(_drive(url, stream, models_dir, per_step, prefixes, forward_ms / 1e3))
     base = by_config[0]
     rows = [_summarize("(no connector)", base, None)]
-    rows += [_summarize(url, by_config[i + 1], base) for i, url in enumerate(store_urls)]
+    names = labels or {}
+    rows += [_summarize(names.get(url, url), by_config[i + 1], base) for i, url in enumerate(store_urls)]
     return {
         "benchmark": "scheduler",
         "geometry": f"MLA block {K3_BLOCK} x DCP {K3_DCP} + Mamba align block {K3_BLOCK}, hash unit {K3_BLOCK}",
@@ -368,8 +374,20 @@ def run_scheduler_bench(
         "forward_ms": forward_ms,
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "rows": rows,
-        "rounds": {("(no connector)" if c is None else c): by_config[i] for i, c in enumerate(configs)},
+        "rounds": {
+            ("(no connector)" if c is None else names.get(c, c)): by_config[i] for i, c in enumerate(configs)
+        },
     }
+
+
+def _filler_url(url: str) -> str:
+    """The store behind ``url`` without injected faults, and with a long deadline: what fills the store
+    before a run (what a previous request saved) is not what the run measures."""
+    if url.startswith("faulty+"):
+        url = url.split("+", 1)[1].split("?", 1)[0]
+    if url.startswith("mooncake://"):
+        url = re.sub(r"([?&])timeout_ms=\d+", r"\1timeout_ms=60000", url)
+    return url
 
 
 def _fresh_url(url: str) -> str:

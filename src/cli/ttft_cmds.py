@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import uuid
 from pathlib import Path
@@ -107,6 +108,15 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         action="append",
         metavar="URL",
         help="store URL to measure (repeatable; default: faulty+memory://...?delay_ms=5)",
+    )
+    scheduler.add_argument(
+        "--mooncake-delay-ms",
+        type=float,
+        action="append",
+        default=[],
+        metavar="MS",
+        help="also measure a real mooncake_master (and storage node) reached through a delay proxy adding "
+        "MS one way to every master call (repeatable; needs the private namespace: scripts/netns-run)",
     )
     scheduler.add_argument("--requests", type=int, default=24, help="requests in the stream (%(default)s)")
     scheduler.add_argument(
@@ -247,7 +257,7 @@ def handle_lookup(args: argparse.Namespace) -> int:
 
 
 def handle_scheduler(args: argparse.Namespace) -> int:
-    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
+    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
     if (
@@ -262,17 +272,24 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if any(delay < 0 for delay in args.mooncake_delay_ms):
+        print("error: --mooncake-delay-ms must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
     urls = args.stores or [f"faulty+memory://bench-sched-{uuid.uuid4().hex[:8]}?delay_ms=5"]
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
-    report = run_scheduler_bench(
-        urls,
-        num_requests=args.requests,
-        max_tokens=args.max_tokens,
-        per_step=args.per_step,
-        num_rounds=args.rounds,
-        forward_ms=args.forward_ms,
-        models_dir=models_dir,
-    )
+    labels: dict[str, str] = {}
+    with contextlib.ExitStack() as deployments:
+        for delay_ms in args.mooncake_delay_ms:
+            from hybridkv.testing.delayed_mooncake import delayed_mooncake_store
+
+            try:
+                url = deployments.enter_context(delayed_mooncake_store(delay_ms))
+            except RuntimeError as error:
+                print(f"error: --mooncake-delay-ms: {error}", file=sys.stderr)
+                return EXIT_USAGE
+            urls.append(url)
+            labels[url] = f"mooncake (master +{delay_ms:g} ms each way)"
+        report = _run_scheduler(args, urls, labels, models_dir)
     print(
         f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens; "
         f"{report['num_rounds']} interleaved rounds (medians, spread min..max), "
@@ -286,3 +303,20 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)
             status = EXIT_PROBLEM
     return status
+
+
+def _run_scheduler(
+    args: argparse.Namespace, urls: list[str], labels: dict[str, str], models_dir: Path
+) -> dict[str, Any]:
+    from hybridkv.bench.scheduler import run_scheduler_bench
+
+    return run_scheduler_bench(
+        urls,
+        labels=labels,
+        num_requests=args.requests,
+        max_tokens=args.max_tokens,
+        per_step=args.per_step,
+        num_rounds=args.rounds,
+        forward_ms=args.forward_ms,
+        models_dir=models_dir,
+    )
