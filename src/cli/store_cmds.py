@@ -18,8 +18,8 @@ from hybridkv.bench.store import (
     run_store_bench,
 )
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
-from hybridkv.lifecycle.keys import KEY_VERSION
+from hybridkv.connector.identity import parse_manifest_key, read_manifest
+from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.params import format_size, parse_size
 
@@ -123,19 +123,20 @@ def _cell(value: object) -> object:
 
 
 def _deployments(store: Store, keys: list[str]) -> list[dict[str, Any]]:
-    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its key count and its manifest's fields
-    (model, weights identity, dtypes, geometry) when the engine that wrote it left one."""
+    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its number of block entries and its
+    manifest's fields (model, weights identity, dtypes, geometry) when the engine that wrote it left one.
+    Keys that are neither a block entry nor a manifest (another tool's) belong to no deployment."""
     num_keys: dict[tuple[str, str], int] = {}
     manifests: dict[tuple[str, str], str] = {}
     for key in keys:
-        parts = key.split("/", 3)
-        if len(parts) < 4 or parts[0] != KEY_VERSION:
-            continue
-        deployment = (parts[1], parts[2])
-        if parts[3] == MANIFEST_NAME:
-            manifests[deployment] = key
-        else:
+        block = parse_block_key(key)
+        if block is not None:
+            deployment = (block.namespace, block.fingerprint)
             num_keys[deployment] = num_keys.get(deployment, 0) + 1
+            continue
+        manifest_of = parse_manifest_key(key)
+        if manifest_of is not None:
+            manifests[manifest_of] = key
     rows = []
     for deployment in sorted(num_keys.keys() | manifests.keys()):
         record = read_manifest(store, manifests[deployment]) if deployment in manifests else None
