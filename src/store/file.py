@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import overload
 
 import structlog
-from hybridkv.store.base import Status, StoreError, StoreStats
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 
@@ -115,7 +115,7 @@ class FileBackend:
             self._spare.mkdir(mode=0o700, exist_ok=True)
             mode = stat.S_IMODE(directory.stat().st_mode)
             if mode & 0o077:
-                log.warning("store.file.dir_not_private", directory=str(directory), mode=oct(mode))
+                log.warning(StoreLogEvent.FILE_DIR_NOT_PRIVATE, directory=str(directory), mode=oct(mode))
             self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
             self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
@@ -319,7 +319,7 @@ class FileBackend:
             self._set_usage(total, spare_total)
             self.num_evicted += num_evicted
             self._remove_stale_temp_files(now)
-            log.debug("store.file.evicted", url=self.url, num_evicted=num_evicted, num_bytes=total)
+            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
             return True
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
@@ -508,7 +508,9 @@ class FileBackend:
                 expected = sum(part.nbytes for part in frame)
                 if info.st_size != expected:
                     results.append(Status.CORRUPT)
-                    log.warning("store.file.size_mismatch", key=key, size=info.st_size, expected=expected)
+                    log.warning(
+                        StoreLogEvent.FILE_SIZE_MISMATCH, key=key, size=info.st_size, expected=expected
+                    )
                     continue
                 if _read_all(fd, frame) != expected or (verify is not None and not verify(index)):
                     results.append(Status.CORRUPT)
@@ -562,7 +564,7 @@ class FileBackend:
             if key is not None and self._path(key) != str(path):
                 key = None  # a frame of another key under this name: unreadable as this key
             if key is None:
-                log.warning("store.file.unreadable_header", path=str(path))
+                log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
                 if not include_unreadable:
                     continue
             yield path, key
@@ -636,7 +638,7 @@ class FileBackend:
     def _status_of(self, error: OSError, op: str, key: str) -> Status:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             return Status.NO_SPACE
-        log.warning("store.file.io_error", url=self.url, op=op, key=key, error=str(error))
+        log.warning(StoreLogEvent.FILE_IO_ERROR, url=self.url, op=op, key=key, error=str(error))
         return Status.TRANSFER_FAILED
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import structlog
-from hybridkv.store.base import Destination, Status, StoreError, StoreStats, Value, with_extra
+from hybridkv.store.base import Destination, Status, StoreError, StoreLogEvent, StoreStats, Value, with_extra
 from hybridkv.store.frame import ChecksumAlgo, check_frame, encode_header, header_size
 
 log = structlog.get_logger(__name__)
@@ -221,7 +221,7 @@ class FramedStore:
             return True
         with self._lock:
             self._num_corrupt += 1
-        log.warning("store.corrupt_value", url=self.url, key=key, problem=problem)
+        log.warning(StoreLogEvent.CORRUPT_VALUE, url=self.url, key=key, problem=problem)
         return False
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
