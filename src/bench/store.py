@@ -16,10 +16,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from hybridkv.store.base import Status, Store
+from hybridkv.store.base import Status, Store, Value
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
 
@@ -37,6 +37,12 @@ def _buffers(value_size: int, num_values: int, seed: int) -> tuple[list[np.ndarr
     sources = [rng.integers(0, 256, value_size, dtype=np.uint8) for _ in range(num_values)]
     destinations = [np.ones(value_size, dtype=np.uint8) for _ in range(num_values)]  # pre-touched pages
     return sources, destinations
+
+
+def _as_values(arrays: list[np.ndarray]) -> list[Value]:
+    """numpy arrays as store values (and destinations). They are buffers; numpy's stubs declare the buffer
+    protocol only for Python >= 3.12, hence the cast."""
+    return cast("list[Value]", arrays)
 
 
 def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dict[str, float]:
@@ -64,13 +70,13 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
     for round_index in range(max(1, repeats)):
         keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
         start = time.perf_counter()
-        put_statuses = store.put(keys, sources)
+        put_statuses = store.put(keys, _as_values(sources))
         put_elapsed = time.perf_counter() - start
         assert all(s is Status.OK for s in put_statuses), (
             f"{store.url}: bench put failed: {set(put_statuses)}"
         )
         start = time.perf_counter()
-        get_statuses = store.get_into(keys, destinations)
+        get_statuses = store.get_into(keys, _as_values(destinations))
         get_elapsed = time.perf_counter() - start
         assert all(s is Status.OK for s in get_statuses), (
             f"{store.url}: bench get failed: {set(get_statuses)}"

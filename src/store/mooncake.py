@@ -225,7 +225,7 @@ class MooncakeBackend:
         self,
         op: str,
         keys: Sequence[str],
-        codes: list[int] | list[Status],
+        codes: Sequence[int | Status],
         classify: Callable[[int, str, int], Status | None],
     ) -> list[Status]:
         """One status per key: breaker/deadline statuses as they are, else ``classify(index, key, code)``;
