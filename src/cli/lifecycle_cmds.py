@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 
@@ -62,8 +63,7 @@ def register(
     )
     bench.add_argument("--iterations", type=int, default=5000)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--out", default="bench-results/lifecycle.json")
-    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG next to the JSON")
+    add_report_arguments(bench, "bench-results/lifecycle.json")
     bench.set_defaults(func=_bench)
 
 

@@ -17,6 +17,7 @@ from hybridkv.bench.store import (
     default_store_urls,
     run_store_bench,
 )
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.connector.identity import parse_manifest_key, read_manifest
 from hybridkv.lifecycle.keys import parse_block_key
@@ -70,8 +71,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     bench.add_argument(
         "--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)"
     )
-    bench.add_argument("--out", default="bench-results/store.json", help="JSON report path (%(default)s)")
-    bench.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(bench, "bench-results/store.json")
     bench.set_defaults(func=handle_bench)
 
 
