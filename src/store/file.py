@@ -130,8 +130,9 @@ class FileBackend:
 
     # -- paths -------------------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
-        # str, not Path: this is on every call's hot path.
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key``'s frame (whether or not it exists); for inspection and fault tests.
+        A str, not a Path: this is on every call's hot path."""
         digest = key_digest(key).hex()
         return f"{self._objects_str}/{digest[:2]}/{digest}{_SUFFIX}"
 
@@ -339,7 +340,7 @@ class FileBackend:
         results: list[Status] = []
         now = time.time()
         for key in keys:
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 info = os.stat(path)
             except FileNotFoundError:
@@ -364,7 +365,7 @@ class FileBackend:
         sizes = [sum(part.nbytes for part in frame) for frame in frames]
         num_new_bytes = 0
         for key, size in zip(keys, sizes):
-            path = self._path(key)
+            path = self.path_of(key)
             if os.path.exists(path):  # insert-if-absent; the link in _publish settles races
                 results.append(Status.OK)
                 paths.append(None)
@@ -494,7 +495,7 @@ class FileBackend:
         results: list[Status] = []
         now = time.time()
         for index, (key, frame) in enumerate(zip(keys, frames)):
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 opened = self._open_published(path)
             except OSError as error:
@@ -526,7 +527,7 @@ class FileBackend:
     def remove(self, keys: Sequence[str]) -> list[Status]:
         results: list[Status] = []
         for key in keys:
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 removed = self._retire(path, os.stat(path).st_size)
             except FileNotFoundError:
@@ -561,7 +562,7 @@ class FileBackend:
             finally:
                 os.close(fd)
             key = key_from_header(head)
-            if key is not None and self._path(key) != str(path):
+            if key is not None and self.path_of(key) != str(path):
                 key = None  # a frame of another key under this name: unreadable as this key
             if key is None:
                 log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
