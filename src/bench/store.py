@@ -16,9 +16,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.store.base import Status, Store, Value
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
@@ -174,3 +176,40 @@ def run_store_bench(
         "rows": rows,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+#: The columns ``hybridkv bench store`` prints, in order.
+TABLE_COLUMNS = [
+    "store",
+    "value_size_text",
+    "num_values",
+    "put_gbps",
+    "get_gbps",
+    "memcpy_gbps",
+    "put_ratio",
+    "get_ratio",
+    "exists_p50_us",
+    "exists_p99_us",
+]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
+    positions = range(len(rows))
+    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
+    axes.bar(
+        [p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy"
+    )
+    axes.bar(
+        [p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy"
+    )
+    axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
+    axes.set_xticks(list(positions), labels, fontsize=7)
+    axes.set_ylabel("throughput / memcpy")
+    axes.legend()
+    return save_figure(figure, path)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
@@ -974,7 +974,4 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
     axes.set_xticks(positions, labels, fontsize=7)
     axes.set_ylabel(f"TTFT ms ({report['prompt_tokens']} tokens)")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

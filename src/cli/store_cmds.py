@@ -6,15 +6,16 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.bench.report import format_table, save_report
 from hybridkv.bench.store import (
     DEFAULT_BYTES_PER_ROUND,
     DEFAULT_VALUE_SIZES,
+    TABLE_COLUMNS,
     bench_scratch_dir,
     default_store_urls,
+    plot_report,
     run_store_bench,
 )
 from hybridkv.cli import add_report_arguments
@@ -177,20 +178,6 @@ def handle_clear(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_TABLE_COLUMNS = [
-    "store",
-    "value_size_text",
-    "num_values",
-    "put_gbps",
-    "get_gbps",
-    "memcpy_gbps",
-    "put_ratio",
-    "get_ratio",
-    "exists_p50_us",
-    "exists_p99_us",
-]
-
-
 def handle_bench(args: argparse.Namespace) -> int:
     try:
         sizes = [parse_size(text, what="value size") for text in args.sizes.split(",") if text.strip()]
@@ -212,31 +199,6 @@ def handle_bench(args: argparse.Namespace) -> int:
     except AssertionError as error:  # a store returned a failure or wrong bytes during the bench
         print(f"problem: {error}", file=sys.stderr)
         return EXIT_PROBLEM
-    print(format_table(report["rows"], _TABLE_COLUMNS))
-    save_report(report, args.out, _plot, no_plot=args.no_plot)
+    print(format_table(report["rows"], TABLE_COLUMNS))
+    save_report(report, args.out, plot_report, no_plot=args.no_plot)
     return EXIT_OK
-
-
-def _plot(report: dict[str, Any], path: Path) -> Path | None:
-    """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    rows = report["rows"]
-    labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
-    positions = range(len(rows))
-    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
-    axes.bar(
-        [p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy"
-    )
-    axes.bar(
-        [p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy"
-    )
-    axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
-    axes.set_xticks(list(positions), labels, fontsize=7)
-    axes.set_ylabel("throughput / memcpy")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
