@@ -45,15 +45,14 @@ def test_every_stat_is_documented() -> None:
 def test_metrics_doc_matches_the_exported_series() -> None:
     """Build the connector's Prometheus metrics on a private registry and compare with the docs table."""
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
     from hybridkv.connector import stats
+    from hybridkv.testing.cluster import make_vllm_objs
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     registry = CollectorRegistry()
     metric_types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     prom = stats.build_prom(
-        SimpleNamespace(kv_transfer_config=None),
+        make_vllm_objs()["vc"],
         metric_types,
         ["model_name", "engine"],
         {0: ["doc-model", "0"]},
