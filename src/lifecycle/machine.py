@@ -152,8 +152,9 @@ DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
     "put_failed": ("num_stored_blocks", "num_blocks"),
     "drop": ("reason",),
 }
-
-
+assert DETAIL_FIELDS.keys() <= {spec.trigger for spec in TRANSITIONS}, (
+    f"DETAIL_FIELDS names triggers TRANSITIONS lacks: {DETAIL_FIELDS.keys() - {s.trigger for s in TRANSITIONS}}"
+)
 _DETAIL_FIELD_SETS = {trigger: frozenset(fields) for trigger, fields in DETAIL_FIELDS.items()}
 
 
