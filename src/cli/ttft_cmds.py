@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import format_cell, format_table, save_report
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.testing.tiny_models import FAMILIES
 
@@ -67,8 +68,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         default=None,
         help="where models are built (default: $HYBRIDKV_TEST_MODELS or /tmp/hybridkv-test-models)",
     )
-    ttft.add_argument("--out", default="bench-results/ttft.json", help="JSON report path (%(default)s)")
-    ttft.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(ttft, "bench-results/ttft.json")
     ttft.set_defaults(func=handle_ttft)
 
     lookup = bench_subparsers.add_parser(
@@ -91,8 +91,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     )
     lookup.add_argument("--iterations", type=int, default=300, help="timed calls per measure (%(default)s)")
     lookup.add_argument("--models-dir", default=None, help="where the tiny model for vLLM's config is built")
-    lookup.add_argument("--out", default="bench-results/lookup.json", help="JSON report path (%(default)s)")
-    lookup.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(lookup, "bench-results/lookup.json")
     lookup.set_defaults(func=handle_lookup)
 
     scheduler = bench_subparsers.add_parser(
@@ -133,9 +132,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     scheduler.add_argument(
         "--models-dir", default=None, help="where the tiny model for vLLM's config is built"
     )
-    scheduler.add_argument(
-        "--out", default="bench-results/scheduler.json", help="JSON report path (%(default)s)"
-    )
+    add_report_arguments(scheduler, "bench-results/scheduler.json", plot=False)
     scheduler.set_defaults(func=handle_scheduler)
 
 

@@ -129,6 +129,13 @@ def test_late_put_keeps_the_save_job_and_its_pins_until_it_returned(vllm_objs: d
         ws.shutdown()
 
 
+def _save_of(scheme: Any, job_id: int, block_hash: bytes) -> HybridStoreMetadata:
+    """A save job of the page in block 3 of group 0, keyed by ``block_hash``."""
+    return HybridStoreMetadata(
+        scheme=scheme, saves=[SaveJob(job_id, "s", (BlockRef(0, 0, 0, 3, block_hash, 32),))]
+    )
+
+
 def test_suspend_refuses_while_a_late_call_owns_kv_memory(vllm_objs: dict[str, Any]) -> None:
     name = f"late-{uuid.uuid4().hex[:8]}"
     ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}")
@@ -139,10 +146,21 @@ def test_suspend_refuses_while_a_late_call_owns_kv_memory(vllm_objs: dict[str, A
         )
         time.sleep(0.05)  # the get has answered TIMEOUT; its write is still to come
         assert not ws.suspend(timeout=0.05), "sleep allowed while a late get may still write KV memory"
-        assert not ws._suspended  # refused: the worker stays awake and keeps serving
+        # Refused: the worker stays awake and keeps serving (a save is admitted and written) ...
+        ws.enqueue_saves(_save_of(scheme, 1, b"\x02" * 32))
         assert ws.suspend(timeout=5.0)
-        assert ws._suspended
+        # ... asleep, nothing reads the released KV memory (a save is dropped at once) ...
+        ws.enqueue_saves(_save_of(scheme, 2, b"\x03" * 32))
+        wm = ws.worker_meta()
+        entry = EntryId(0, 0, 0, 32)
+        assert wm is not None and wm.saves[1] == [SaveResult(entry, SaveOutcome.OK)], wm
+        assert wm.saves[2] == [SaveResult(entry, SaveOutcome.DROPPED)], "a save ran while asleep"
+        # ... and serving again after the wake-up.
         ws.resume()
+        ws.enqueue_saves(_save_of(scheme, 3, b"\x04" * 32))
+        assert ws.flush(5.0)
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves[3] == [SaveResult(entry, SaveOutcome.OK)], wm
     finally:
         ws.shutdown()
 
