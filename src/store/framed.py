@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, cast
+from typing import Protocol, Self, cast
 
 import structlog
 from hybridkv.store.base import Destination, Status, StoreError, StoreLogEvent, StoreStats, Value, with_extra
@@ -252,7 +252,7 @@ class FramedStore:
         self._closed = True
         self._backend.close()
 
-    def __enter__(self) -> FramedStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -185,11 +185,10 @@ class MooncakeBackend:
         admission = self._breaker.before_call()
         if admission is Admission.REJECT:
             return [Status.TRANSFER_FAILED] * num_keys
-        if admission is Admission.PROBE:
-            # The probe: a dead master shows in health_check instantly (a hung one does not).
-            if self._store.health_check() == 2:
-                self._breaker.on_failure()
-                return [Status.TRANSFER_FAILED] * num_keys
+        # The probe: a dead master shows in health_check instantly (a hung one does not).
+        if admission is Admission.PROBE and self._store.health_check() == 2:
+            self._breaker.on_failure()
+            return [Status.TRANSFER_FAILED] * num_keys
         try:
             if self.timeout_ms > 0:
                 codes = self._runner.run(call, self.timeout_ms / 1000.0)

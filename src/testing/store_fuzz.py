@@ -104,11 +104,10 @@ def make_store_machine(
 
         def _record_put(self, key: str, value: bytes, status: Status) -> None:
             if status is Status.OK:
-                if key in self.certain and not allows_eviction:
-                    # Insert-if-absent: the old value stays. If the store were to overwrite, the next
-                    # read returns bytes not in `possible` and fails.
-                    if value not in self.possible[key]:
-                        return
+                # Insert-if-absent: the old value stays. If the store were to overwrite, the next read
+                # returns bytes not in `possible` and fails.
+                if key in self.certain and not allows_eviction and value not in self.possible[key]:
+                    return
                 self.possible.setdefault(key, set()).add(value)
                 self.certain.add(key)
             elif status is Status.NO_SPACE:
