@@ -19,9 +19,9 @@ torch + numpy only, so it runs on a bare GPU host::
 Every case is set up (and warmed up once) first; then ``--repeats`` rounds each time every measure of every
 case once, interleaved, so that a slow moment of the host or the bus lands on all configurations alike.
 GB/s are 1e9 bytes per second, the median of the rounds, with the spread (min-max); a ratio is the median
-of the rounds' paired ratios (ours / the contiguous copy timed right after it). Like the worker, all cases
-share one :class:`StagingContext`. The report (JSON, every round's GB/s included) lands in ``--out`` (a
-directory, or a path ending in ``.json``).
+of the rounds' paired ratios (ours / the contiguous copy timed right after it). On CUDA each batch size has
+its own :class:`StagingContext` with a slab it fills, as a full PUT wave fills the worker's. The report
+(JSON, every round's GB/s included) lands in ``--out`` (a directory, or a path ending in ``.json``).
 """
 
 from __future__ import annotations
@@ -289,12 +289,15 @@ def run_bench(
     stage_bytes: int = DEFAULT_STAGE_BYTES,
     per_page: bool = True,
     seed: int = 0,
+    shared_slab: bool = False,
 ) -> dict[str, Any]:
     """Measure every (geometry, batch); returns the JSON report (``rows`` plus environment).
 
     ``repeats`` rounds; each round times every measure of every case once, in order, so that a slow
-    moment of the host or the bus lands on all configurations alike. ``device="auto"``: CUDA when
-    available, else the CPU."""
+    moment of the host or the bus lands on all configurations alike. CUDA: each batch size gets a staging
+    context whose slab it fills, as a full PUT wave fills the worker's; ``shared_slab`` instead gives all
+    cases one context sized for the largest batch (smaller batches then pay one PCIe copy per layer
+    tensor rather than per staging chunk). ``device="auto"``: CUDA when available, else the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -306,11 +309,27 @@ def run_bench(
     torch.manual_seed(seed)
     num_blocks = max(2 * max(batches), 64) + 16
     caches = {name: build_layers(GEOMETRIES[name], num_blocks, dev) for name in geometries}
-    staging = None
-    if dev.type == "cuda":  # one per device, like the worker's; its one slab holds the largest batch
-        slab = max(max(batches) * _flat_bytes(c) + 256 * len(flatten_layers(c)) for c in caches.values())
-        staging = StagingContext(dev, PinnedPool(slab, slab, pin=True), stage_bytes=stage_bytes)
-    movers = {name: BlockMover(c, staging=staging) for name, c in caches.items()}  # before any transfer
+    contexts: list[StagingContext] = []
+
+    def context(slab: int) -> StagingContext | None:
+        if dev.type != "cuda":
+            return None
+        contexts.append(StagingContext(dev, PinnedPool(slab, slab, pin=True), stage_bytes=stage_bytes))
+        return contexts[-1]
+
+    def slab_for(layers: list[Any], num_blocks_per_slab: int) -> int:
+        return num_blocks_per_slab * _flat_bytes(layers) + 256 * len(flatten_layers(layers))
+
+    # Built before any transfer (staging sizes settle when movers are built).
+    if shared_slab:  # one context whose one slab holds the largest batch: smaller batches leave it part-full
+        shared = context(max(slab_for(c, max(batches)) for c in caches.values()))
+        movers = {(name, b): BlockMover(caches[name], staging=shared) for name in geometries for b in batches}
+    else:  # per (geometry, batch size), a slab the batch fills, like the worker's slab and a full PUT wave
+        movers = {
+            (name, b): BlockMover(caches[name], staging=context(slab_for(caches[name], b)))
+            for name in geometries
+            for b in batches
+        }
     max_nbytes = max(batches) * max(m.block_nbytes for m in movers.values())
     buffers = Buffers(
         np.empty(max_nbytes, dtype=np.uint8),
@@ -322,7 +341,7 @@ def run_bench(
         make_case(
             GEOMETRIES[name],
             caches[name],
-            movers[name],
+            movers[name, batch],
             num_blocks,
             batch,
             dev,
@@ -340,8 +359,8 @@ def run_bench(
     rows = [summarize(case) for case in cases]
     for row in rows:
         print(_fmt_row(row), file=sys.stderr, flush=True)
-    if staging is not None:
-        staging.close()
+    for ctx in contexts:
+        ctx.close()
     del caches, movers, buffers
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -353,6 +372,7 @@ def run_bench(
         "cpu_count": os.cpu_count(),
         "stage_bytes": stage_bytes,
         "repeats": repeats,
+        "shared_slab": shared_slab,
         "statistic": "median of the rounds, spread min-max; ratios paired per round",
     }
     if dev.type == "cuda":

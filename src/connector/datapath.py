@@ -28,26 +28,25 @@ Two paths, chosen by where the caches live:
 Why ``index_select`` into a staging buffer rather than one copy per (block, layer): per-page copies cost a
 launch each (32 layers x 256 blocks = 8192 ``cudaMemcpyAsync``), while the device-side gather runs at HBM
 speed (256 blocks x 64 KiB: ``index_select`` 1.1 TB/s, ``index_copy_`` 1.4 TB/s) and leaves a few large
-PCIe copies. Measured on one H200 (torch 2.11/CUDA 13, ``hybridkv bench datapath --repeats 9``, 32 MiB
-staging per direction, scattered block ids; median of 9 interleaved rounds of ours / one contiguous pinned
-copy of the same bytes timed next to it, min-max in brackets; the copy itself ran at 51-55 GB/s):
+PCIe copies. Measured on H200 machines (torch 2.11/CUDA 13, ``hybridkv bench datapath --repeats 9``, 32 MiB
+staging per direction, scattered block ids; ours / one contiguous pinned copy of the same bytes timed next
+to it, medians of 9 interleaved rounds, range over 6 sessions; the copy itself ran at 51-55 GB/s):
 
-==================================  ====================  ====================  ==================
-batch                               gather (D2H) / copy   scatter (H2D) / copy  per-page D2H GB/s
-==================================  ====================  ====================  ==================
-attn 32 layers x 64 KiB, 16 blocks  0.45 [0.42-0.48]      0.57 [0.56-0.60]      6.1
-attn, 32 blocks                     0.75 [0.74-0.77]      0.79 [0.78-0.80]      6.1
-attn, 64 blocks                     0.88 [0.87-0.89]      0.88 [0.85-0.89]      6.1
-attn, 256 blocks                    0.96 [0.95-0.96]      0.94 [0.93-0.94]      6.3
-Mamba 4 x 1 MiB (strided conv), 16  0.75 [0.73-0.76]      0.86 [0.85-0.87]      29
-Mamba, 64 blocks                    0.95 [0.94-0.95]      0.95 [0.95-0.96]      30
-Mamba, 256 blocks                   0.98 [0.98-0.98]      0.97 [0.97-0.98]      30
-==================================  ====================  ====================  ==================
+==================================  ====================  ====================
+batch                               gather (D2H) / copy   scatter (H2D) / copy
+==================================  ====================  ====================
+attn 32 layers x 64 KiB, 16 blocks  0.31-0.48             0.33-0.62
+attn, 64 blocks                     0.78-0.88             0.81-0.88
+attn, 256 blocks                    0.92-0.96             0.89-0.94
+Mamba 4 x 1 MiB (strided conv), 16  0.65-0.75             0.73-0.86
+Mamba, 64 blocks                    0.90-0.95             0.89-0.95
+Mamba, 256 blocks                   0.96-0.98             0.94-0.97
+==================================  ====================  ====================
 
-What is left is host time before the first copy can start and after the last one ends: the host
-enqueues one ``index_select`` per layer tensor per chunk (tens of microseconds each), so a batch of many
-small pages (32 layers, few blocks) spends a few hundred microseconds before PCIe is busy, which a 64 MiB
-batch (1.2 ms of PCIe) feels and a 512 MiB batch does not.
+One copy per page ran at 3-6 GB/s for attention pages. What is left is host time: the host enqueues one
+``index_select`` / ``index_copy_`` per layer tensor per chunk (tens of microseconds each), which for 64
+attention blocks (4 layers per 16 MiB chunk) is about as long as the bus takes to move the chunk, so the
+result follows the host's speed; the bus also waits while the first chunk is packed.
 
 Fences. On CUDA the forward runs asynchronously: when ``wait_for_save`` returns on the host, the kernels
 that write this step's blocks may still be queued. :meth:`StagingContext.fence` records an event on the
@@ -74,6 +73,9 @@ import torch
 Fence: TypeAlias = "torch.cuda.Event | None"
 
 _ALIGN = 256  # every per-layer segment of a slab (and of the device staging buffer) starts on this boundary
+
+#: Batch sizes whose chunk plans and staging views a mover keeps (past that it starts over).
+_MAX_CACHED_BATCH_SIZES = 64
 
 #: Default device staging bytes of each direction: two buffers, each one chunk (half of it).
 DEFAULT_STAGE_BYTES = 32 << 20
@@ -324,6 +326,15 @@ class _Chunk:
     copies: tuple[_Copy, ...]  # one per run of pieces that are contiguous in the slab (padding included)
 
 
+@dataclass(frozen=True)
+class _ChunkViews:
+    """A chunk's tensors in the staging buffer it uses: per piece (the tensor it packs from or unpacks
+    into, the piece, its rows in the buffer), per copy (the copy, its bytes in the buffer)."""
+
+    pieces: tuple[tuple[torch.Tensor, _Piece, torch.Tensor], ...]
+    copies: tuple[tuple[_Copy, torch.Tensor], ...]
+
+
 class StagedBlocks:
     """Host bytes of a batch of blocks, as store parts; release (or use as a context manager) when done.
 
@@ -445,6 +456,7 @@ class BlockMover:
             self.max_blocks = sys.maxsize
             self._segments = []
         self._plans: dict[int, list[_Chunk]] = {}  # batch size -> its chunks
+        self._views: dict[tuple[int, int], list[_ChunkViews]] = {}  # (batch size, staging address) -> ...
         self._slab_rows: dict[int, tuple[weakref.ref[torch.Tensor], list[list[np.ndarray]]]] = {}
 
     @property
@@ -588,6 +600,8 @@ class BlockMover:
         plan = self._plans.get(n)
         if plan is not None:
             return plan
+        if len(self._plans) >= _MAX_CACHED_BATCH_SIZES:
+            self._plans.clear()
         assert self.staging is not None
         cap = self.staging.chunk_bytes
         plan = []
@@ -645,6 +659,30 @@ class BlockMover:
                     continue
         return t
 
+    def _chunk_views(self, lane: _Lane, n: int) -> list[_ChunkViews]:
+        """Per chunk of :meth:`_plan`, its views into the lane's staging buffer ``i % 2``.
+
+        Cached per (batch size, staging buffer): slicing and re-viewing the buffer per piece per transfer
+        was half of the host's enqueue work, and the host's enqueueing is what a batch of many small
+        pages waits for. The cached views keep the staging memory alive, so its address stays a valid key.
+        """
+        key = (n, lane.buffers[0].data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_CACHED_BATCH_SIZES:
+                self._views.clear()
+            views = []
+            for i, chunk in enumerate(self._plan(n)):
+                buf = lane.buffers[i % 2]
+                views.append(
+                    _ChunkViews(
+                        tuple((self._packed[p.tensor], p, self._stage_view(buf, p)) for p in chunk.pieces),
+                        tuple((c, buf[c.stage : c.stage + c.nbytes]) for c in chunk.copies),
+                    )
+                )
+            self._views[key] = views
+        return views
+
     def _stage_view(self, stage: torch.Tensor, p: _Piece) -> torch.Tensor:
         """Piece ``p``'s rows in ``stage``, shaped like :meth:`_pack_view` of its tensor."""
         t = self._packed[p.tensor]
@@ -673,19 +711,16 @@ class BlockMover:
         with self.staging._lane("save", after) as lane:
             idx = self._index(block_ids)
             copied: list[Fence] = [None, None]  # per buffer: its last copy to the host has read it
-            for i, chunk in enumerate(self._plan(n)):
-                stage = lane.buffers[i % 2]
+            for i, views in enumerate(self._chunk_views(lane, n)):
                 _wait(lane.kernel, copied[i % 2])
-                for p in chunk.pieces:
-                    out = self._stage_view(stage, p)
-                    torch.index_select(self._packed[p.tensor], 0, idx[p.r0 : p.r1], out=out)
+                for t, p, out in views.pieces:
+                    rows = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
+                    torch.index_select(t, 0, rows, out=out)
                 packed = _record(lane.kernel)
                 with lane.copying():
                     _wait(lane.copy, packed)
-                    for c in chunk.copies:
-                        slab[c.host : c.host + c.nbytes].copy_(
-                            stage[c.stage : c.stage + c.nbytes], non_blocking=True
-                        )
+                    for c, staged in views.copies:
+                        slab[c.host : c.host + c.nbytes].copy_(staged, non_blocking=True)
                     copied[i % 2] = _record(lane.copy)
             parts = self._slab_parts(slab, n)
         self.staging._finish("save")
@@ -709,19 +744,15 @@ class BlockMover:
         with self.staging._lane("load", sb._after) as lane:
             idx = self._index(sb.block_ids)
             unpacked: list[Fence] = [None, None]  # per buffer: its last unpacking has read it
-            for i, chunk in enumerate(self._plan(n)):
-                stage = lane.buffers[i % 2]
+            for i, views in enumerate(self._chunk_views(lane, n)):
                 with lane.copying():
                     _wait(lane.copy, unpacked[i % 2])
-                    for c in chunk.copies:
-                        stage[c.stage : c.stage + c.nbytes].copy_(
-                            sb._slab[c.host : c.host + c.nbytes], non_blocking=True
-                        )
+                    for c, staged in views.copies:
+                        staged.copy_(sb._slab[c.host : c.host + c.nbytes], non_blocking=True)
                     landed = _record(lane.copy)
                 _wait(lane.kernel, landed)
-                for p in chunk.pieces:
-                    src = self._stage_view(stage, p)
-                    dst_idx = idx[p.r0 : p.r1]
+                for t, p, src in views.pieces:
+                    dst_idx = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
                     if len(kept) != n:  # skip the blocks the store did not fill
                         local = [r - p.r0 for r in kept if p.r0 <= r < p.r1]
                         if not local:
@@ -729,6 +760,6 @@ class BlockMover:
                         if len(local) < p.r1 - p.r0:
                             sel = self._index(local)
                             src, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
-                    self._packed[p.tensor].index_copy_(0, dst_idx, src)
+                    t.index_copy_(0, dst_idx, src)
                 unpacked[i % 2] = _record(lane.kernel)
         self.staging._finish("load")
