@@ -205,7 +205,18 @@ class WorkerSide:
             th.start()
 
     # ------------------------------------------------------------------ layout
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        staging: StagingContext | None = None,
+    ) -> None:
+        """Bind the engine's KV tensors (vLLM's ``register_kv_caches``).
+
+        ``staging``: route every transfer through these slabs (the staged path CUDA caches take) even
+        for host caches; None: CUDA caches get pinned slabs sized from ``put_wave_bytes``, host caches
+        are read and written in place.
+        """
         try:
             self.tp_rank, self.dcp_rank = _ranks()
         except Exception:  # noqa: BLE001 -- parallel state not initialized (unit tests): rank 0
@@ -231,7 +242,9 @@ class WorkerSide:
             per_group[g.sgid] = per_layer
         assert len(devices) <= 1, f"KV caches on several devices: {sorted(map(str, devices))}"
         device = next(iter(devices)) if devices else torch.device("cpu")
-        if device.type == "cuda":
+        if staging is not None:
+            self._staging = staging
+        elif device.type == "cuda":
             block_max = max(
                 sum(int(x[0].numel()) * x.element_size() for layer in pl for x in layer)
                 for pl in per_group.values()
