@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.store.breaker import Admission, CircuitBreaker
 
@@ -203,7 +204,7 @@ class LookupService:
             )
         except Exception as exc:  # noqa: BLE001 -- a store error is a miss for these lookups, never a crash
             self.breaker.on_failure()
-            log.warning("hybridkv lookup round failed", error=repr(exc), num_keys=len(keys))
+            log.warning(ConnectorLogEvent.LOOKUP_ROUND_FAILED, error=repr(exc), num_keys=len(keys))
             for task, _ in batch:
                 self._finish(task, f"store error: {exc!r}")
             return

@@ -51,6 +51,7 @@ import structlog
 import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -255,7 +256,7 @@ class WorkerSide:
             self._staging = StagingContext(device, PinnedPool(slab, _STAGING_SLABS * slab, pin=True))
         self._movers = {sgid: BlockMover(pl, staging=self._staging) for sgid, pl in per_group.items()}
         log.info(
-            "hybridkv worker geometry",
+            ConnectorLogEvent.WORKER_GEOMETRY,
             tp_rank=self.tp_rank,
             dcp_rank=self.dcp_rank,
             store=self.store.url,
@@ -357,7 +358,7 @@ class WorkerSide:
             try:
                 ok, results = self._load_job(scheme, job, fence, owned)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
-                log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
+                log.warning(ConnectorLogEvent.LOAD_RAISED, request_id=job.req_id, error=repr(exc))
                 ok = False
                 results = self._load_results(job, LoadOutcome.TRANSPORT_ERROR)
             self.stats.add("load_job_seconds", time.perf_counter() - started)
@@ -518,7 +519,7 @@ class WorkerSide:
             try:
                 results = self._put_job(scheme, job, fence, owned, snapshots)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
-                log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
+                log.warning(ConnectorLogEvent.SAVE_RAISED, request_id=job.req_id, error=repr(exc))
                 results = self._save_results(job, SaveOutcome.TRANSPORT_ERROR)
             if owned.calls:
                 # A late put still reads the source pages (host) or its slab (CUDA): the job's pins, slabs
