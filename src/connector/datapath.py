@@ -366,6 +366,11 @@ class StagedBlocks:
         self._released = False
 
     @property
+    def slab(self) -> torch.Tensor | None:
+        """The pooled host slab the parts live in (staged path), or None (direct path, or released)."""
+        return self._slab
+
+    @property
     def nbytes(self) -> int:
         return len(self.block_ids) * self._mover.block_nbytes
 
@@ -589,7 +594,7 @@ class BlockMover:
             self._slab_rows[id(slab)] = hit = (weakref.ref(slab), rows)
         return [list(pages) for pages in zip(*(r[:n] for r in hit[1]), strict=True)] if n else []
 
-    def _plan(self, n: int) -> list[_Chunk]:
+    def plan(self, n: int) -> list[_Chunk]:
         """A batch of ``n`` blocks as staging-sized chunks, in slab order (cached per ``n``).
 
         A piece is as many rows of one tensor as fit; a chunk is as many pieces as fit in one staging
@@ -672,7 +677,7 @@ class BlockMover:
             if len(self._views) >= _MAX_CACHED_BATCH_SIZES:
                 self._views.clear()
             views = []
-            for i, chunk in enumerate(self._plan(n)):
+            for i, chunk in enumerate(self.plan(n)):
                 buf = lane.buffers[i % 2]
                 views.append(
                     _ChunkViews(

@@ -186,7 +186,7 @@ def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
     assert staging.pool.pin
     sb = mover.gather([1])
     assert sb is not None
-    assert sb._slab is not None and sb._slab.is_pinned()
+    assert sb.slab is not None and sb.slab.is_pinned()
     sb.release()
     _round_trip(layers, mover, f"file://{tmp_path}/store")
     with pytest.raises(ValueError, match="StagingContext"):
@@ -248,7 +248,7 @@ def test_staged_batches_of_every_size_share_one_slab_layout(device: str, stage: 
     assert mover.max_blocks >= 4
     cap = staging.chunk_bytes
     for n in sorted({1, 2, mover.max_blocks - 1, mover.max_blocks}):
-        plan = mover._plan(n)
+        plan = mover.plan(n)
         tiled = [(p.tensor, r) for c in plan for p in c.pieces for r in range(p.r0, p.r1)]
         assert sorted(tiled) == [(k, r) for k in range(len(mover.tensors)) for r in range(n)]
         for chunk in plan:
@@ -278,7 +278,7 @@ def test_staged_batches_of_every_size_share_one_slab_layout(device: str, stage: 
         tgt.commit()
         assert [_block_bytes(layers, b) for b in dst] == want
     if stage == 1 << 20:  # a full slab is one contiguous run: one copy moves it
-        assert [len(c.copies) for c in mover._plan(mover.max_blocks)] == [1]
+        assert [len(c.copies) for c in mover.plan(mover.max_blocks)] == [1]
     first = mover.gather([1, 2])
     assert first is not None
     first.release()
