@@ -158,7 +158,13 @@ class LookupService:
                 for task in active:
                     task.cancelled = True
                 return
-            self._round(active)
+            try:
+                self._round(active)
+            except Exception as exc:  # a bug in one round must not end every later lookup
+                log.exception(ConnectorLogEvent.LOOKUP_ROUND_FAILED, error=repr(exc), num_tasks=len(active))
+                for task in active:
+                    if not task.done:
+                        self._finish(task, f"lookup worker error: {exc!r}")
             num_before = len(active)
             active[:] = [task for task in active if not task.done]
             if len(active) != num_before:
