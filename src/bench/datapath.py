@@ -8,15 +8,20 @@ torch + numpy only, so it runs on a bare GPU host::
 (or ``hybridkv bench datapath``). For each KV geometry and batch size it measures, in the same run:
 
 - ``gather``: :meth:`BlockMover.gather` of a batch of scattered block ids (all layers) into host parts --
-  CUDA: device -> pinned slab via ``index_select`` packing + one copy per staging chunk, synchronized;
-  CPU: the zero-copy views, then one ``np.copyto`` per part into a host buffer (what a store does).
+  CUDA: device -> pinned slab via ``index_select`` packing into a staging buffer, pipelined with one
+  copy per staging chunk, synchronized; CPU: the zero-copy views, then one ``np.copyto`` per part into a
+  host buffer (what a store does).
 - ``scatter``: :meth:`BlockMover.scatter_targets` + ``commit`` (CUDA: pinned slab -> device blocks).
 - the baselines: one contiguous ``copy_`` of the same number of bytes device -> pinned host and back
   (CPU: one ``np.copyto``), and (CUDA) the naive alternative to our packing, one ``copy_`` per
   (block, layer) page straight into the pinned slab.
 
-GB/s are 1e9 bytes per second of the best of ``--repeats`` timed runs (after one warm-up). The report
-(JSON) lands in ``--out`` (a directory, or a path ending in ``.json``).
+Every case is set up (and warmed up once) first; then ``--repeats`` rounds each time every measure of every
+case once, interleaved, so that a slow moment of the host or the bus lands on all configurations alike.
+GB/s are 1e9 bytes per second, the median of the rounds, with the spread (min-max); a ratio is the median
+of the rounds' paired ratios (ours / the contiguous copy timed right after it). On CUDA each batch size has
+its own :class:`StagingContext` with a slab it fills, as a full PUT wave fills the worker's. The report
+(JSON, every round's GB/s included) lands in ``--out`` (a directory, or a path ending in ``.json``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -96,16 +102,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up (also allocates lazily created slabs / staging buffers)
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn``, device work included (synchronized before and after)."""
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -139,33 +142,53 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def _ctx(device: torch.device, slab: int, stage_bytes: int) -> StagingContext:
-    return StagingContext(device, PinnedPool(slab, slab, pin=device.type == "cuda"), stage_bytes=stage_bytes)
+#: What each case times, in the order of one round: ours next to its baseline, so that each round gives a
+#: paired ratio. ``per_page_gather`` (CUDA only): one copy per (block, layer page) into the pinned buffer.
+MEASURES = ("gather", "d2h_copy", "scatter", "h2d_copy", "per_page_gather")
+RATIOS = {"gather_ratio": ("gather", "d2h_copy"), "scatter_ratio": ("scatter", "h2d_copy")}
 
 
-def bench_case(
+@dataclass
+class Case:
+    """One (geometry, batch): its closures to time and the seconds measured so far, per measure."""
+
+    geometry: str
+    batch: int
+    nbytes: int
+    block_nbytes: int
+    verified: bool
+    timers: dict[str, Callable[[], object]]
+    seconds: dict[str, list[float]]
+
+
+@dataclass
+class Buffers:
+    """Baseline buffers shared by every case (each uses a prefix): the largest batch's bytes."""
+
+    sink: np.ndarray  # what the store's side of a copy reads into / writes from (host)
+    source: np.ndarray | None  # CPU: the baseline copy's source
+    host: torch.Tensor | None  # CUDA: pinned
+    dev: torch.Tensor | None  # CUDA: device
+
+
+def make_case(
     geo: Geometry,
     layers: list[Any],
+    mover: BlockMover,
     num_blocks: int,
     batch: int,
     device: torch.device,
+    buffers: Buffers,
     *,
-    repeats: int,
-    stage_bytes: int,
     per_page: bool,
     rng: random.Random,
-) -> dict[str, Any]:
-    """One (geometry, batch) row: ours and the baselines, plus a byte-exact round-trip check."""
+) -> Case:
+    """Set up one (geometry, batch): scattered ids, a byte-exact round-trip check, one warm-up of each."""
     flat = flatten_layers(layers)
-    block_nbytes = sum(int(t[0].numel()) * t.element_size() for t in flat)
-    staging = None
-    if device.type == "cuda":  # one slab that holds the batch (the worker sizes slabs to a PUT wave)
-        staging = _ctx(device, batch * block_nbytes + 256 * len(flat), stage_bytes)
-    mover = BlockMover(layers, staging=staging)
-    nbytes = batch * block_nbytes
+    nbytes = batch * mover.block_nbytes
     picks = rng.sample(range(num_blocks), 2 * batch)  # scattered ids, like a real block table
     src_ids, dst_ids = picks[:batch], picks[batch:]
-    sink = np.empty(nbytes, dtype=np.uint8)
+    sink = buffers.sink[:nbytes]
 
     # correctness first: scatter(gather(src)) into dst reproduces src
     sb = mover.gather(src_ids, timeout=10)
@@ -195,26 +218,16 @@ def bench_case(
             _copy_in(sb, sink)
         sb.commit()
 
-    out: dict[str, Any] = {
-        "geometry": geo.name,
-        "blocks": batch,
-        "mib": nbytes / MiB,
-        "block_kib": block_nbytes / 1024,
-        "gather_gbps": _gbps(nbytes, _best(gather, device, repeats)),
-        "scatter_gbps": _gbps(nbytes, _best(scatter, device, repeats)),
-        "verified": verified,
-    }
-
-    # baselines: one contiguous copy of the same bytes
+    timers: dict[str, Callable[[], object]] = {"gather": gather, "scatter": scatter}
     if device.type == "cuda":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out["d2h_copy_gbps"] = _gbps(nbytes, _best(lambda: _copy(host, dev), device, repeats))
-        out["h2d_copy_gbps"] = _gbps(nbytes, _best(lambda: _copy(dev, host), device, repeats))
+        assert buffers.host is not None and buffers.dev is not None
+        host, dev = buffers.host[:nbytes], buffers.dev[:nbytes]
+        timers["d2h_copy"] = lambda: _copy(host, dev)
+        timers["h2d_copy"] = lambda: _copy(dev, host)
         if per_page:
             pbs = mover.page_nbytes
 
-            def naive() -> None:  # one copy per (block, layer page) straight into the pinned buffer
+            def per_page_gather() -> None:  # one copy per (block, layer page) straight into pinned memory
                 pos = 0
                 for b in src_ids:
                     for t, pb in zip(flat, pbs, strict=True):
@@ -224,19 +237,47 @@ def bench_case(
                         host[pos : pos + pb].copy_(page.reshape(-1).view(torch.uint8), non_blocking=True)
                         pos += pb
 
-            out["per_page_gather_gbps"] = _gbps(nbytes, _best(naive, device, repeats))
-        del host, dev
+            timers["per_page_gather"] = per_page_gather
     else:
-        a = np.ones(nbytes, dtype=np.uint8)
-        b = np.empty_like(a)
-        out["d2h_copy_gbps"] = out["h2d_copy_gbps"] = _gbps(
-            nbytes, _best(lambda: np.copyto(b, a), device, repeats)
-        )
-    out["gather_ratio"] = out["gather_gbps"] / out["d2h_copy_gbps"]
-    out["scatter_ratio"] = out["scatter_gbps"] / out["h2d_copy_gbps"]
-    if staging is not None:
-        staging.close()
-    return out
+        assert buffers.source is not None
+        source = buffers.source[:nbytes]
+        timers["d2h_copy"] = timers["h2d_copy"] = lambda: np.copyto(sink, source)
+    timers = {m: timers[m] for m in MEASURES if m in timers}
+    for fn in timers.values():  # warm-up (also allocates lazily created staging buffers)
+        fn()
+    _sync(device)
+    return Case(geo.name, batch, nbytes, mover.block_nbytes, verified, timers, {m: [] for m in timers})
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{format_cell(min(values))}-{format_cell(max(values))}"
+
+
+def summarize(case: Case) -> dict[str, Any]:
+    """A case's row: per measure the median GB/s and its spread; per ratio the median of the rounds'
+    paired ratios (ours / the contiguous copy timed next to it) and its spread."""
+    row: dict[str, Any] = {
+        "geometry": case.geometry,
+        "blocks": case.batch,
+        "mib": case.nbytes / MiB,
+        "block_kib": case.block_nbytes / 1024,
+        "rounds": min(len(s) for s in case.seconds.values()),
+        "verified": case.verified,
+    }
+    for m, secs in case.seconds.items():
+        gbps = [_gbps(case.nbytes, s) for s in secs]
+        row[f"{m}_gbps"] = statistics.median(gbps)
+        row[f"{m}_gbps_spread"] = _spread(gbps)
+        row[f"{m}_gbps_all"] = gbps
+    for name, (ours, base) in RATIOS.items():
+        ratios = [b / o for o, b in zip(case.seconds[ours], case.seconds[base], strict=True)]
+        row[name] = statistics.median(ratios)
+        row[f"{name}_spread"] = _spread(ratios)
+    return row
+
+
+def _flat_bytes(layers: list[Any]) -> int:
+    return sum(int(t[0].numel()) * t.element_size() for t in flatten_layers(layers))
 
 
 def run_bench(
@@ -248,38 +289,81 @@ def run_bench(
     stage_bytes: int = DEFAULT_STAGE_BYTES,
     per_page: bool = True,
     seed: int = 0,
+    shared_slab: bool = False,
 ) -> dict[str, Any]:
     """Measure every (geometry, batch); returns the JSON report (``rows`` plus environment).
-    ``device="auto"``: CUDA when available, else the CPU."""
+
+    ``repeats`` rounds; each round times every measure of every case once, in order, so that a slow
+    moment of the host or the bus lands on all configurations alike. CUDA: each batch size gets a staging
+    context whose slab it fills, as a full PUT wave fills the worker's; ``shared_slab`` instead gives all
+    cases one context sized for the largest batch (smaller batches then pay one PCIe copy per layer
+    tensor rather than per staging chunk). ``device="auto"``: CUDA when available, else the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+    if repeats < 1:
+        raise RuntimeError(f"--repeats must be >= 1, got {repeats}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    rows = []
-    for name in geometries:
-        geo = GEOMETRIES[name]
-        num_blocks = max(2 * max(batches), 64) + 16
-        layers = build_layers(geo, num_blocks, dev)
-        for batch in batches:
-            row = bench_case(
-                geo,
-                layers,
-                num_blocks,
-                batch,
-                dev,
-                repeats=repeats,
-                stage_bytes=stage_bytes,
-                per_page=per_page and dev.type == "cuda",
-                rng=rng,
-            )
-            rows.append(row)
-            print(_fmt_row(row), file=sys.stderr, flush=True)
-        del layers
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    num_blocks = max(2 * max(batches), 64) + 16
+    caches = {name: build_layers(GEOMETRIES[name], num_blocks, dev) for name in geometries}
+    contexts: list[StagingContext] = []
+
+    def context(slab: int) -> StagingContext | None:
+        if dev.type != "cuda":
+            return None
+        contexts.append(StagingContext(dev, PinnedPool(slab, slab, pin=True), stage_bytes=stage_bytes))
+        return contexts[-1]
+
+    def slab_for(layers: list[Any], num_blocks_per_slab: int) -> int:
+        return num_blocks_per_slab * _flat_bytes(layers) + 256 * len(flatten_layers(layers))
+
+    # Built before any transfer (staging sizes settle when movers are built).
+    if shared_slab:  # one context whose one slab holds the largest batch: smaller batches leave it part-full
+        shared = context(max(slab_for(c, max(batches)) for c in caches.values()))
+        movers = {(name, b): BlockMover(caches[name], staging=shared) for name in geometries for b in batches}
+    else:  # per (geometry, batch size), a slab the batch fills, like the worker's slab and a full PUT wave
+        movers = {
+            (name, b): BlockMover(caches[name], staging=context(slab_for(caches[name], b)))
+            for name in geometries
+            for b in batches
+        }
+    max_nbytes = max(batches) * max(m.block_nbytes for m in movers.values())
+    buffers = Buffers(
+        np.empty(max_nbytes, dtype=np.uint8),
+        np.ones(max_nbytes, dtype=np.uint8) if dev.type == "cpu" else None,
+        torch.empty(max_nbytes, dtype=torch.uint8, pin_memory=True) if dev.type == "cuda" else None,
+        torch.empty(max_nbytes, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None,
+    )
+    cases = [
+        make_case(
+            GEOMETRIES[name],
+            caches[name],
+            movers[name, batch],
+            num_blocks,
+            batch,
+            dev,
+            buffers,
+            per_page=per_page and dev.type == "cuda",
+            rng=rng,
+        )
+        for name in geometries
+        for batch in batches
+    ]
+    for _ in range(repeats):
+        for case in cases:
+            for m, fn in case.timers.items():
+                case.seconds[m].append(_timed(fn, dev))
+    rows = [summarize(case) for case in cases]
+    for row in rows:
+        print(_fmt_row(row), file=sys.stderr, flush=True)
+    for ctx in contexts:
+        ctx.close()
+    del caches, movers, buffers
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     env = {
         "device": str(dev),
         "torch": torch.__version__,
@@ -288,6 +372,8 @@ def run_bench(
         "cpu_count": os.cpu_count(),
         "stage_bytes": stage_bytes,
         "repeats": repeats,
+        "shared_slab": shared_slab,
+        "statistic": "median of the rounds, spread min-max; ratios paired per round",
     }
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
@@ -308,9 +394,11 @@ COLUMNS = [
     "gather_gbps",
     "d2h_copy_gbps",
     "gather_ratio",
+    "gather_ratio_spread",
     "scatter_gbps",
     "h2d_copy_gbps",
     "scatter_ratio",
+    "scatter_ratio_spread",
     "per_page_gather_gbps",
     "verified",
 ]

@@ -8,8 +8,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink, MemoryAuditSink
 from hybridkv.lifecycle.geometry import Geometry, Topology
 from hybridkv.lifecycle.keys import KeyScheme
@@ -17,7 +19,7 @@ from hybridkv.lifecycle.kinds import GroupSpec
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 
-__all__ = ["TARGET_US_PER_TRANSITION", "run_lifecycle_bench"]
+__all__ = ["TABLE_COLUMNS", "TARGET_US_PER_TRANSITION", "plot_report", "run_lifecycle_bench"]
 
 #: Targets from the issue: without a sink / with the JSON sink.
 TARGET_US_PER_TRANSITION = {"none": 20.0, "json": 60.0}
@@ -104,3 +106,25 @@ def run_lifecycle_bench(
         "finish_load (all OK), evict",
         "rows": rows,
     }
+
+
+#: The columns ``hybridkv bench lifecycle`` prints, in order.
+TABLE_COLUMNS = ["sink", "us_per_transition", "target_us_per_transition", "meets_target", "us_per_lifecycle"]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Bars of µs per transition per sink, with each sink's target as a tick; ``None`` without matplotlib."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    positions = list(range(len(rows)))
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    axes.bar(positions, [row["us_per_transition"] for row in rows], width=0.6, label="measured")
+    for position, row in zip(positions, rows, strict=True):
+        if row["target_us_per_transition"] is not None:
+            target = row["target_us_per_transition"]
+            axes.hlines(target, position - 0.35, position + 0.35, colors="red", linestyles="--")
+    axes.set_xticks(positions, [f"sink: {row['sink']}" for row in rows])
+    axes.set_ylabel("µs per transition (red: target)")
+    return save_figure(figure, path)

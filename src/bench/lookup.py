@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.testing import vllm_harness
 from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
@@ -309,7 +309,4 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
     axes.set_xlabel("prompt tokens")
     axes.set_ylabel("p50 us")
     axes.legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

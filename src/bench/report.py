@@ -51,6 +51,16 @@ def pyplot_or_none() -> Any:
     return plt
 
 
+def save_figure(figure: Any, path: Path) -> Path:
+    """Lay out ``figure`` (from ``pyplot_or_none().subplots``), write it to ``path`` as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def save_report(
     report: Mapping[str, Any],
     out: str | os.PathLike[str],

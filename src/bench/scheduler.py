@@ -7,8 +7,10 @@ requests (prompts up to 128K tokens; a mix of hits on prefixes a previous reques
 added a few per step; every ``schedule()`` call is timed. Scheduled requests are finished right away (the
 bench measures the scheduler's decision, not prefill), so the pool never fills.
 
-Per store URL (e.g. ``faulty+memory://...?delay_ms=5``: a store with that much latency per call), and
-once without the connector, it reports: ``schedule()`` p50/p99, lookups per second, store round trips and
+Rounds interleave the configurations (medians over rounds, with the spread; ratios within a round). Like
+vLLM's ``EngineCore``, each run freezes the start-up heap before it serves. Per store URL (e.g.
+``faulty+memory://...?delay_ms=5``: a store with that much latency per call), and once without the
+connector, it reports: ``schedule()`` p50/p99, lookups per second, store round trips and
 keys per lookup (p50/max; the probing search), hit tokens found, and the hit tokens the synchronous full
 scan (every candidate key in one call, the old lookup) finds over the same store contents.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
 import statistics
 import time
 import uuid
@@ -35,7 +38,9 @@ SCHEDULER_COLUMNS = [
     "num_steps",
     "schedule_p50_ms",
     "schedule_p99_ms",
+    "schedule_p99_ms_spread",
     "p99_ratio",
+    "p99_ratio_spread",
     "lookups_per_s",
     "round_trips_p50",
     "round_trips_max",
@@ -50,6 +55,7 @@ K3_BLOCK = 64
 K3_DCP = 8
 _MAX_MODEL_LEN = 131072 + 1024
 _CHUNK = 8192  # saved Mamba states: one per prefill chunk end
+_PUT_BATCH = 512  # keys per put while filling the store (a remote store's deadline bounds one call)
 
 
 def k3_configs(store_url: str | None, models_dir: Path, *, num_blocks: int = 8192) -> tuple[Any, Any]:
@@ -175,8 +181,10 @@ def store_prefix(scheme: Any, store: Any, block_hashes: Sequence[bytes], num_tok
     states = sorted({*range(_CHUNK, num_tokens + 1, _CHUNK), num_tokens - num_tokens % unit})
     entries += [(1, b) for b in states if b > 0]
     keys = [scheme.key(g, r, block_hashes[b // unit - 1]) for g, b in entries for r in ranks]
-    statuses = store.put(keys, [b"k3"] * len(keys))
-    assert all(s.is_ok for s in statuses), f"bench put failed: {set(statuses)}"
+    for start in range(0, len(keys), _PUT_BATCH):
+        batch = keys[start : start + _PUT_BATCH]
+        statuses = store.put(batch, [b"k3"] * len(batch))
+        assert all(s.is_ok for s in statuses), f"bench put failed: {set(statuses)}"
     return len(keys)
 
 
@@ -209,8 +217,12 @@ def _drive(
     models_dir: Path,
     per_step: int,
     prefixes: dict[int, float],
+    forward_s: float,
 ) -> dict[str, Any]:
+    import gc
+
     from hybridkv.store import open_store
+    from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.v1.request import RequestStatus
 
     sched = k3_scheduler(store_url, models_dir)
@@ -219,36 +231,42 @@ def _drive(
     expected_hits = 0
     if side is not None:
         assert store_url is not None
-        inner = open_store(
-            store_url.split("+", 1)[1].split("?", 1)[0] if store_url.startswith("faulty+") else store_url
-        )
+        inner = open_store(_filler_url(store_url))
         for req, (fam, n, hit) in zip(requests, stream):
             if hit:
                 store_prefix(side.scheme, inner, req.block_hashes, int(n * prefixes.get(fam, 0.75)))
         expected_hits = sum(full_scan_hit(side.scheme, inner, req) for req in requests)
+        inner.close()
+    # vLLM's EngineCore freezes its start-up heap (``freeze_gc_heap``) so that collections while serving
+    # do not walk it. Without the freeze, one collection here walks every object of the imported vLLM
+    # (tens of ms) and the p99 of either configuration measures when the collector happened to run.
+    freeze_gc_heap()
     step_s: list[float] = []
     answered: set[str] = set()
     hit_tokens = 0
     pending = list(requests)
     started = time.monotonic()
-    while pending or sched.waiting or sched.running:
-        for req in pending[:per_step]:
-            sched.add_request(req)
-        pending = pending[per_step:]
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        step_s.append(time.perf_counter() - t0)
-        done = set(out.num_scheduled_tokens)
-        if out.kv_connector_metadata is not None:
-            for load in out.kv_connector_metadata.loads:
-                hit_tokens += load.boundary
-                done.add(load.req_id)
-        answered |= done
-        if done:
-            sched.finish_requests(done, RequestStatus.FINISHED_ABORTED)
-        time.sleep(0.001)  # the forward pass this bench leaves out
-        assert time.monotonic() - started < 600, "the scheduler stopped making progress"
-    wall_s = time.monotonic() - started
+    try:
+        while pending or sched.waiting or sched.running:
+            for req in pending[:per_step]:
+                sched.add_request(req)
+            pending = pending[per_step:]
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            step_s.append(time.perf_counter() - t0)
+            done = set(out.num_scheduled_tokens)
+            if out.kv_connector_metadata is not None:
+                for load in out.kv_connector_metadata.loads:
+                    hit_tokens += load.boundary
+                    done.add(load.req_id)
+            answered |= done
+            if done:
+                sched.finish_requests(done, RequestStatus.FINISHED_ABORTED)
+            time.sleep(forward_s)  # the forward pass this bench leaves out
+            assert time.monotonic() - started < 600, "the scheduler stopped making progress"
+        wall_s = time.monotonic() - started
+    finally:
+        gc.unfreeze()
     row: dict[str, Any] = {
         "store": store_url or "(no connector)",
         "connector": side is not None,
@@ -280,31 +298,104 @@ def _drive(
     return row
 
 
+def _spread(values: Sequence[float]) -> str:
+    return f"{min(values):.3g}..{max(values):.3g}"
+
+
+def _summarize(
+    label: str, rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """One table row from the rounds of one configuration: medians over rounds, with the spread.
+
+    Ratios are taken within a round (against the no-connector run of the same round), then the median.
+    """
+    row: dict[str, Any] = {"store": label, "num_rounds": len(rounds), "num_steps": rounds[0]["num_steps"]}
+    for name in ("schedule_p50_ms", "schedule_p99_ms", "schedule_max_ms"):
+        values = [r[name] for r in rounds]
+        row[name] = statistics.median(values)
+        row[f"{name}_spread"] = _spread(values)
+    if base_rounds is None:
+        return row
+    for name, ratio in (("schedule_p99_ms", "p99_ratio"), ("schedule_p50_ms", "p50_ratio")):
+        ratios = [r[name] / b[name] for r, b in zip(rounds, base_rounds)]
+        row[ratio] = statistics.median(ratios)
+        row[f"{ratio}_spread"] = _spread(ratios)
+    row["num_steps"] = statistics.median(r["num_steps"] for r in rounds)
+    for name in ("lookups_per_s", "round_trips_p50", "keys_p50"):
+        row[name] = statistics.median(r[name] for r in rounds)
+    for name in ("round_trips_max", "keys_max", "lookup_errors"):
+        row[name] = max(r[name] for r in rounds)
+    # Hit tokens must equal the full scan's in every round: the sum shows a miss in any of them.
+    row["hit_tokens"] = sum(r["hit_tokens"] for r in rounds)
+    row["full_scan_hit_tokens"] = sum(r["full_scan_hit_tokens"] for r in rounds)
+    return row
+
+
 def run_scheduler_bench(
     store_urls: Sequence[str],
     *,
-    num_requests: int = 12,
+    labels: dict[str, str] | None = None,
+    num_requests: int = 24,
     max_tokens: int = 131072,
     per_step: int = 2,
+    num_rounds: int = 5,
+    forward_ms: float = 1.0,
     models_dir: Path = DEFAULT_MODELS_DIR,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One row without the connector, one per store URL; ratios against the no-connector row."""
+    """Per round: one run without the connector and one per store URL, in a rotating order (so a noisy
+    moment hits every configuration alike); rows give medians over rounds with their spread, and ratios
+    against the no-connector run of the same round. ``forward_ms``: the pause between ``schedule()``
+    calls standing in for the forward pass (short = the connector is asked again most often).
+    ``labels``: table names for some URLs (e.g. a store behind a delay proxy on a random port)."""
+    assert num_rounds >= 1, "num_rounds must be >= 1"
     stream = _stream(num_requests, max_tokens, seed)
     prefixes = {fam: random.Random(seed + fam).choice([0.5, 0.75, 1.0]) for fam, _, _ in stream}
-    base = _drive(None, stream, models_dir, per_step, prefixes)
-    rows = [base]
-    for url in store_urls:
-        row = _drive(url, stream, models_dir, per_step, prefixes)
-        row["p99_ratio"] = row["schedule_p99_ms"] / base["schedule_p99_ms"]
-        row["p50_ratio"] = row["schedule_p50_ms"] / base["schedule_p50_ms"]
-        rows.append(row)
+    configs: list[str | None] = [None, *store_urls]
+    by_config: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
+    for round_index in range(num_rounds):
+        order = [(round_index + k) % len(configs) for k in range(len(configs))]
+        for i in order:
+            url = configs[i]
+            if url is not None and round_index > 0:
+                url = _fresh_url(url)  # every round starts from an empty store of the same kind
+            by_config[i].append(_drive(url, stream, models_dir, per_step, prefixes, forward_ms / 1e3))
+    base = by_config[0]
+    rows = [_summarize("(no connector)", base, None)]
+    names = labels or {}
+    rows += [_summarize(names.get(url, url), by_config[i + 1], base) for i, url in enumerate(store_urls)]
     return {
         "benchmark": "scheduler",
         "geometry": f"MLA block {K3_BLOCK} x DCP {K3_DCP} + Mamba align block {K3_BLOCK}, hash unit {K3_BLOCK}",
         "num_requests": num_requests,
         "max_prompt_tokens": max_tokens,
         "requests_per_step": per_step,
+        "num_rounds": num_rounds,
+        "forward_ms": forward_ms,
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "rows": rows,
+        "rounds": {
+            ("(no connector)" if c is None else names.get(c, c)): by_config[i] for i, c in enumerate(configs)
+        },
     }
+
+
+def _filler_url(url: str) -> str:
+    """The store behind ``url`` without injected faults, and with a long deadline: what fills the store
+    before a run (what a previous request saved) is not what the run measures."""
+    if url.startswith("faulty+"):
+        url = url.split("+", 1)[1].split("?", 1)[0]
+    if url.startswith("mooncake://"):
+        url = re.sub(r"([?&])timeout_ms=\d+", r"\1timeout_ms=60000", url)
+    return url
+
+
+def _fresh_url(url: str) -> str:
+    """The same store URL with a new ``memory://`` name (other stores are shared: their keys of earlier
+    rounds only add hits the full scan also sees)."""
+    marker = "memory://"
+    if marker not in url:
+        return url
+    head, rest = url.split(marker, 1)
+    name, sep, tail = rest.partition("?")
+    return f"{head}{marker}{name}-{uuid.uuid4().hex[:4]}{sep}{tail}"

@@ -16,10 +16,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
-from hybridkv.store.base import Status, Store
+from hybridkv.bench.report import pyplot_or_none, save_figure
+from hybridkv.store.base import Status, Store, Value
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
 
@@ -37,6 +39,12 @@ def _buffers(value_size: int, num_values: int, seed: int) -> tuple[list[np.ndarr
     sources = [rng.integers(0, 256, value_size, dtype=np.uint8) for _ in range(num_values)]
     destinations = [np.ones(value_size, dtype=np.uint8) for _ in range(num_values)]  # pre-touched pages
     return sources, destinations
+
+
+def _as_values(arrays: list[np.ndarray]) -> list[Value]:
+    """numpy arrays as store values (and destinations). They are buffers; numpy's stubs declare the buffer
+    protocol only for Python >= 3.12, hence the cast."""
+    return cast("list[Value]", arrays)
 
 
 def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dict[str, float]:
@@ -64,13 +72,13 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
     for round_index in range(max(1, repeats)):
         keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
         start = time.perf_counter()
-        put_statuses = store.put(keys, sources)
+        put_statuses = store.put(keys, _as_values(sources))
         put_elapsed = time.perf_counter() - start
         assert all(s is Status.OK for s in put_statuses), (
             f"{store.url}: bench put failed: {set(put_statuses)}"
         )
         start = time.perf_counter()
-        get_statuses = store.get_into(keys, destinations)
+        get_statuses = store.get_into(keys, _as_values(destinations))
         get_elapsed = time.perf_counter() - start
         assert all(s is Status.OK for s in get_statuses), (
             f"{store.url}: bench get failed: {set(get_statuses)}"
@@ -168,3 +176,40 @@ def run_store_bench(
         "rows": rows,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+#: The columns ``hybridkv bench store`` prints, in order.
+TABLE_COLUMNS = [
+    "store",
+    "value_size_text",
+    "num_values",
+    "put_gbps",
+    "get_gbps",
+    "memcpy_gbps",
+    "put_ratio",
+    "get_ratio",
+    "exists_p50_us",
+    "exists_p99_us",
+]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
+    positions = range(len(rows))
+    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
+    axes.bar(
+        [p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy"
+    )
+    axes.bar(
+        [p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy"
+    )
+    axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
+    axes.set_xticks(list(positions), labels, fontsize=7)
+    axes.set_ylabel("throughput / memcpy")
+    axes.legend()
+    return save_figure(figure, path)

@@ -48,12 +48,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
@@ -117,6 +118,58 @@ def _timed_generate(llm: Any, tokens: list[int]) -> tuple[float, int]:
     out = vllm_harness.greedy(llm, tokens, max_tokens=1)
     elapsed = time.perf_counter() - start
     return elapsed, int(out.num_cached_tokens or 0)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _nothing_counted(_counted: bool) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class _RoundHooks:
+    """What one connector's engine does around the timed requests of a round (all untimed). ``counted`` is
+    False in the warm-up round."""
+
+    before_cold: Callable[[], None] = _nothing
+    after_cold: Callable[[bool], None] = _nothing_counted
+    #: Drop vLLM's local prefix cache and keep the external tier; None: no local-hit request (prefix
+    #: caching off, so the second send is the external hit).
+    drop_local_cache: Callable[[], None] | None = None
+    before_external: Callable[[], None] = _nothing
+    after_external: Callable[[bool], None] = _nothing_counted
+
+
+def _ttft_rounds(
+    llm: Any, hooks: _RoundHooks, *, prompt_tokens: int, rounds: int, warmup_tokens: int, seed: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """The protocol every connector runs: per round a fresh prompt, cold; again (local hit); again after
+    ``hooks.drop_local_cache`` (external hit). Round 0 warms every code path on a prompt of at most
+    ``warmup_tokens`` and is not counted. Returns (seconds, num_cached_tokens) per request kind."""
+    kinds = ("cold", "external") if hooks.drop_local_cache is None else ("cold", "local", "external")
+    samples: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cached: dict[str, list[int]] = {kind: [] for kind in kinds}
+    for round_index in range(rounds + 1):
+        counted = round_index > 0
+        n = prompt_tokens if counted else min(prompt_tokens, warmup_tokens)
+        tokens = _prompt(n, seed + round_index)
+        timed: dict[str, tuple[float, int]] = {}
+        hooks.before_cold()
+        timed["cold"] = _timed_generate(llm, tokens)
+        hooks.after_cold(counted)
+        if hooks.drop_local_cache is not None:
+            timed["local"] = _timed_generate(llm, tokens)
+            hooks.drop_local_cache()
+        hooks.before_external()
+        timed["external"] = _timed_generate(llm, tokens)
+        hooks.after_external(counted)
+        if counted:
+            for kind, (seconds, num_cached) in timed.items():
+                samples[kind].append(seconds)
+                cached[kind].append(num_cached)
+    return samples, cached
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -324,8 +377,6 @@ def measure_hybridkv(
     if audit_log is not None:
         extra["audit_log"] = str(audit_log)
     transfer = vllm_harness.connector_transfer_config(extra)
-    samples: dict[str, list[float]] = {"cold": [], "local": [], "external": []}
-    cached: dict[str, list[int]] = {"cold": [], "local": [], "external": []}
     loaded_bytes: list[int] = []
     loaded_keys: list[int] = []
     load_job_s: list[float] = []
@@ -339,33 +390,31 @@ def measure_hybridkv(
         engine_start_s = time.perf_counter() - start
         sched, worker = vllm_harness.connector_halves(llm)
         geo = sched.scheduler_side.geo.describe()
-        # Round 0 warms every code path (cold, local hit, reset, external hit) on a short prompt; not counted.
-        for round_index in range(rounds + 1):
-            n = min(prompt_tokens, warmup_tokens) if round_index == 0 else prompt_tokens
-            tokens = _prompt(n, seed + round_index)
-            cold_s, cold_cached = _timed_generate(llm, tokens)
-            vllm_harness.settle(llm)
-            local_s, local_cached = _timed_generate(llm, tokens)
-            vllm_harness.drop_local_cache(llm)
-            totals = worker.worker_side.stats.totals
-            bytes_before, keys_before = totals.get("load_bytes", 0), totals.get("load_keys", 0)
-            load_s_before = totals.get("load_job_seconds", 0.0)
-            ext_s, ext_cached = _timed_generate(llm, tokens)
+        totals = worker.worker_side.stats.totals
+        before: dict[str, float] = {}
+
+        def before_external() -> None:
+            before.update(
+                (name, totals.get(name, 0)) for name in ("load_bytes", "load_keys", "load_job_seconds")
+            )
+
+        def after_external(counted: bool) -> None:
             worker.worker_side.flush()
             vllm_harness.settle(llm)
-            totals = worker.worker_side.stats.totals
-            if round_index == 0:
-                continue
-            for name, sec, num in (
-                ("cold", cold_s, cold_cached),
-                ("local", local_s, local_cached),
-                ("external", ext_s, ext_cached),
-            ):
-                samples[name].append(sec)
-                cached[name].append(num)
-            loaded_bytes.append(int(totals.get("load_bytes", 0) - bytes_before))
-            loaded_keys.append(int(totals.get("load_keys", 0) - keys_before))
-            load_job_s.append(float(totals.get("load_job_seconds", 0.0) - load_s_before))
+            if counted:
+                loaded_bytes.append(int(totals.get("load_bytes", 0) - before["load_bytes"]))
+                loaded_keys.append(int(totals.get("load_keys", 0) - before["load_keys"]))
+                load_job_s.append(float(totals.get("load_job_seconds", 0.0) - before["load_job_seconds"]))
+
+        hooks = _RoundHooks(
+            after_cold=lambda _counted: vllm_harness.settle(llm),
+            drop_local_cache=lambda: vllm_harness.drop_local_cache(llm),
+            before_external=before_external,
+            after_external=after_external,
+        )
+        samples, cached = _ttft_rounds(
+            llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
+        )
         sched_totals = dict(sched.scheduler_side.stats.totals)
     # The engine is shut down: the audit log is closed. Its first load is the warm-up round's.
     load_profile = _load_profile_from_audit(audit_log)[1:] if audit_log is not None else []
@@ -406,29 +455,23 @@ def measure_example_connector(
         kv_role="kv_both",
         kv_connector_extra_config={"shared_storage_path": str(storage_dir)},
     )
-    samples: dict[str, list[float]] = {"cold": [], "external": []}
-    cached: dict[str, list[int]] = {"cold": [], "external": []}
     file_bytes: list[int] = []
+    before: list[int] = []
+
+    def after_cold(counted: bool) -> None:
+        if counted:
+            file_bytes.append(_dir_bytes(storage_dir) - before[-1])
+
+    hooks = _RoundHooks(before_cold=lambda: before.append(_dir_bytes(storage_dir)), after_cold=after_cold)
     with vllm_harness.inprocess_engine(
         model_dir,
         prefix_caching=False,
         transfer=transfer,
         **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     ) as llm:
-        for round_index in range(rounds + 1):
-            n = min(prompt_tokens, warmup_tokens) if round_index == 0 else prompt_tokens
-            tokens = _prompt(n, seed + round_index)
-            before = _dir_bytes(storage_dir)
-            cold_s, cold_cached = _timed_generate(llm, tokens)
-            written = _dir_bytes(storage_dir) - before
-            ext_s, ext_cached = _timed_generate(llm, tokens)
-            if round_index == 0:
-                continue
-            samples["cold"].append(cold_s)
-            samples["external"].append(ext_s)
-            cached["cold"].append(cold_cached)
-            cached["external"].append(ext_cached)
-            file_bytes.append(written)
+        samples, cached = _ttft_rounds(
+            llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
+        )
     return {"samples_s": samples, "num_cached_tokens": cached, "file_bytes": file_bytes}
 
 
@@ -468,8 +511,6 @@ def _mooncake_store_connector_rounds(
 
     vllm_harness.prepare_inprocess_environment("ERROR")
     transfer = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
-    samples: dict[str, list[float]] = {"cold": [], "local": [], "external": []}
-    cached: dict[str, list[int]] = {"cold": [], "local": [], "external": []}
     from vllm import LLM
 
     llm = LLM(
@@ -478,23 +519,11 @@ def _mooncake_store_connector_rounds(
         kv_transfer_config=transfer,
         **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     )
-    for round_index in range(rounds + 1):
-        n = min(prompt_tokens, warmup_tokens) if round_index == 0 else prompt_tokens
-        tokens = _prompt(n, seed + round_index)
-        cold_s, cold_cached = _timed_generate(llm, tokens)
-        local_s, local_cached = _timed_generate(llm, tokens)
-        # Succeeds only once its saves have been reported (until then they pin the blocks): untimed.
-        _drop_local_cache_any_connector(llm)
-        ext_s, ext_cached = _timed_generate(llm, tokens)
-        if round_index == 0:
-            continue
-        for name, sec, num in (
-            ("cold", cold_s, cold_cached),
-            ("local", local_s, local_cached),
-            ("external", ext_s, ext_cached),
-        ):
-            samples[name].append(sec)
-            cached[name].append(num)
+    # Its drop succeeds only once its saves have been reported (until then they pin the blocks): untimed.
+    hooks = _RoundHooks(drop_local_cache=lambda: _drop_local_cache_any_connector(llm))
+    samples, cached = _ttft_rounds(
+        llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
+    )
     return {"samples_s": samples, "num_cached_tokens": cached}
 
 
@@ -945,7 +974,4 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
     axes.set_xticks(positions, labels, fontsize=7)
     axes.set_ylabel(f"TTFT ms ({report['prompt_tokens']} tokens)")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

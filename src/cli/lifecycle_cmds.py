@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.bench.report import format_table, save_report
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 
@@ -62,8 +63,7 @@ def register(
     )
     bench.add_argument("--iterations", type=int, default=5000)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--out", default="bench-results/lifecycle.json")
-    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG next to the JSON")
+    add_report_arguments(bench, "bench-results/lifecycle.json")
     bench.set_defaults(func=_bench)
 
 
@@ -166,35 +166,9 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from hybridkv.bench.lifecycle import run_lifecycle_bench
+    from hybridkv.bench.lifecycle import TABLE_COLUMNS, plot_report, run_lifecycle_bench
 
     report = run_lifecycle_bench(iterations=args.iterations, repeats=args.repeats)
-    print(
-        format_table(
-            report["rows"],
-            ["sink", "us_per_transition", "target_us_per_transition", "meets_target", "us_per_lifecycle"],
-        )
-    )
-    save_report(report, args.out, _plot, no_plot=args.no_plot, prefix="")
+    print(format_table(report["rows"], TABLE_COLUMNS))
+    save_report(report, args.out, plot_report, no_plot=args.no_plot, prefix="")
     return EXIT_OK
-
-
-def _plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Bars of µs per transition per sink, with each sink's target as a tick; ``None`` without matplotlib."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    rows = report["rows"]
-    positions = list(range(len(rows)))
-    figure, axes = plt.subplots(figsize=(5, 3.5))
-    axes.bar(positions, [row["us_per_transition"] for row in rows], width=0.6, label="measured")
-    for position, row in zip(positions, rows, strict=True):
-        if row["target_us_per_transition"] is not None:
-            target = row["target_us_per_transition"]
-            axes.hlines(target, position - 0.35, position + 0.35, colors="red", linestyles="--")
-    axes.set_xticks(positions, [f"sink: {row['sink']}" for row in rows])
-    axes.set_ylabel("µs per transition (red: target)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path

@@ -6,20 +6,22 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_table, pyplot_or_none, save_report
+from hybridkv.bench.report import format_table, save_report
 from hybridkv.bench.store import (
     DEFAULT_BYTES_PER_ROUND,
     DEFAULT_VALUE_SIZES,
+    TABLE_COLUMNS,
     bench_scratch_dir,
     default_store_urls,
+    plot_report,
     run_store_bench,
 )
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.connector.identity import MANIFEST_NAME, read_manifest
-from hybridkv.lifecycle.keys import KEY_VERSION
+from hybridkv.connector.identity import parse_manifest_key, read_manifest
+from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.params import format_size, parse_size
 
@@ -70,8 +72,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     bench.add_argument(
         "--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)"
     )
-    bench.add_argument("--out", default="bench-results/store.json", help="JSON report path (%(default)s)")
-    bench.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(bench, "bench-results/store.json")
     bench.set_defaults(func=handle_bench)
 
 
@@ -123,19 +124,20 @@ def _cell(value: object) -> object:
 
 
 def _deployments(store: Store, keys: list[str]) -> list[dict[str, Any]]:
-    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its key count and its manifest's fields
-    (model, weights identity, dtypes, geometry) when the engine that wrote it left one."""
+    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its number of block entries and its
+    manifest's fields (model, weights identity, dtypes, geometry) when the engine that wrote it left one.
+    Keys that are neither a block entry nor a manifest (another tool's) belong to no deployment."""
     num_keys: dict[tuple[str, str], int] = {}
     manifests: dict[tuple[str, str], str] = {}
     for key in keys:
-        parts = key.split("/", 3)
-        if len(parts) < 4 or parts[0] != KEY_VERSION:
-            continue
-        deployment = (parts[1], parts[2])
-        if parts[3] == MANIFEST_NAME:
-            manifests[deployment] = key
-        else:
+        block = parse_block_key(key)
+        if block is not None:
+            deployment = (block.namespace, block.fingerprint)
             num_keys[deployment] = num_keys.get(deployment, 0) + 1
+            continue
+        manifest_of = parse_manifest_key(key)
+        if manifest_of is not None:
+            manifests[manifest_of] = key
     rows = []
     for deployment in sorted(num_keys.keys() | manifests.keys()):
         record = read_manifest(store, manifests[deployment]) if deployment in manifests else None
@@ -176,20 +178,6 @@ def handle_clear(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_TABLE_COLUMNS = [
-    "store",
-    "value_size_text",
-    "num_values",
-    "put_gbps",
-    "get_gbps",
-    "memcpy_gbps",
-    "put_ratio",
-    "get_ratio",
-    "exists_p50_us",
-    "exists_p99_us",
-]
-
-
 def handle_bench(args: argparse.Namespace) -> int:
     try:
         sizes = [parse_size(text, what="value size") for text in args.sizes.split(",") if text.strip()]
@@ -211,31 +199,6 @@ def handle_bench(args: argparse.Namespace) -> int:
     except AssertionError as error:  # a store returned a failure or wrong bytes during the bench
         print(f"problem: {error}", file=sys.stderr)
         return EXIT_PROBLEM
-    print(format_table(report["rows"], _TABLE_COLUMNS))
-    save_report(report, args.out, _plot, no_plot=args.no_plot)
+    print(format_table(report["rows"], TABLE_COLUMNS))
+    save_report(report, args.out, plot_report, no_plot=args.no_plot)
     return EXIT_OK
-
-
-def _plot(report: dict[str, Any], path: Path) -> Path | None:
-    """A bar chart of put/get ratios to memcpy per store and size; ``None`` without matplotlib."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    rows = report["rows"]
-    labels = [f"{row['store']}\n{row['value_size_text']}" for row in rows]
-    positions = range(len(rows))
-    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
-    axes.bar(
-        [p - 0.2 for p in positions], [row["put_ratio"] for row in rows], width=0.4, label="put / memcpy"
-    )
-    axes.bar(
-        [p + 0.2 for p in positions], [row["get_ratio"] for row in rows], width=0.4, label="get / memcpy"
-    )
-    axes.axhline(0.5, linestyle="--", linewidth=1, color="grey")
-    axes.set_xticks(list(positions), labels, fontsize=7)
-    axes.set_ylabel("throughput / memcpy")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import format_cell, format_table, save_report
+from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.testing.tiny_models import FAMILIES
 
@@ -66,8 +68,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         default=None,
         help="where models are built (default: $HYBRIDKV_TEST_MODELS or /tmp/hybridkv-test-models)",
     )
-    ttft.add_argument("--out", default="bench-results/ttft.json", help="JSON report path (%(default)s)")
-    ttft.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(ttft, "bench-results/ttft.json")
     ttft.set_defaults(func=handle_ttft)
 
     lookup = bench_subparsers.add_parser(
@@ -90,8 +91,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     )
     lookup.add_argument("--iterations", type=int, default=300, help="timed calls per measure (%(default)s)")
     lookup.add_argument("--models-dir", default=None, help="where the tiny model for vLLM's config is built")
-    lookup.add_argument("--out", default="bench-results/lookup.json", help="JSON report path (%(default)s)")
-    lookup.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(lookup, "bench-results/lookup.json")
     lookup.set_defaults(func=handle_lookup)
 
     scheduler = bench_subparsers.add_parser(
@@ -108,15 +108,31 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         metavar="URL",
         help="store URL to measure (repeatable; default: faulty+memory://...?delay_ms=5)",
     )
-    scheduler.add_argument("--requests", type=int, default=12, help="requests in the stream (%(default)s)")
+    scheduler.add_argument(
+        "--mooncake-delay-ms",
+        type=float,
+        action="append",
+        default=[],
+        metavar="MS",
+        help="also measure a real mooncake_master (and storage node) reached through a delay proxy adding "
+        "MS one way to every master call (repeatable; needs the private namespace: scripts/netns-run)",
+    )
+    scheduler.add_argument("--requests", type=int, default=24, help="requests in the stream (%(default)s)")
+    scheduler.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds; medians and spread over them (%(default)s)"
+    )
+    scheduler.add_argument(
+        "--forward-ms",
+        type=float,
+        default=1.0,
+        help="pause between schedule() calls standing in for the forward pass (%(default)s)",
+    )
     scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
     scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
     scheduler.add_argument(
         "--models-dir", default=None, help="where the tiny model for vLLM's config is built"
     )
-    scheduler.add_argument(
-        "--out", default="bench-results/scheduler.json", help="JSON report path (%(default)s)"
-    )
+    add_report_arguments(scheduler, "bench-results/scheduler.json", plot=False)
     scheduler.set_defaults(func=handle_scheduler)
 
 
@@ -238,23 +254,43 @@ def handle_lookup(args: argparse.Namespace) -> int:
 
 
 def handle_scheduler(args: argparse.Namespace) -> int:
-    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
+    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
-    if args.requests < 1 or args.max_tokens < 4096 or args.per_step < 1:
-        print("error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1", file=sys.stderr)
+    if (
+        args.requests < 1
+        or args.max_tokens < 4096
+        or args.per_step < 1
+        or args.rounds < 1
+        or args.forward_ms < 0
+    ):
+        print(
+            "error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1, --rounds >= 1, --forward-ms >= 0",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if any(delay < 0 for delay in args.mooncake_delay_ms):
+        print("error: --mooncake-delay-ms must be >= 0", file=sys.stderr)
         return EXIT_USAGE
     urls = args.stores or [f"faulty+memory://bench-sched-{uuid.uuid4().hex[:8]}?delay_ms=5"]
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
-    report = run_scheduler_bench(
-        urls,
-        num_requests=args.requests,
-        max_tokens=args.max_tokens,
-        per_step=args.per_step,
-        models_dir=models_dir,
-    )
+    labels: dict[str, str] = {}
+    with contextlib.ExitStack() as deployments:
+        for delay_ms in args.mooncake_delay_ms:
+            from hybridkv.testing.delayed_mooncake import delayed_mooncake_store
+
+            try:
+                url = deployments.enter_context(delayed_mooncake_store(delay_ms))
+            except RuntimeError as error:
+                print(f"error: --mooncake-delay-ms: {error}", file=sys.stderr)
+                return EXIT_USAGE
+            urls.append(url)
+            labels[url] = f"mooncake (master +{delay_ms:g} ms each way)"
+        report = _run_scheduler(args, urls, labels, models_dir)
     print(
-        f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens"
+        f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens; "
+        f"{report['num_rounds']} interleaved rounds (medians, spread min..max), "
+        f"{report['forward_ms']} ms between schedule() calls"
     )
     print(format_table(report["rows"], SCHEDULER_COLUMNS))
     save_report(report, args.out, lambda _report, _path: None, no_plot=True)
@@ -264,3 +300,20 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)
             status = EXIT_PROBLEM
     return status
+
+
+def _run_scheduler(
+    args: argparse.Namespace, urls: list[str], labels: dict[str, str], models_dir: Path
+) -> dict[str, Any]:
+    from hybridkv.bench.scheduler import run_scheduler_bench
+
+    return run_scheduler_bench(
+        urls,
+        labels=labels,
+        num_requests=args.requests,
+        max_tokens=args.max_tokens,
+        per_step=args.per_step,
+        num_rounds=args.rounds,
+        forward_ms=args.forward_ms,
+        models_dir=models_dir,
+    )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata
 from hybridkv.connector.stats import HybridStoreStats, build_stats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,7 +78,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             check_layerwise_supported(kv_cache_config, bool(vllm_config.scheduler_config.async_scheduling))
         if tc.kv_load_failure_policy != "recompute":
             log.warning(
-                "hybridkv: kv_load_failure_policy is not 'recompute'; a failed load will fail its request",
+                ConnectorLogEvent.LOAD_FAILURE_POLICY_NOT_RECOMPUTE,
                 policy=tc.kv_load_failure_policy,
             )
         self._sched: SchedulerSide | None = None
@@ -243,7 +244,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 sched.on_worker_meta(wm)
         settled = not sched.has_pending_push_work()
         if not settled:
-            log.warning("hybridkv: saves still in flight after settling", flushed=flushed, timeout_s=timeout)
+            log.warning(ConnectorLogEvent.SAVES_IN_FLIGHT_AFTER_SETTLING, flushed=flushed, timeout_s=timeout)
         return settled
 
     def on_new_request(self, request: Request) -> None:
@@ -307,7 +308,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             done: bool = self.scheduler_side.reset_cache()
         except Exception as exc:  # noqa: BLE001 -- the store's failure is reported, the engine keeps serving
-            log.warning("hybridkv reset_cache failed", error=repr(exc))
+            log.warning(ConnectorLogEvent.RESET_CACHE_RAISED, error=repr(exc))
             return False
         return done
 
@@ -339,7 +340,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if sched is not None:
             sched.shutdown()
         log.info(
-            "hybridkv connector shut down",
+            ConnectorLogEvent.CONNECTOR_SHUT_DOWN,
             role="worker" if worker is not None else "scheduler",
             seconds=round(time.monotonic() - t0, 3),
         )

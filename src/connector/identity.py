@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.lifecycle.keys import KEY_VERSION, KeyScheme
 from hybridkv.store import Status, Store
 
 #: Files whose bytes are weights (their size and mtime enter the identity; they are never read).
@@ -36,6 +36,9 @@ _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 #: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
 MANIFEST_BYTES = 4096
 MANIFEST_NAME = "manifest"
+_MANIFEST_KEY_RE = re.compile(
+    rf"^{KEY_VERSION}/(?P<namespace>[^/]+)/(?P<fingerprint>[0-9a-f]{{12}})/{MANIFEST_NAME}$"
+)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,13 @@ def model_identity(vllm_config: Any) -> ModelIdentity:
 def manifest_key(scheme: KeyScheme) -> str:
     """Where a deployment's manifest lives: next to its groups, never a block-hash key (so never looked up)."""
     return f"{scheme.geometry_prefix}{MANIFEST_NAME}"
+
+
+def parse_manifest_key(key: str) -> tuple[str, str] | None:
+    """``(namespace, fingerprint)`` of a deployment's manifest key (the inverse of :func:`manifest_key`);
+    None for any other key (a block entry, another tool's key)."""
+    match = _MANIFEST_KEY_RE.match(key)
+    return None if match is None else (match["namespace"], match["fingerprint"])
 
 
 def manifest(scheme: KeyScheme, identity: ModelIdentity, groups: list[str]) -> dict[str, Any]:

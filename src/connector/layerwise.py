@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 from hybridkv.connector.datapath import BlockMover, Fence
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.keys import KeyScheme
@@ -188,16 +189,14 @@ class LayerwiseLoads:
             with step.lock:
                 step.abandoned = True  # no layer write starts after this
             self._stats.add("layerwise_abandoned_steps")
-            log.warning(
-                "hybridkv: layer-wise loads over their wait budget; recomputed", seconds=LAYERWISE_WAIT_S
-            )
+            log.warning(ConnectorLogEvent.LAYERWISE_OVER_BUDGET, seconds=LAYERWISE_WAIT_S)
         unwaited = [name for name in step.layer_ready if name not in step.waited]
         if unwaited and not step.abandoned:
             # Some attention layer ran without waiting (a model path that bypasses vLLM's per-layer hook):
             # its attention may have read pages before they were written.
             self.num_unwaited_steps += 1
             self._stats.add("layerwise_unwaited_steps")
-            log.warning("hybridkv: layers never waited for their loads; recomputed", layers=unwaited[:4])
+            log.warning(ConnectorLogEvent.LAYERWISE_UNWAITED, layers=unwaited[:4])
         rank = self._tp_rank()
         for job in step.jobs:
             results = None if step.abandoned else step.results.get(job.req_id)
@@ -251,7 +250,7 @@ class LayerwiseLoads:
             try:
                 self._run(step)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the step recomputes
-                log.warning("hybridkv layer-wise load raised", error=repr(exc))
+                log.warning(ConnectorLogEvent.LAYERWISE_LOAD_RAISED, error=repr(exc))
             finally:
                 for ready in step.layer_ready.values():
                     ready.set()
@@ -290,7 +289,7 @@ class LayerwiseLoads:
             try:
                 statuses = self._store.get_into(keys, destinations)
             except Exception as exc:  # noqa: BLE001 -- a store failure fails these jobs, never the engine
-                log.warning("hybridkv layer-wise get raised", error=repr(exc))
+                log.warning(ConnectorLogEvent.LAYERWISE_GET_RAISED, error=repr(exc))
                 statuses = [Status.TRANSFER_FAILED] * len(refs)
         if late:
             # The call still writes ``buffers``: keep them alive until it returned; never commit them.

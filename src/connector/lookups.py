@@ -8,7 +8,8 @@ round). The scheduler thread never waits on the store: it submits a ``LookupTask
 Contracts:
 
 - A task's search (and its ``known`` facts) is written only by the worker while the task is in flight;
-  the scheduler reads it only once ``done`` is set (under the service's lock), or after abandoning it.
+  the scheduler reads it only once ``done`` is set (``_finish`` writes the outcome before ``done``), or
+  after abandoning it. ``submit`` never blocks: the scheduler thread never waits for the worker.
 - A store error, or a round slower than the budget, is a failure for the circuit breaker; while the breaker
   rejects calls, tasks finish with ``error`` at once (the scheduler answers "miss").
 - ``stalled()``: a store call has been in flight longer than the budget (a hung store). The scheduler then
@@ -17,6 +18,7 @@ Contracts:
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.store.breaker import Admission, CircuitBreaker
 
@@ -36,6 +39,16 @@ __all__ = ["MAX_KEYS_PER_ROUND", "LookupService", "LookupTask"]
 
 #: Keys of one batched ``exists``; searches beyond it wait for the next round (one search may exceed it).
 MAX_KEYS_PER_ROUND = 16384
+
+#: How long the worker sleeps between pieces of its CPU work. CPython hands the GIL to a waiting thread
+#: only when the holder releases it or after the switch interval (5 ms by default): a search's key work
+#: (a few ms at 128K tokens) would otherwise stall vLLM's scheduler thread for up to a whole interval.
+#: ``sleep(0)`` does not reliably hand it over (the sleeper takes it back before the waiter wakes up).
+GIL_HANDOFF_S = 0.0001
+
+
+def _hand_off_gil() -> None:
+    time.sleep(GIL_HANDOFF_S)
 
 
 @dataclass(eq=False)
@@ -61,9 +74,13 @@ class LookupService:
         self.store = store
         self.breaker = breaker
         self.budget_s = budget_s
-        self._cond = threading.Condition()
-        self._queue: list[LookupTask] = []
-        self._active: list[LookupTask] = []
+        # The scheduler thread only ever puts here: ``SimpleQueue.put`` never blocks and never gives up
+        # the GIL, so a submit cannot wait for the worker (a lock shared with the worker could, for as
+        # long as the OS keeps the worker off a core while it holds it).
+        self._inbox: queue.SimpleQueue[LookupTask | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()  # notified by the worker as tasks finish (``wait_idle``)
+        self._num_submitted = 0  # written by the submitting (scheduler) thread only
+        self._num_retired = 0  # finished or cancelled tasks; written by the worker only
         self._call_started_s: float | None = None
         self._closed = False
         self.num_exists_calls = 0
@@ -75,10 +92,12 @@ class LookupService:
         self._thread.start()
 
     def submit(self, task: LookupTask) -> None:
-        with self._cond:
-            assert not self._closed, "LookupService.submit after close"
-            self._queue.append(task)
-            self._cond.notify()
+        """Queue ``task`` without waiting; its search's CPU work then runs on the worker, in slices
+        (``LookupSearch.pause``)."""
+        assert not self._closed, "LookupService.submit after close"
+        task.search.pause = _hand_off_gil
+        self._num_submitted += 1
+        self._inbox.put(task)
 
     def stalled(self, now: float | None = None) -> bool:
         """Whether the store call in flight has been running longer than the budget (a hung store)."""
@@ -86,22 +105,23 @@ class LookupService:
         return started is not None and (time.monotonic() if now is None else now) - started > self.budget_s
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no search is queued or in flight (tests, benches); False on timeout."""
+        """Block until every task submitted before the call has finished (tests, benches); False on
+        timeout."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._queue or self._active:
+        target = self._num_submitted
+        while True:
+            with self._idle:
+                if self._num_retired >= target:
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
-        return True
+                self._idle.wait(min(left, 0.01))
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            for task in self._queue:
-                task.cancelled = True
-            self._cond.notify_all()
+        """Stop the worker; tasks not taken yet are cancelled (their ``done`` stays False)."""
+        self._closed = True
+        self._inbox.put(None)
 
     # -- worker -----------------------------------------------------------------------------------------
 
@@ -112,25 +132,50 @@ class LookupService:
             self.recent_costs.append((task.search.num_round_trips, task.search.num_keys))
         task.done = True
 
+    def _take(self, active: list[LookupTask], *, block: bool) -> bool:
+        """Move submitted tasks into ``active`` (waiting for one when ``block``); False once closed."""
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                active.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
     def _run(self) -> None:
+        active: list[LookupTask] = []
         while True:
-            with self._cond:
-                self._active = [t for t in self._active if not t.done]
-                if not self._active:
-                    self._cond.notify_all()  # idle: wake wait_idle
-                while not self._queue and not self._active and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._active.extend(self._queue)
-                self._queue.clear()
-                active = list(self._active)
-            self._round(active)
+            if not self._take(active, block=not active) or self._closed:
+                while True:  # cancel what is left: nobody will drive it
+                    try:
+                        leftover = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if leftover is not None:
+                        leftover.cancelled = True
+                for task in active:
+                    task.cancelled = True
+                return
+            try:
+                self._round(active)
+            except Exception as exc:  # a bug in one round must not end every later lookup
+                log.exception(ConnectorLogEvent.LOOKUP_ROUND_FAILED, error=repr(exc), num_tasks=len(active))
+                for task in active:
+                    if not task.done:
+                        self._finish(task, f"lookup worker error: {exc!r}")
+            num_before = len(active)
+            active[:] = [task for task in active if not task.done]
+            if len(active) != num_before:
+                with self._idle:
+                    self._num_retired += num_before - len(active)
+                    self._idle.notify_all()
 
     def _round(self, active: list[LookupTask]) -> None:
         # The searches' CPU work runs outside the lock (a task is the worker's alone while in flight), so
-        # ``submit`` from the scheduler thread never waits for it; ``sleep(0)`` hands the GIL back to the
-        # scheduler thread between searches.
+        # ``submit`` from the scheduler thread never waits for it; a short sleep after each piece of it
+        # hands the GIL to the scheduler thread if it is waiting (``GIL_HANDOFF_S``).
         batch: list[tuple[LookupTask, tuple[str, ...]]] = []
         union: dict[str, None] = {}
         finished: list[tuple[LookupTask, str | None]] = []
@@ -139,7 +184,7 @@ class LookupService:
                 finished.append((task, "cancelled"))
                 continue
             task_keys = task.search.next_keys()
-            time.sleep(0)
+            time.sleep(GIL_HANDOFF_S)
             if task_keys is None:
                 finished.append((task, None))
             elif batch and len(union) + len(task_keys) > MAX_KEYS_PER_ROUND:
@@ -151,9 +196,8 @@ class LookupService:
             finished.extend((task, "circuit open") for task, _ in batch)
             batch = []
         if finished:
-            with self._cond:
-                for task, error in finished:
-                    self._finish(task, error)
+            for task, error in finished:
+                self._finish(task, error)
         if not batch:
             return
         keys = list(union)
@@ -166,10 +210,9 @@ class LookupService:
             )
         except Exception as exc:  # noqa: BLE001 -- a store error is a miss for these lookups, never a crash
             self.breaker.on_failure()
-            log.warning("hybridkv lookup round failed", error=repr(exc), num_keys=len(keys))
-            with self._cond:
-                for task, _ in batch:
-                    self._finish(task, f"store error: {exc!r}")
+            log.warning(ConnectorLogEvent.LOOKUP_ROUND_FAILED, error=repr(exc), num_keys=len(keys))
+            for task, _ in batch:
+                self._finish(task, f"store error: {exc!r}")
             return
         finally:
             self._call_started_s = None
@@ -178,6 +221,7 @@ class LookupService:
             self.breaker.on_failure()  # slow: a few in a row open the circuit
         else:
             self.breaker.on_success()
+        time.sleep(GIL_HANDOFF_S)
         present = {key: status.is_ok for key, status in zip(keys, statuses)}
         self.num_exists_calls += 1
         self.num_keys_checked += len(keys)
@@ -185,3 +229,4 @@ class LookupService:
             task.store_s += elapsed
             if not task.cancelled:
                 task.search.feed(task_keys, [present[key] for key in task_keys])
+                time.sleep(GIL_HANDOFF_S)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
     BlockRef,
@@ -165,7 +166,7 @@ class SchedulerSide:
         self.can_save = bool(tc.is_kv_producer)
         self.can_load = bool(tc.is_kv_consumer)
         log.info(
-            "hybridkv scheduler geometry",
+            ConnectorLogEvent.SCHEDULER_GEOMETRY,
             store=self.store.url,
             saves=self.can_save,
             loads=self.can_load,
@@ -175,9 +176,7 @@ class SchedulerSide:
             cfg.store.split("?")[0].removeprefix("faulty+").startswith("memory://")
             and len(self.geo.ranks) > 1
         ):
-            log.warning(
-                "hybridkv: memory:// is process-local; with several worker processes use file:// or mooncake://"
-            )
+            log.warning(ConnectorLogEvent.MEMORY_STORE_IS_PROCESS_LOCAL)
 
     def bind_block_pool(self, pool: Any) -> None:
         self._block_pool = pool
@@ -202,7 +201,6 @@ class SchedulerSide:
             search = LookupSearch(
                 self.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
             )
-            r.block_hex = search.block_hex
             r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
             self.lookups.submit(r.task)
 
@@ -248,7 +246,7 @@ class SchedulerSide:
             # VERIFIED: the request was preempted after its load and is back. LOADING: vLLM gave up on the
             # load before every rank reported (nothing to judge). Either way: a new incarnation.
             if r.lc.current is State.LOADING:
-                log.warning("hybridkv: lookup while loading; load abandoned", request_id=request.request_id)
+                log.warning(ConnectorLogEvent.LOOKUP_WHILE_LOADING, request_id=request.request_id)
             r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
             r.lc = self.machine.new_request(request.request_id)
             r.memo, r.load = None, None
@@ -289,7 +287,6 @@ class SchedulerSide:
             if search is None:
                 return 0  # retries exhausted: MISS for the rest of this incarnation
             r.search, r.search_inputs, r.waiting_since = search, inputs, None
-            r.block_hex = search.block_hex
         search = r.search
         assert search is not None
         if self.namespace_closed:
@@ -298,17 +295,19 @@ class SchedulerSide:
         task = r.task
         if task is not None and task.done:
             r.task = None
+            r.block_hex = r.block_hex or task.search.block_hex  # made on the lookup thread; shared
             if task.error is not None and task.search is search:
                 self.stats.add("lookup_errors")
-                log.warning("hybridkv lookup failed; miss", request_id=request.request_id, error=task.error)
+                log.warning(ConnectorLogEvent.LOOKUP_FAILED, request_id=request.request_id, error=task.error)
                 return self._unavailable(r, task.error)
             if task.error is None and task.inputs == inputs and task.search.result is not None:
                 # The prefetch answered exactly this ask: nothing to compute on the scheduler thread.
                 return lc.finish_search(task.search.result).boundary
             task = None
         if task is None:
-            # No store call in flight for this request: its facts may already answer (the prefetch).
-            if search.next_keys() is None:
+            # No store call in flight for this request: its facts may already answer (the prefetch). With
+            # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
+            if r.known and search.next_keys() is None:
                 assert search.result is not None
                 return lc.finish_search(search.result).boundary
             if not self._store_usable():
@@ -325,7 +324,7 @@ class SchedulerSide:
         ):
             self.stats.add("lookup_errors")
             log.warning(
-                "hybridkv lookup over budget; miss",
+                ConnectorLogEvent.LOOKUP_OVER_BUDGET,
                 request_id=request.request_id,
                 budget_ms=self.cfg.lookup_budget_ms,
                 store_ms=round(task.store_s * 1000.0, 1),
@@ -439,9 +438,7 @@ class SchedulerSide:
         self._pending_loads.append(LoadJob(request.request_id, 0, (), declined_block_ids))
         self._uncache(set(declined_block_ids))
         self.stats.add("hit_declined")
-        log.warning(
-            "hybridkv: hit declined; request recomputes", request_id=request.request_id, reason=reason
-        )
+        log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
         if r is None:
             return
         r.memo = None
@@ -556,7 +553,7 @@ class SchedulerSide:
             }
             self._invalidate(list(resolution.invalid_keys), sorted(bad))
         log.warning(
-            "hybridkv load failed; request recomputes",
+            ConnectorLogEvent.LOAD_FAILED,
             request_id=r.request.request_id,
             boundary=job.boundary,
             retry_cap=resolution.retry_cap,
@@ -604,14 +601,14 @@ class SchedulerSide:
                 if exc is None:
                     self._events.extend(self._removed_event(sgid, block_hash) for sgid, block_hash in blocks)
             if exc is not None:
-                log.warning("hybridkv invalidation failed", error=repr(exc), num_keys=len(keys))
+                log.warning(ConnectorLogEvent.INVALIDATION_FAILED, error=repr(exc), num_keys=len(keys))
                 return
             self.stats.add("invalidated_entries", sum(1 for st in fut.result() if st.is_ok))
 
         if self._submit_maintenance(lambda: self.store.remove(keys), removed) is None:
             with self._lock:
                 self._removals_pending.difference_update(blocks)
-            log.warning("hybridkv invalidation dropped: maintenance queue full", num_keys=len(keys))
+            log.warning(ConnectorLogEvent.INVALIDATION_DROPPED, num_keys=len(keys))
 
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
@@ -714,24 +711,22 @@ class SchedulerSide:
                 if exc is None:
                     self._events.append(AllBlocksCleared())
             if exc is None:
-                log.info("hybridkv reset_cache", prefix=prefix, removed=fut.result())
+                log.info(ConnectorLogEvent.RESET_CACHE, prefix=prefix, removed=fut.result())
             else:
-                log.warning(
-                    "hybridkv reset_cache failed; lookups miss until a reset succeeds", error=repr(exc)
-                )
+                log.warning(ConnectorLogEvent.RESET_CACHE_FAILED, error=repr(exc))
 
         fut = self._submit_maintenance(remove_namespace, cleared)
         if fut is None:
             with self._lock:
                 self._resets_pending -= 1
                 self._reset_failed = True
-            log.warning("hybridkv reset_cache dropped: maintenance queue full; lookups miss until a reset")
+            log.warning(ConnectorLogEvent.RESET_CACHE_DROPPED)
             return False
         try:
             fut.exception(timeout=self.reset_wait_s)
         except concurrent.futures.TimeoutError:
             self.stats.add("reset_timeouts")
-            log.warning("hybridkv reset_cache still running; lookups miss until it finishes", prefix=prefix)
+            log.warning(ConnectorLogEvent.RESET_CACHE_STILL_RUNNING, prefix=prefix)
             return True
         return fut.exception() is None
 

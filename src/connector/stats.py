@@ -1,13 +1,10 @@
 """Connector counters, carried through vLLM's ``KVConnectorStats`` (rebuildable from a plain dict).
 
 All values are counters since the previous collection; ``aggregate`` sums them (scheduler + every worker).
-Names: ``lookups``, ``lookup_hits``, ``lookup_errors``, ``hit_tokens`` and ``hit_tokens.g<N>`` (per store
-group), ``truncations``, ``invalidated_entries``, ``load_transient_faults``, ``hit_declined``,
-``maintenance_dropped``, ``reset_timeouts``, ``load_calls``, ``load_keys``, ``load_bytes``,
-``load_failed_keys``, ``load_job_seconds``, ``save_calls``, ``save_keys``, ``save_bytes``, ``save_failed_keys``,
-``save_skipped_keys`` (already stored), ``put_wave_drops``, ``layerwise_load_steps``, ``layerwise_dropped_saves``,
-``layerwise_abandoned_steps``, ``layerwise_unwaited_steps`` (``load_mode: layerwise``); and one gauge, ``breaker_open`` (0 or 1, sent by
-the scheduler whenever the lookup circuit breaker changed state).
+The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states, e.g. ``breaker_open``: 0 or 1, sent by
+the scheduler whenever the lookup circuit breaker changed state) and the per-store-group counter
+``hit_tokens.g<N>`` (``PER_GROUP_HIT_TOKENS``). ``add`` refuses any other name, so these tables are the
+whole vocabulary (``docs/metrics.md`` lists them).
 
 Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
 ``hit_tokens.g<N>`` as ``vllm:hybridkv_group_hit_tokens_total{group="N"}``, the gauge as
@@ -23,12 +20,21 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 
+def is_stat_name(name: str) -> bool:
+    """Whether ``name`` is a counter or gauge of the tables below (``hit_tokens.g<N>``: any group ``N``)."""
+    if name in PROM_COUNTERS or name in GAUGES:
+        return True
+    group = name.removeprefix(PER_GROUP_HIT_TOKENS)
+    return group != name and group.isdigit()
+
+
 @dataclass
 class HybridStoreStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
     def add(self, name: str, n: float = 1) -> None:
+        assert is_stat_name(name), f"stat {name!r} is in neither PROM_COUNTERS nor GAUGES"
         self.data[name] = self.data.get(name, 0) + n
 
     def aggregate(self, other: KVConnectorStats) -> HybridStoreStats:
@@ -58,7 +64,7 @@ class StatsBox:
         if not n:
             return
         with self._lock:
-            self._cur.add(name, n)
+            self._cur.add(name, n)  # (checks the name)
             self.totals[name] = self.totals.get(name, 0) + n
 
     def take(self) -> HybridStoreStats | None:
@@ -72,6 +78,9 @@ class StatsBox:
 def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
     return HybridStoreStats(data=dict(data or {}))
 
+
+#: The per-store-group counter: ``hit_tokens.g<N>`` counts group ``N``'s external-hit tokens.
+PER_GROUP_HIT_TOKENS = "hit_tokens.g"
 
 #: gauge name in the stats dict -> (Prometheus metric name, help)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -198,8 +207,8 @@ def build_prom(
                     continue
                 if key in self._counters:
                     self._counters[key][engine_idx].inc(value)
-                elif key.startswith("hit_tokens.g"):
-                    group = key.removeprefix("hit_tokens.g")
+                elif key.startswith(PER_GROUP_HIT_TOKENS):
+                    group = key.removeprefix(PER_GROUP_HIT_TOKENS)
                     child = self._hit_children.get((engine_idx, group))
                     if child is None:
                         child = self._hit.labels(*self.per_engine_labelvalues[engine_idx], group)

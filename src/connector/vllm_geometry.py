@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 from hybridkv.connector.identity import ModelIdentity, manifest, model_identity, write_manifest
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.geometry import Geometry, Topology
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import GroupKind, GroupSpec
@@ -87,12 +88,16 @@ class ConnectorGeometry:
             )
         except Exception as exc:  # noqa: BLE001 -- the manifest is for people; the engine must start anyway
             log.warning(
-                "hybridkv manifest not written", key_prefix=self.scheme.geometry_prefix, error=repr(exc)
+                ConnectorLogEvent.MANIFEST_NOT_WRITTEN,
+                key_prefix=self.scheme.geometry_prefix,
+                error=repr(exc),
             )
             return
         if status is not Status.OK:
             log.warning(
-                "hybridkv manifest not written", key_prefix=self.scheme.geometry_prefix, status=status.value
+                ConnectorLogEvent.MANIFEST_NOT_WRITTEN,
+                key_prefix=self.scheme.geometry_prefix,
+                status=status.value,
             )
 
 

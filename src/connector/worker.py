@@ -54,6 +54,7 @@ import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
 from hybridkv.connector.layerwise import LayerTensors, LayerwiseLoads
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -221,7 +222,18 @@ class WorkerSide:
             )
 
     # ------------------------------------------------------------------ layout
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        staging: StagingContext | None = None,
+    ) -> None:
+        """Bind the engine's KV tensors (vLLM's ``register_kv_caches``).
+
+        ``staging``: route every transfer through these slabs (the staged path CUDA caches take) even
+        for host caches; None: CUDA caches get pinned slabs sized from ``put_wave_bytes``, host caches
+        are read and written in place.
+        """
         try:
             self.tp_rank, self.dcp_rank = _ranks()
         except Exception:  # noqa: BLE001 -- parallel state not initialized (unit tests): rank 0
@@ -247,7 +259,9 @@ class WorkerSide:
             per_group[g.sgid] = per_layer
         assert len(devices) <= 1, f"KV caches on several devices: {sorted(map(str, devices))}"
         device = next(iter(devices)) if devices else torch.device("cpu")
-        if device.type == "cuda":
+        if staging is not None:
+            self._staging = staging
+        elif device.type == "cuda":
             block_max = max(
                 sum(int(x[0].numel()) * x.element_size() for layer in pl for x in layer)
                 for pl in per_group.values()
@@ -267,7 +281,7 @@ class WorkerSide:
                     first += len(tensors)
             self._layerwise.register(self._movers, layers)
         log.info(
-            "hybridkv worker geometry",
+            ConnectorLogEvent.WORKER_GEOMETRY,
             tp_rank=self.tp_rank,
             dcp_rank=self.dcp_rank,
             store=self.store.url,
@@ -389,7 +403,7 @@ class WorkerSide:
             try:
                 ok, results = self._load_job(scheme, job, fence, owned)
             except Exception as exc:  # noqa: BLE001 -- a store bug must not kill the engine: the request recomputes
-                log.warning("hybridkv load raised", request_id=job.req_id, error=repr(exc))
+                log.warning(ConnectorLogEvent.LOAD_RAISED, request_id=job.req_id, error=repr(exc))
                 ok = False
                 results = self._load_results(job, LoadOutcome.TRANSPORT_ERROR)
             self.stats.add("load_job_seconds", time.perf_counter() - started)
@@ -557,7 +571,7 @@ class WorkerSide:
             try:
                 results = self._put_job(scheme, job, fence, owned, snapshots)
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
-                log.warning("hybridkv save raised", request_id=job.req_id, error=repr(exc))
+                log.warning(ConnectorLogEvent.SAVE_RAISED, request_id=job.req_id, error=repr(exc))
                 results = self._save_results(job, SaveOutcome.TRANSPORT_ERROR)
             if owned.calls:
                 # A late put still reads the source pages (host) or its slab (CUDA): the job's pins, slabs

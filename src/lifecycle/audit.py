@@ -15,6 +15,7 @@ state, retry loops, retries that hit past the truncation's cap; plus truncation 
 from __future__ import annotations
 
 import atexit
+import enum
 import gzip
 import json
 import logging
@@ -46,6 +47,7 @@ __all__ = [
     "JsonLinesAuditSink",
     "MemoryAuditSink",
     "Violation",
+    "ViolationKind",
     "audit_file",
     "audit_files",
     "read_lines",
@@ -369,18 +371,41 @@ class MemoryAuditSink(AuditSink):
 # -- replay -------------------------------------------------------------------------------------------
 
 
+class ViolationKind(enum.StrEnum):
+    """Every kind of problem the replay reports (``hybridkv audit``; docs/lifecycle.md lists them)."""
+
+    #: not a JSON object, or lacks the string / int-or-null fields every record has
+    MALFORMED = "malformed"
+    #: an unknown state, or a trigger that does not lead from ``src`` to ``dst`` in the table
+    ILLEGAL = "illegal"
+    #: ``src`` is not the state the lifecycle's previous record left it in
+    DISCONTINUITY = "discontinuity"
+    #: a record after the lifecycle's terminal state
+    AFTER_TERMINAL = "after_terminal"
+    #: the lifecycle ends in a non-terminal state
+    UNTERMINATED = "unterminated"
+    #: more retries than allowed, or a load after the retries ran out
+    LOOP = "loop"
+    #: a lookup after a truncation hit past the recorded retry cap
+    OVER_CAP = "over_cap"
+
+
 @dataclass(frozen=True)
 class Violation:
-    """One problem found in a log. ``kind``: malformed | illegal | discontinuity | after_terminal |
-    unterminated | loop | over_cap (a lookup after a truncation hit past the recorded retry cap)."""
+    """One problem found in a log."""
 
-    kind: str
+    kind: ViolationKind
     line: int | None
     request_id: str | None
     message: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "line": self.line, "request_id": self.request_id, "message": self.message}
+        return {
+            "kind": self.kind.value,
+            "line": self.line,
+            "request_id": self.request_id,
+            "message": self.message,
+        }
 
 
 @dataclass
@@ -421,7 +446,7 @@ class AuditReport:
     def violation_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for violation in self.violations:
-            counts[violation.kind] = counts.get(violation.kind, 0) + 1
+            counts[violation.kind.value] = counts.get(violation.kind.value, 0) + 1
         return counts
 
     def to_dict(self) -> dict[str, Any]:
@@ -464,10 +489,14 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         try:
             record = json.loads(raw)
         except ValueError as error:
-            report.violations.append(Violation("malformed", line_number, None, f"not JSON: {error}"))
+            report.violations.append(
+                Violation(ViolationKind.MALFORMED, line_number, None, f"not JSON: {error}")
+            )
             continue
         if not isinstance(record, dict):
-            report.violations.append(Violation("malformed", line_number, None, "not a JSON object"))
+            report.violations.append(
+                Violation(ViolationKind.MALFORMED, line_number, None, "not a JSON object")
+            )
             continue
         if record.get("event") == DROPPED_EVENT and isinstance(record.get("num_dropped"), int):
             report.num_dropped += record["num_dropped"]
@@ -479,7 +508,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         ):
             report.violations.append(
                 Violation(
-                    "malformed",
+                    ViolationKind.MALFORMED,
                     line_number,
                     request_id if isinstance(request_id, str) else None,
                     "needs string request_id, src, dst, trigger and an int or null wave",
@@ -492,7 +521,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         report.trigger_counts[trigger] = report.trigger_counts.get(trigger, 0) + 1
         if src not in _STATE_NAMES or dst not in _STATE_NAMES:
             report.violations.append(
-                Violation("illegal", line_number, request_id, f"unknown state in {src} -> {dst}")
+                Violation(ViolationKind.ILLEGAL, line_number, request_id, f"unknown state in {src} -> {dst}")
             )
             continue
 
@@ -508,14 +537,17 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         if lifecycle.terminal:
             report.violations.append(
                 Violation(
-                    "after_terminal", line_number, request_id, f"{trigger} after terminal {lifecycle.state}"
+                    ViolationKind.AFTER_TERMINAL,
+                    line_number,
+                    request_id,
+                    f"{trigger} after terminal {lifecycle.state}",
                 )
             )
             continue
         if src != lifecycle.state:
             report.violations.append(
                 Violation(
-                    "discontinuity",
+                    ViolationKind.DISCONTINUITY,
                     line_number,
                     request_id,
                     f"{trigger} from {src}, but the lifecycle is in {lifecycle.state}",
@@ -526,7 +558,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
             allowed = spec.dest.name if spec else "nowhere"
             report.violations.append(
                 Violation(
-                    "illegal",
+                    ViolationKind.ILLEGAL,
                     line_number,
                     request_id,
                     f"{trigger}: {src} -> {dst} (table: {src} -> {allowed})",
@@ -540,7 +572,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
             if lifecycle.num_retries > MAX_LOAD_RETRIES:
                 report.violations.append(
                     Violation(
-                        "loop",
+                        ViolationKind.LOOP,
                         line_number,
                         request_id,
                         f"retry #{lifecycle.num_retries} (max {MAX_LOAD_RETRIES})",
@@ -550,7 +582,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
             lifecycle.gave_up = True
         elif trigger == "start_load" and lifecycle.gave_up:
             report.violations.append(
-                Violation("loop", line_number, request_id, "load started after retries ran out")
+                Violation(ViolationKind.LOOP, line_number, request_id, "load started after retries ran out")
             )
 
         raw_groups = record.get("groups")
@@ -563,7 +595,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         if trigger == "lookup_hit" and cap is not None and isinstance(boundary, int) and boundary > cap:
             report.violations.append(
                 Violation(
-                    "over_cap",
+                    ViolationKind.OVER_CAP,
                     line_number,
                     request_id,
                     f"hit {boundary} after a truncation capped the retry at {cap}",
@@ -595,7 +627,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         else:
             report.violations.append(
                 Violation(
-                    "unterminated",
+                    ViolationKind.UNTERMINATED,
                     lifecycle.first_line,
                     request_id,
                     f"{lifecycle.side} lifecycle ended in {lifecycle.state}",

@@ -424,9 +424,15 @@ class MambaRules(KindRules):
         probed: Callable[[int], bool],
         max_states: int,
     ) -> list[int]:
-        # The nearest probed states (states are saved at a few hand-off boundaries only).
-        found = [b for b in reversed(candidates) if b < boundary and probed(b)]
-        return found[:max_states]
+        # The nearest probed states (states are saved at a few hand-off boundaries only); the scan stops
+        # at the last one it needs (a 128K prompt has thousands of candidates below the boundary).
+        found: list[int] = []
+        for b in reversed(candidates):
+            if len(found) == max_states:
+                break
+            if b < boundary and probed(b):
+                found.append(b)
+        return found
 
 
 #: The rules of every cache kind.

@@ -32,9 +32,11 @@ another round trip when it already covers that plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from hybridkv.lifecycle.geometry import Geometry
 from hybridkv.lifecycle.keys import KeyScheme, PlannedBlock
@@ -53,6 +55,10 @@ __all__ = [
 ]
 
 ExistsFn = Callable[[Sequence[str]], Sequence[bool]]
+_T = TypeVar("_T")
+
+#: Keys or boundaries per slice of a search's CPU work between two calls of its ``pause``.
+PAUSE_EVERY = 256
 
 #: Probed states below the chosen boundary confirmed with its plan (per state group).
 MAX_STEP_BACK_STATES = 16
@@ -289,8 +295,13 @@ class LookupSearch:
     #: key -> present (on that key's rank); shared by the searches of one request incarnation.
     known: dict[str, bool] = field(default_factory=dict)
     max_confirm_rounds: int = DEFAULT_MAX_CONFIRM_ROUNDS
-    #: ``[h.hex() for h in block_hashes]`` when the caller has it (searches of one request share it)
+    #: ``[h.hex() for h in block_hashes]`` when the caller has it (searches of one request share it);
+    #: otherwise the first ``next_keys`` makes it.
     block_hex: list[str] | None = None
+    #: Called between slices of ``next_keys``' CPU work (about ``PAUSE_EVERY`` keys or boundaries each):
+    #: a caller on a background thread hands the GIL to other threads there. The search's answer does
+    #: not depend on it.
+    pause: Callable[[], None] | None = None
     result: LookupResult | None = field(default=None, init=False)
     num_round_trips: int = field(default=0, init=False)
     num_keys: int = field(default=0, init=False)
@@ -316,9 +327,8 @@ class LookupSearch:
         self._unit_first = unit_first
         self._local = local
         self._cap = cap
-        if self.block_hex is None or len(self.block_hex) < len(self.block_hashes):
-            self.block_hex = [block_hash.hex() for block_hash in self.block_hashes]
-        self._hex = self.block_hex
+        # The hex forms are made by the first ``next_keys`` (on the lookup thread, not the caller's).
+        self._hex: list[str] = []
         self._probed = False
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}
@@ -345,17 +355,24 @@ class LookupSearch:
     def _exact_verdict(self, group_index: int, boundary: int) -> bool | None:
         """Present on every rank (True), absent on some (False), or not known yet (None)."""
         verdict = self._exact.get((group_index, boundary))
-        if verdict is None:
-            known = self.known
-            facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
-            if False in facts:
-                verdict = False
-            elif None in facts:
-                return None
-            else:
-                verdict = True
-            self._exact[(group_index, boundary)] = verdict  # facts only grow: a verdict never changes
-        return verdict
+        if verdict is not None:
+            return verdict
+        known = self.known
+        hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+        unknown = False
+        # One absent rank decides; the keys are built one at a time because most boundaries are decided
+        # (or found unknown) by their first ranks, and this runs for every candidate of every round.
+        for prefix in self.scheme.group_rank_prefixes[group_index]:
+            fact = known.get(prefix + hash_hex)
+            if fact is False:
+                self._exact[(group_index, boundary)] = False  # facts only grow: a verdict never changes
+                return False
+            if fact is None:
+                unknown = True
+        if unknown:
+            return None
+        self._exact[(group_index, boundary)] = True
+        return True
 
     def _guess(self) -> LookupResult:
         """The fixed point under the current facts: exact where known, the probe elsewhere."""
@@ -367,13 +384,43 @@ class LookupSearch:
                 return known.get(self._probe_key(group_index, boundary), False)
             return verdict
 
-        return _resolve(self._candidates, available_in_store)
+        return _resolve(self._candidates, self._with_pauses(available_in_store))
+
+    def _with_pauses(self, available: AvailableFn) -> AvailableFn:
+        pause = self.pause
+        if pause is None:
+            return available
+        num_calls = 0
+
+        def paused(group_index: int, boundary: int) -> bool:
+            nonlocal num_calls
+            num_calls += 1
+            if num_calls % PAUSE_EVERY == 0:
+                pause()
+            return available(group_index, boundary)
+
+        return paused
+
+    def _paused(self, items: Iterable[_T]) -> Iterator[_T]:
+        """``items``, with ``pause`` called after every ``PAUSE_EVERY`` of them."""
+        pause = self.pause
+        if pause is None:
+            yield from items
+            return
+        for index, item in enumerate(items, 1):
+            yield item
+            if index % PAUSE_EVERY == 0:
+                pause()
 
     def next_keys(self) -> tuple[str, ...] | None:
         """The keys to check next (one batched ``exists``), or None: ``result`` holds the answer."""
         if self.result is not None:
             return None
         if self._pending is None:
+            if not self._hex:
+                if self.block_hex is None or len(self.block_hex) < len(self.block_hashes):
+                    self.block_hex = [block_hash.hex() for block_hash in self.block_hashes]
+                self._hex = self.block_hex
             self._pending = self._next_keys()
         return self._pending
 
@@ -384,7 +431,7 @@ class LookupSearch:
             probes = [
                 key
                 for unit in geometry.lookup_units
-                for b in self._boundaries(unit[0])
+                for b in self._paused(self._boundaries(unit[0]))
                 if (key := self._probe_key(unit[0], b)) not in known
             ]
             self._probed = True  # fed next (or the search ends with its task): never listed again
@@ -397,7 +444,7 @@ class LookupSearch:
                 self.result = guess
                 return None
             pairs = dict.fromkeys((load.group_index, load.key_boundary) for load in guess.plan.loads)
-            unknown_pairs = [pair for pair in pairs if self._exact_verdict(*pair) is None]
+            unknown_pairs = [pair for pair in self._paused(pairs) if self._exact_verdict(*pair) is None]
             if not unknown_pairs:
                 # Every entry of the plan was seen present on every rank (one known absent would have
                 # made its boundary unavailable).
@@ -407,7 +454,10 @@ class LookupSearch:
                 self.result = guess
                 return None
             unknown = tuple(
-                key for pair in unknown_pairs for key in self._rank_keys(*pair) if key not in known
+                key
+                for pair in self._paused(unknown_pairs)
+                for key in self._rank_keys(*pair)
+                if key not in known
             )
             if self._num_confirms < self.max_confirm_rounds:
                 self._num_confirms += 1
@@ -417,7 +467,7 @@ class LookupSearch:
             scan = tuple(
                 key
                 for g in range(self.scheme.geometry.num_groups)
-                for b in self._boundaries(g)
+                for b in self._paused(self._boundaries(g))
                 if b <= guess.boundary
                 for key in self._rank_keys(g, b)
                 if key not in known
@@ -438,11 +488,16 @@ class LookupSearch:
         keys: list[str] = []
         for group_index, group in enumerate(geometry.groups):
 
-            def probed(b: int, group_index: int = group_index) -> bool:
+            def probed(group_index: int, b: int) -> bool:
                 return bool(self.known.get(self._probe_key(group_index, b)))
 
             boundaries = group.rules.step_back_boundaries(
-                geometry, group_index, boundary, self._boundaries(group_index), probed, MAX_STEP_BACK_STATES
+                geometry,
+                group_index,
+                boundary,
+                self._boundaries(group_index),
+                functools.partial(self._with_pauses(probed), group_index),
+                MAX_STEP_BACK_STATES,
             )
             for b in boundaries:
                 keys.extend(key for key in self._rank_keys(group_index, b) if key not in self.known)

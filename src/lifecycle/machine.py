@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from hybridkv.lifecycle.audit import AuditSink
 
 __all__ = [
+    "DETAIL_FIELDS",
     "LOAD_INITIAL",
     "LOAD_TERMINAL",
     "MAX_LOAD_RETRIES",
@@ -130,6 +131,31 @@ TRANSITIONS: tuple[TransitionSpec, ...] = (
     TransitionSpec("drop",          (_S.QUEUED, _S.PUTTING),      _S.DROPPED,     "save_dropped"),
 )
 # fmt: on
+
+
+#: trigger -> the fields of its audit record's ``detail``: a record carries all of them or (where the
+#: detail is optional, e.g. a ``decline`` without a reason) none; triggers not listed carry none. ``fire``
+#: refuses anything else, so this table is the whole ``detail`` vocabulary.
+DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "lookup_miss": ("reason",),
+    "decline": ("reason",),
+    "load_failed": (
+        "planned_boundary",
+        "retry_cap",
+        "num_failed_entries",
+        "num_invalid_keys",
+        "num_transient_faults",
+        "failed_groups",
+    ),
+    "retry": ("max_boundary",),
+    "evict": ("reason",),
+    "put_failed": ("num_stored_blocks", "num_blocks"),
+    "drop": ("reason",),
+}
+assert DETAIL_FIELDS.keys() <= {spec.trigger for spec in TRANSITIONS}, (
+    f"DETAIL_FIELDS names triggers TRANSITIONS lacks: {DETAIL_FIELDS.keys() - {s.trigger for s in TRANSITIONS}}"
+)
+_DETAIL_FIELD_SETS = {trigger: frozenset(fields) for trigger, fields in DETAIL_FIELDS.items()}
 
 
 def transition_index() -> dict[tuple[str, State], TransitionSpec]:
@@ -221,6 +247,10 @@ class LifecycleMachine:
         spec = _INDEX.get((trigger, State[src]))
         if spec is None:
             raise IllegalTransition(model.request_id, trigger, src, _TRIGGER_TO_DESTS.get(trigger, ()))
+        assert not detail or detail.keys() == _DETAIL_FIELD_SETS.get(trigger), (
+            f"request {model.request_id!r}: {trigger!r} carries detail fields {sorted(detail)}, "
+            f"DETAIL_FIELDS declares {DETAIL_FIELDS.get(trigger, ())}"
+        )
         model.detail = detail or None
         self._events[trigger].trigger(model)
         if model.state == src:

@@ -6,7 +6,7 @@ for every scheme and parameter, ``hybridkv.store.base`` for the contract all bac
 
 from __future__ import annotations
 
-from hybridkv.store.base import Destination, Status, Store, StoreError, StoreStats, Value
+from hybridkv.store.base import Destination, Status, Store, StoreError, StoreLogEvent, StoreStats, Value
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.params import format_size, parse_size
 from hybridkv.store.url import open_store
@@ -17,6 +17,7 @@ __all__ = [
     "Status",
     "Store",
     "StoreError",
+    "StoreLogEvent",
     "StoreStats",
     "Value",
     "format_size",

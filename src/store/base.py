@@ -36,6 +36,24 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 from typing_extensions import Buffer
 
+
+class StoreLogEvent(enum.StrEnum):
+    """Every structlog event the store backends log (warnings, and one debug line); docs name some of them."""
+
+    #: a read whose frame does not match (truncated, bit-flipped, another key's, another length)
+    CORRUPT_VALUE = "store.corrupt_value"
+    FILE_DIR_NOT_PRIVATE = "store.file.dir_not_private"
+    FILE_EVICTED = "store.file.evicted"
+    FILE_SIZE_MISMATCH = "store.file.size_mismatch"
+    FILE_UNREADABLE_HEADER = "store.file.unreadable_header"
+    FILE_IO_ERROR = "store.file.io_error"
+    MOONCAKE_RPC_TIMEOUT_ENV_DIFFERS = "store.mooncake.rpc_timeout_env_differs"
+    MOONCAKE_DEADLINE = "store.mooncake.deadline"
+    MOONCAKE_MASTER_DOWN = "store.mooncake.master_down"
+    MOONCAKE_ERROR = "store.mooncake.error"
+    MOONCAKE_CLOSE_TIMEOUT = "store.mooncake.close_timeout"
+
+
 #: One value: a single buffer or parts concatenated in order.
 Value: TypeAlias = Buffer | Sequence[Buffer]
 #: One destination: a single writable buffer or parts filled in order.

@@ -162,7 +162,7 @@ class DeadlineRunner:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(call())
-                except BaseException as error:  # delivered to the caller, who re-raises it
+                except BaseException as error:  # noqa: BLE001 -- delivered to the caller, who re-raises it
                     future.set_exception(error)
             with self._lock:
                 self._num_idle += 1

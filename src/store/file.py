@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import overload
 
 import structlog
-from hybridkv.store.base import Status, StoreError, StoreStats
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 
@@ -115,7 +115,7 @@ class FileBackend:
             self._spare.mkdir(mode=0o700, exist_ok=True)
             mode = stat.S_IMODE(directory.stat().st_mode)
             if mode & 0o077:
-                log.warning("store.file.dir_not_private", directory=str(directory), mode=oct(mode))
+                log.warning(StoreLogEvent.FILE_DIR_NOT_PRIVATE, directory=str(directory), mode=oct(mode))
             self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
             self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
@@ -130,8 +130,9 @@ class FileBackend:
 
     # -- paths -------------------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
-        # str, not Path: this is on every call's hot path.
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key``'s frame (whether or not it exists); for inspection and fault tests.
+        A str, not a Path: this is on every call's hot path."""
         digest = key_digest(key).hex()
         return f"{self._objects_str}/{digest[:2]}/{digest}{_SUFFIX}"
 
@@ -319,7 +320,7 @@ class FileBackend:
             self._set_usage(total, spare_total)
             self.num_evicted += num_evicted
             self._remove_stale_temp_files(now)
-            log.debug("store.file.evicted", url=self.url, num_evicted=num_evicted, num_bytes=total)
+            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
             return True
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
@@ -339,7 +340,7 @@ class FileBackend:
         results: list[Status] = []
         now = time.time()
         for key in keys:
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 info = os.stat(path)
             except FileNotFoundError:
@@ -364,7 +365,7 @@ class FileBackend:
         sizes = [sum(part.nbytes for part in frame) for frame in frames]
         num_new_bytes = 0
         for key, size in zip(keys, sizes):
-            path = self._path(key)
+            path = self.path_of(key)
             if os.path.exists(path):  # insert-if-absent; the link in _publish settles races
                 results.append(Status.OK)
                 paths.append(None)
@@ -494,7 +495,7 @@ class FileBackend:
         results: list[Status] = []
         now = time.time()
         for index, (key, frame) in enumerate(zip(keys, frames)):
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 opened = self._open_published(path)
             except OSError as error:
@@ -508,7 +509,9 @@ class FileBackend:
                 expected = sum(part.nbytes for part in frame)
                 if info.st_size != expected:
                     results.append(Status.CORRUPT)
-                    log.warning("store.file.size_mismatch", key=key, size=info.st_size, expected=expected)
+                    log.warning(
+                        StoreLogEvent.FILE_SIZE_MISMATCH, key=key, size=info.st_size, expected=expected
+                    )
                     continue
                 if _read_all(fd, frame) != expected or (verify is not None and not verify(index)):
                     results.append(Status.CORRUPT)
@@ -524,7 +527,7 @@ class FileBackend:
     def remove(self, keys: Sequence[str]) -> list[Status]:
         results: list[Status] = []
         for key in keys:
-            path = self._path(key)
+            path = self.path_of(key)
             try:
                 removed = self._retire(path, os.stat(path).st_size)
             except FileNotFoundError:
@@ -559,10 +562,10 @@ class FileBackend:
             finally:
                 os.close(fd)
             key = key_from_header(head)
-            if key is not None and self._path(key) != str(path):
+            if key is not None and self.path_of(key) != str(path):
                 key = None  # a frame of another key under this name: unreadable as this key
             if key is None:
-                log.warning("store.file.unreadable_header", path=str(path))
+                log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
                 if not include_unreadable:
                     continue
             yield path, key
@@ -636,7 +639,7 @@ class FileBackend:
     def _status_of(self, error: OSError, op: str, key: str) -> Status:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             return Status.NO_SPACE
-        log.warning("store.file.io_error", url=self.url, op=op, key=key, error=str(error))
+        log.warning(StoreLogEvent.FILE_IO_ERROR, url=self.url, op=op, key=key, error=str(error))
         return Status.TRANSFER_FAILED
 
 

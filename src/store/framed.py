@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, Self, cast
 
 import structlog
-from hybridkv.store.base import Destination, Status, StoreError, StoreStats, Value, with_extra
+from hybridkv.store.base import Destination, Status, StoreError, StoreLogEvent, StoreStats, Value, with_extra
 from hybridkv.store.frame import ChecksumAlgo, check_frame, encode_header, header_size
+from typing_extensions import Buffer
 
 log = structlog.get_logger(__name__)
 
@@ -94,9 +95,9 @@ def _is_just_in_time(backend: object) -> bool:
 def value_to_parts(value: Value) -> list[memoryview]:
     """Byte views of one value: a single buffer, or a sequence of buffers concatenated in order."""
     try:
-        view = memoryview(value)
-    except TypeError:
-        return [_byte_view(part) for part in value]
+        view = memoryview(cast(Buffer, value))
+    except TypeError:  # not one buffer (numpy arrays are, without declaring it): a sequence of parts
+        return [_byte_view(part) for part in cast(Sequence[Buffer], value)]
     return [_flat(view)]
 
 
@@ -221,7 +222,7 @@ class FramedStore:
             return True
         with self._lock:
             self._num_corrupt += 1
-        log.warning("store.corrupt_value", url=self.url, key=key, problem=problem)
+        log.warning(StoreLogEvent.CORRUPT_VALUE, url=self.url, key=key, problem=problem)
         return False
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
@@ -251,7 +252,7 @@ class FramedStore:
         self._closed = True
         self._backend.close()
 
-    def __enter__(self) -> FramedStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -23,7 +23,7 @@ from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 
 #: Frames at least this big are recycled on remove/evict (malloc reuses smaller ones well enough).
-_SPARE_MIN_FRAME = 256 << 10
+SPARE_MIN_FRAME = 256 << 10
 #: Upper bound on the spare bytes one table keeps.
 _SPARE_BYTES = 128 << 20
 _PAGE = 4096
@@ -31,7 +31,7 @@ _PAGE = 4096
 
 def _buffer_size(size: int) -> int:
     """Bytes of the buffer holding a frame of ``size`` bytes (spares are matched on this)."""
-    return size if size < _SPARE_MIN_FRAME else -(-size // _PAGE) * _PAGE
+    return size if size < SPARE_MIN_FRAME else -(-size // _PAGE) * _PAGE
 
 
 def _buffer_of(data: np.ndarray) -> np.ndarray:
@@ -74,7 +74,7 @@ class _MemoryTable:
 
     def retire(self, data: np.ndarray) -> None:
         """Frame ``data`` left the table: keep its buffer as a spare if big, unpinned, and there is room."""
-        if data.nbytes < _SPARE_MIN_FRAME or id(data) in self.pins:
+        if data.nbytes < SPARE_MIN_FRAME or id(data) in self.pins:
             return
         data = _buffer_of(data)
         size = data.nbytes
@@ -129,6 +129,12 @@ class MemoryBackend:
         self.name = name
         self._table = _table_for(name, capacity_bytes)
 
+    @property
+    def table(self) -> _MemoryTable:
+        """The process-wide table of this name that the backend shares (frames, pins, spares); for
+        inspection. Touch it only under its ``lock``."""
+        return self._table
+
     def exists(self, keys: Sequence[str]) -> list[Status]:
         table = self._table
         results: list[Status] = []
@@ -157,7 +163,7 @@ class MemoryBackend:
                     results.append(Status.OK)
                     continue
                 size = sum(part.nbytes for part in frame)
-                spare = table.take_spare(_buffer_size(size)) if size >= _SPARE_MIN_FRAME else None
+                spare = table.take_spare(_buffer_size(size)) if size >= SPARE_MIN_FRAME else None
             if table.capacity_bytes is not None and size > table.capacity_bytes:
                 results.append(Status.NO_SPACE)
                 continue

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import structlog
-from hybridkv.store.base import Status, StoreError, StoreStats, register_late_call
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats, register_late_call
 from hybridkv.store.breaker import Admission, CircuitBreaker, DeadlineExceeded, DeadlineRunner
 from hybridkv.store.framed import FrameParts
 
@@ -141,7 +141,9 @@ class MooncakeBackend:
             if current is None and timeout_ms > 0:
                 os.environ["MC_RPC_TIMEOUT_MS"] = str(timeout_ms)
             elif current is not None and timeout_ms > 0 and current != str(timeout_ms):
-                log.warning("store.mooncake.rpc_timeout_env_differs", env=current, timeout_ms=timeout_ms)
+                log.warning(
+                    StoreLogEvent.MOONCAKE_RPC_TIMEOUT_ENV_DIFFERS, env=current, timeout_ms=timeout_ms
+                )
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as error:  # includes a missing libibverbs.so.1
@@ -183,11 +185,10 @@ class MooncakeBackend:
         admission = self._breaker.before_call()
         if admission is Admission.REJECT:
             return [Status.TRANSFER_FAILED] * num_keys
-        if admission is Admission.PROBE:
-            # The probe: a dead master shows in health_check instantly (a hung one does not).
-            if self._store.health_check() == 2:
-                self._breaker.on_failure()
-                return [Status.TRANSFER_FAILED] * num_keys
+        # The probe: a dead master shows in health_check instantly (a hung one does not).
+        if admission is Admission.PROBE and self._store.health_check() == 2:
+            self._breaker.on_failure()
+            return [Status.TRANSFER_FAILED] * num_keys
         try:
             if self.timeout_ms > 0:
                 codes = self._runner.run(call, self.timeout_ms / 1000.0)
@@ -196,7 +197,7 @@ class MooncakeBackend:
         except DeadlineExceeded as late:
             register_late_call(late.done)  # the call still owns the caller's buffers until it returns
             self._breaker.on_failure()
-            log.warning("store.mooncake.deadline", url=self.url, op=op, timeout_ms=self.timeout_ms)
+            log.warning(StoreLogEvent.MOONCAKE_DEADLINE, url=self.url, op=op, timeout_ms=self.timeout_ms)
             return [Status.TIMEOUT] * num_keys
         except BaseException:
             self._breaker.on_failure()  # never leave a half-open probe slot taken
@@ -206,20 +207,24 @@ class MooncakeBackend:
         down = [code for code in codes if code in _MASTER_DOWN_CODES]
         if down:
             self._breaker.on_failure()
-            log.warning("store.mooncake.master_down", url=self.url, op=op, code=mooncake_error_name(down[0]))
+            log.warning(
+                StoreLogEvent.MOONCAKE_MASTER_DOWN, url=self.url, op=op, code=mooncake_error_name(down[0])
+            )
         else:
             self._breaker.on_success()
         return codes
 
     def _log_unexpected(self, op: str, key: str, code: int) -> None:
         if code not in (-704, -703, -200) and code not in _MASTER_DOWN_CODES:
-            log.warning("store.mooncake.error", url=self.url, op=op, key=key, code=mooncake_error_name(code))
+            log.warning(
+                StoreLogEvent.MOONCAKE_ERROR, url=self.url, op=op, key=key, code=mooncake_error_name(code)
+            )
 
     def _statuses(
         self,
         op: str,
         keys: Sequence[str],
-        codes: list[int] | list[Status],
+        codes: Sequence[int | Status],
         classify: Callable[[int, str, int], Status | None],
     ) -> list[Status]:
         """One status per key: breaker/deadline statuses as they are, else ``classify(index, key, code)``;
@@ -320,5 +325,5 @@ class MooncakeBackend:
             # close() unmounts this client's segment (~1 s); bounded in case the master is gone.
             self._runner.run(self._store.close, max(self.timeout_ms / 1000.0, 1.0) + 2.0)
         except DeadlineExceeded:
-            log.warning("store.mooncake.close_timeout", url=self.url)
+            log.warning(StoreLogEvent.MOONCAKE_CLOSE_TIMEOUT, url=self.url)
         self._runner.shutdown()

@@ -25,6 +25,7 @@ parameter, a bad size, a probability outside [0, 1], a missing directory or host
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -82,21 +83,23 @@ def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
     base = inner_url_with_params.split("?", 1)[0]
     inner_url = f"{base}?{urlencode(parsed.params)}" if parsed.params else base
     params = Params(url, "faulty+", faulty_values)
-    options = {
-        "get_fail": params.probability("get_fail"),
-        "put_fail": params.probability("put_fail"),
-        "exists_fail": params.probability("exists_fail"),
-        "corrupt": params.probability("corrupt"),
-        "delay_ms": params.number("delay_ms", 0.0),
-        "get_late": params.probability("get_late"),
-        "put_late": params.probability("put_late"),
-        "late_ms": params.number("late_ms", 200.0),
-        "late_scribble": params.integer("late_scribble", 1, minimum=0) != 0,
-        "seed": params.integer("seed", 0, minimum=-(1 << 63)),
-    }
+    # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the inner store opens.
+    faulty = functools.partial(
+        FaultyBackend,
+        get_fail=params.probability("get_fail"),
+        put_fail=params.probability("put_fail"),
+        exists_fail=params.probability("exists_fail"),
+        corrupt=params.probability("corrupt"),
+        delay_ms=params.number("delay_ms", 0.0),
+        get_late=params.probability("get_late"),
+        put_late=params.probability("put_late"),
+        late_ms=params.number("late_ms", 200.0),
+        late_scribble=params.integer("late_scribble", 1, minimum=0) != 0,
+        seed=params.integer("seed", 0, minimum=-(1 << 63)),
+    )
     params.finish()
     inner, checksum = open_backend(inner_url)
-    return FaultyBackend(url, inner, **options), checksum
+    return faulty(url, inner), checksum
 
 
 def _open_memory(parsed: ParsedUrl, params: Params) -> Backend:
@@ -128,19 +131,23 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
     host, _, port_text = parsed.netloc.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise StoreError(f"store URL {parsed.url!r}: mooncake:// needs the master as HOST:PORT")
-    options = {
-        "metadata_server": params.text("metadata", "P2PHANDSHAKE"),
-        "local_hostname": params.text("local_hostname", "127.0.0.1"),
-        "segment_bytes": params.size("segment", 1 << 30),
-        "local_buffer_bytes": params.size("local_buffer", 64 << 20),
-        "protocol": params.choice("protocol", "tcp", ("tcp", "rdma")),
-        "device": params.text("device", ""),
-        "timeout_ms": params.integer("timeout_ms", 2000),
-        "breaker_failures": params.integer("breaker_failures", 1, minimum=1),
-        "breaker_reset_s": params.number("breaker_reset_s", 5.0),
-        "preferred_segment": params.text("preferred_segment", "local"),
-    }
-    params.finish()
-    from hybridkv.store.mooncake import MooncakeBackend  # lazy: other schemes work without Mooncake
+    from hybridkv.store.mooncake import MooncakeBackend  # here: other schemes never load the Mooncake adapter
 
-    return MooncakeBackend(parsed.url, parsed.netloc, **options)
+    # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the client connects.
+    mooncake = functools.partial(
+        MooncakeBackend,
+        parsed.url,
+        parsed.netloc,
+        metadata_server=params.text("metadata", "P2PHANDSHAKE"),
+        local_hostname=params.text("local_hostname", "127.0.0.1"),
+        segment_bytes=params.size("segment", 1 << 30),
+        local_buffer_bytes=params.size("local_buffer", 64 << 20),
+        protocol=params.choice("protocol", "tcp", ("tcp", "rdma")),
+        device=params.text("device", ""),
+        timeout_ms=params.integer("timeout_ms", 2000),
+        breaker_failures=params.integer("breaker_failures", 1, minimum=1),
+        breaker_reset_s=params.number("breaker_reset_s", 5.0),
+        preferred_segment=params.text("preferred_segment", "local"),
+    )
+    params.finish()
+    return mooncake()

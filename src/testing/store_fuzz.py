@@ -104,11 +104,10 @@ def make_store_machine(
 
         def _record_put(self, key: str, value: bytes, status: Status) -> None:
             if status is Status.OK:
-                if key in self.certain and not allows_eviction:
-                    # Insert-if-absent: the old value stays. If the store were to overwrite, the next
-                    # read returns bytes not in `possible` and fails.
-                    if value not in self.possible[key]:
-                        return
+                # Insert-if-absent: the old value stays. If the store were to overwrite, the next read
+                # returns bytes not in `possible` and fails.
+                if key in self.certain and not allows_eviction and value not in self.possible[key]:
+                    return
                 self.possible.setdefault(key, set()).add(value)
                 self.certain.add(key)
             elif status is Status.NO_SPACE:
@@ -175,44 +174,37 @@ def make_store_machine(
             if status is Status.NOT_FOUND:
                 assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
 
-        @rule(batch=st.lists(keys, min_size=1, max_size=6))
-        def exists(self, batch: list[str]) -> None:
-            statuses = self.store.exists(batch)
-            assert len(statuses) == len(batch), (
-                f"exists returned {len(statuses)} results for {len(batch)} keys"
-            )
+        def _check_presence(self, op: str, batch: list[str], statuses: list[Status]) -> list[bool]:
+            """Check ``op``'s (``exists``, ``remove``) answers: ``OK`` only for a key put and not removed,
+            ``NOT_FOUND`` never for a key certainly stored (unless the store may evict), anything else an
+            allowed failure. Per key: whether the store answered (``OK`` or ``NOT_FOUND``)."""
+            assert len(statuses) == len(batch), f"{op} returned {len(statuses)} results for {len(batch)} keys"
+            answered: list[bool] = []
             for key, status in zip(batch, statuses):
                 if status is Status.OK:
                     assert key in self.possible, (
-                        f"exists({key!r}) is OK but the key was never put or was removed"
+                        f"{op}({key!r}) is OK but the key was never put or was removed"
                     )
                 elif status is Status.NOT_FOUND:
                     assert allows_eviction or key not in self.certain, (
-                        f"exists({key!r}) NOT_FOUND but it is stored"
+                        f"{op}({key!r}) NOT_FOUND but it is stored"
                     )
                 else:
-                    self._check_failure_allowed("exists", key, status)
+                    self._check_failure_allowed(op, key, status)
+                answered.append(status in (Status.OK, Status.NOT_FOUND))
+            return answered
+
+        @rule(batch=st.lists(keys, min_size=1, max_size=6))
+        def exists(self, batch: list[str]) -> None:
+            self._check_presence("exists", batch, self.store.exists(batch))
 
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
-            statuses = self.store.remove(batch)
-            assert len(statuses) == len(batch), (
-                f"remove returned {len(statuses)} results for {len(batch)} keys"
-            )
-            for key, status in zip(batch, statuses):
-                if status is Status.OK:
-                    assert key in self.possible, (
-                        f"remove({key!r}) is OK but the key was never put or was removed"
-                    )
-                elif status is Status.NOT_FOUND:
-                    assert allows_eviction or key not in self.certain, (
-                        f"remove({key!r}) NOT_FOUND but it is stored"
-                    )
-                else:
-                    self._check_failure_allowed("remove", key, status)
-                    self.certain.discard(key)
-                    continue  # may or may not be gone
-                self.possible.pop(key, None)
+            answered = self._check_presence("remove", batch, self.store.remove(batch))
+            for key, gone in zip(batch, answered):
+                if gone:
+                    self.possible.pop(key, None)
+                # (a failed remove: the key may or may not be gone)
                 self.certain.discard(key)
 
         @rule(prefix=st.sampled_from(["a/", "b/", "ключ/", "a/0"]))

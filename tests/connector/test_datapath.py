@@ -186,7 +186,7 @@ def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
     assert staging.pool.pin
     sb = mover.gather([1])
     assert sb is not None
-    assert sb._slab is not None and sb._slab.is_pinned()
+    assert sb.slab is not None and sb.slab.is_pinned()
     sb.release()
     _round_trip(layers, mover, f"file://{tmp_path}/store")
     with pytest.raises(ValueError, match="StagingContext"):
@@ -234,3 +234,55 @@ def test_cuda_commit_is_complete_on_return_and_skips_failed_blocks() -> None:
     with torch.cuda.stream(side):
         assert _block_bytes(layers, 20) == want[0] and _block_bytes(layers, 22) == want[2]
         assert _block_bytes(layers, 21) == before
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("stage", [256, 3000, 1 << 20])
+def test_staged_batches_of_every_size_share_one_slab_layout(device: str, stage: int) -> None:
+    """Any batch size, from one block to a full slab, with chunks from one page to the whole batch: the
+    plan's pieces tile the batch and sit inside their chunk's copies, the bytes round-trip, and a slab's
+    part views are built once and handed out again with its next batch."""
+    layers = _layers(device)
+    staging = _staging(device, slab=128 << 10, stage=stage)
+    mover = BlockMover(layers, staging=staging)
+    assert mover.max_blocks >= 4
+    cap = staging.chunk_bytes
+    for n in sorted({1, 2, mover.max_blocks - 1, mover.max_blocks}):
+        plan = mover.plan(n)
+        tiled = [(p.tensor, r) for c in plan for p in c.pieces for r in range(p.r0, p.r1)]
+        assert sorted(tiled) == [(k, r) for k in range(len(mover.tensors)) for r in range(n)]
+        for chunk in plan:
+            assert all(c.stage >= 0 and c.stage + c.nbytes <= cap for c in chunk.copies)
+            for p in chunk.pieces:
+                end = p.host + (p.r1 - p.r0) * mover.page_nbytes[p.tensor]
+                assert p.stage % 256 == p.host % 256, p
+                assert any(
+                    c.host <= p.host and end <= c.host + c.nbytes and c.stage - c.host == p.stage - p.host
+                    for c in chunk.copies
+                ), (n, p)
+        src = [(7 * i + 3) % N for i in range(n)]
+        dst = [(src[-1] + 1 + i) % N for i in range(n)]
+        want = [_block_bytes(layers, b) for b in src]
+        sb = mover.gather(src)
+        assert sb is not None
+        with sb:
+            got = [b"".join(bytes(p) for p in row) for row in sb.parts]
+        assert got == want
+        tgt = mover.scatter_targets(dst)
+        assert tgt is not None
+        for row, value in zip(tgt.parts, want, strict=True):
+            pos = 0
+            for p in row:
+                p[:] = np.frombuffer(value[pos : pos + p.nbytes], dtype=np.uint8)
+                pos += p.nbytes
+        tgt.commit()
+        assert [_block_bytes(layers, b) for b in dst] == want
+    if stage == 1 << 20:  # a full slab is one contiguous run: one copy moves it
+        assert [len(c.copies) for c in mover.plan(mover.max_blocks)] == [1]
+    first = mover.gather([1, 2])
+    assert first is not None
+    first.release()
+    second = mover.scatter_targets([3])
+    assert second is not None
+    assert second.parts[0][0] is first.parts[0][0]  # the same slab: the same views
+    second.release()

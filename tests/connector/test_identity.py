@@ -137,6 +137,8 @@ def test_store_ls_shows_each_fingerprint_with_its_model(
         write_manifest(store, scheme, manifest(scheme, identity, []))
         store.put([scheme.key(0, 0, bytes([i])) for i in range(3)], [b"kv"] * 3)
     store.put(["hkv1/legacy/0123456789ab/g0/tp0/dcp0/00"], [b"kv"])  # written before manifests existed
+    # Neither a block entry nor a manifest (another tool's keys under the prefix): no deployment's.
+    store.put(["hkv1/chat/README", "hkv1/chat/0123456789ab/g0/notes"], [b"x", b"x"])
     capsys.readouterr()
     assert main(["store", "ls", memory_url, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
@@ -145,6 +147,7 @@ def test_store_ls_shows_each_fingerprint_with_its_model(
         row = rows[fingerprints[name]]
         assert row["namespace"] == "chat" and row["num_keys"] == 3 and row["weights"] == identity.weights
     assert rows["0123456789ab"] == {"namespace": "legacy", "fingerprint": "0123456789ab", "num_keys": 1}
+    assert len(rows) == 3, f"keys of no deployment were counted: {sorted(rows)}"
     assert main(["store", "ls", memory_url]) == 0
     text = capsys.readouterr().out
     assert "feedfacefeedface" in text and "0123456789abcdef" in text and fingerprints["v1"] in text

@@ -16,7 +16,7 @@ import pytest
 import torch
 from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext
+from hybridkv.connector.datapath import PinnedPool, StagingContext
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -36,7 +36,9 @@ H1 = b"\x01" * 32
 LATE_MS = 400
 
 
-def _worker(vllm_objs: dict[str, Any], store: str) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:
+def _worker(
+    vllm_objs: dict[str, Any], store: str, *, staging: StagingContext | None = None
+) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:
     vc, kvc = vllm_objs["vc"], kv_cache_config()
     ws = WorkerSide(vc, kvc, ConnectorConfig.from_extra_config({"store": store}, model="m"))
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +46,7 @@ def _worker(vllm_objs: dict[str, Any], store: str) -> tuple[WorkerSide, dict[str
         "attn.0": torch.randn(64, 1, 16, 64, generator=gen).to(torch.bfloat16),
         "mamba.0": torch.randint(-128, 127, (64, 1, 1, 256), generator=gen, dtype=torch.int8),
     }
-    ws.register_kv_caches(caches)
+    ws.register_kv_caches(caches, staging=staging)
     return ws, caches, resolve_geometry(vc, kvc, "ns", check_vllm_sizes=True).scheme
 
 
@@ -89,12 +91,12 @@ def test_late_load_never_writes_kv_pages_after_its_report(vllm_objs: dict[str, A
 def test_late_load_keeps_its_staging_slab_until_the_call_returns(vllm_objs: dict[str, Any]) -> None:
     """The staged (CUDA) path, on CPU tensors: the request is failed at once, its slab is quarantined."""
     name = f"late-{uuid.uuid4().hex[:8]}"
-    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}")
+    staging = StagingContext("cpu", PinnedPool(1 << 20, 3 << 20, pin=False))
+    ws, caches, scheme = _worker(
+        vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}", staging=staging
+    )
     try:
         _stored_block(scheme, name, caches)
-        staging = StagingContext("cpu", PinnedPool(1 << 20, 3 << 20, pin=False))
-        ws._staging = staging
-        ws._movers = {sgid: BlockMover(mover.tensors, staging=staging) for sgid, mover in ws._movers.items()}
         page_before = caches["attn.0"][7].clone()
         ws.start_load(
             HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
@@ -129,6 +131,13 @@ def test_late_put_keeps_the_save_job_and_its_pins_until_it_returned(vllm_objs: d
         ws.shutdown()
 
 
+def _save_of(scheme: Any, job_id: int, block_hash: bytes) -> HybridStoreMetadata:
+    """A save job of the page in block 3 of group 0, keyed by ``block_hash``."""
+    return HybridStoreMetadata(
+        scheme=scheme, saves=[SaveJob(job_id, "s", (BlockRef(0, 0, 0, 3, block_hash, 32),))]
+    )
+
+
 def test_suspend_refuses_while_a_late_call_owns_kv_memory(vllm_objs: dict[str, Any]) -> None:
     name = f"late-{uuid.uuid4().hex[:8]}"
     ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}")
@@ -139,10 +148,21 @@ def test_suspend_refuses_while_a_late_call_owns_kv_memory(vllm_objs: dict[str, A
         )
         time.sleep(0.05)  # the get has answered TIMEOUT; its write is still to come
         assert not ws.suspend(timeout=0.05), "sleep allowed while a late get may still write KV memory"
-        assert not ws._suspended  # refused: the worker stays awake and keeps serving
+        # Refused: the worker stays awake and keeps serving (a save is admitted and written) ...
+        ws.enqueue_saves(_save_of(scheme, 1, b"\x02" * 32))
         assert ws.suspend(timeout=5.0)
-        assert ws._suspended
+        # ... asleep, nothing reads the released KV memory (a save is dropped at once) ...
+        ws.enqueue_saves(_save_of(scheme, 2, b"\x03" * 32))
+        wm = ws.worker_meta()
+        entry = EntryId(0, 0, 0, 32)
+        assert wm is not None and wm.saves[1] == [SaveResult(entry, SaveOutcome.OK)], wm
+        assert wm.saves[2] == [SaveResult(entry, SaveOutcome.DROPPED)], "a save ran while asleep"
+        # ... and serving again after the wake-up.
         ws.resume()
+        ws.enqueue_saves(_save_of(scheme, 3, b"\x04" * 32))
+        assert ws.flush(5.0)
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves[3] == [SaveResult(entry, SaveOutcome.OK)], wm
     finally:
         ws.shutdown()
 

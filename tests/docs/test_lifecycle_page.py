@@ -3,14 +3,14 @@ state, transition, violation and ``detail`` tables and any Mermaid block equal t
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import Any
 
 from doc_reader import DOCS, all_blocks, audit_examples, names, table_rows
+from hybridkv.lifecycle.audit import ViolationKind
 from hybridkv.lifecycle.diagram import render_mermaid
-from hybridkv.lifecycle.machine import TRANSITIONS, State
+from hybridkv.lifecycle.machine import DETAIL_FIELDS, TRANSITIONS, State
 
 
 def audit_scenario() -> list[dict[str, Any]]:
@@ -78,31 +78,14 @@ def test_ok_audit_example_is_what_the_machine_writes() -> None:
 
 def test_violation_kinds_table() -> None:
     """docs/lifecycle.md's violation table lists exactly the kinds `hybridkv audit` can report."""
-    import hybridkv.lifecycle.audit as audit_module
-
-    kinds = set()
-    for node in ast.walk(ast.parse(Path(audit_module.__file__).read_text(encoding="utf-8"))):
-        if (
-            isinstance(node, ast.Call)
-            and ast.unparse(node.func) == "Violation"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-        ):
-            kinds.add(node.args[0].value)
+    kinds = {kind.value for kind in ViolationKind}
     documented = {names(row[0])[0] for row in table_rows(DOCS / "lifecycle.md", "violation")}
     assert documented == kinds, f"violation kinds: missing {kinds - documented}, extra {documented - kinds}"
 
 
 def test_detail_fields_table() -> None:
     """docs/lifecycle.md's `detail` table lists exactly the fields each trigger's record carries."""
-    import hybridkv.lifecycle.machine as machine_module
-
-    fields: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(Path(machine_module.__file__).read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fire":
-            trigger = node.args[1] if len(node.args) > 1 else None
-            if isinstance(trigger, ast.Constant) and isinstance(trigger.value, str) and node.keywords:
-                fields.setdefault(trigger.value, set()).update(k.arg for k in node.keywords if k.arg)
+    fields = {trigger: set(declared) for trigger, declared in DETAIL_FIELDS.items()}
     documented = {
         names(row[0])[0]: set(names(row[1])) for row in table_rows(DOCS / "lifecycle.md", "trigger")
     }

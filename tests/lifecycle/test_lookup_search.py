@@ -7,8 +7,10 @@ some ranks or all), stray entries past the prefix, local hits and retry caps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
-from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.lifecycle.lookup import PAUSE_EVERY, LookupSearch
 from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
 from hypothesis import event, given, note
 from hypothesis import strategies as st
@@ -50,9 +52,25 @@ def test_search_equals_full_scan(case) -> None:  # type: ignore[no-untyped-def]
     note(f"geometry={scheme.geometry.describe()} num_tokens={num_tokens} local={local} cap={max_boundary}")
     full = plan_lookup(scheme, hashes, num_tokens, local, max_boundary=max_boundary)
     expected = full.resolve([key in existing for key in full.keys])
-    search = LookupSearch(scheme, tuple(hashes), num_tokens, local, max_boundary=max_boundary)
-    got = search.run(lambda keys: [key in existing for key in keys])
+    num_pauses = 0
+
+    def pause() -> None:  # the lookup thread hands the GIL over here: it must not change the answer
+        nonlocal num_pauses
+        num_pauses += 1
+
+    round_sizes: list[int] = []
+
+    def exists(keys: Sequence[str]) -> list[bool]:
+        round_sizes.append(len(keys))
+        return [key in existing for key in keys]
+
+    search = LookupSearch(scheme, tuple(hashes), num_tokens, local, max_boundary=max_boundary, pause=pause)
+    got = search.run(exists)
     note(f"full={expected.boundary} search={got.boundary} rounds={search.num_round_trips}")
+    # The probe round lists one key per boundary; its CPU work is sliced (one pause per PAUSE_EVERY).
+    assert num_pauses >= (round_sizes[0] if round_sizes else 0) // PAUSE_EVERY, (
+        f"{num_pauses} pauses for a probe of {round_sizes[0]} keys"
+    )
     assert got.boundary == expected.boundary
     assert got.plan == expected.plan
     if got.plan is not None:
@@ -108,3 +126,23 @@ def test_k3_hole_in_the_middle_steps_back_within_four_round_trips() -> None:
     got = search.run(lambda keys: [key in existing for key in keys])
     assert got.boundary == expected == 48 * 1024
     assert search.num_round_trips <= 4
+
+
+def test_k3_128k_search_work_comes_in_slices() -> None:
+    """The CPU work of a 128K search (thousands of keys) is cut into slices of at most PAUSE_EVERY keys
+    or boundaries, with ``pause`` between them: the lookup thread hands the GIL to vLLM's scheduler
+    thread there (``connector.lookups``). Pausing does not change the answer."""
+    num_tokens = 128 * 1024
+    scheme, hashes = _k3(num_tokens)
+    existing = _saved(scheme, hashes, 96 * 1024, list(range(8192, 96 * 1024 + 1, 8192)))
+    num_pauses = 0
+
+    def pause() -> None:
+        nonlocal num_pauses
+        num_pauses += 1
+
+    search = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0, pause=pause)
+    unpaused = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0)
+    got = search.run(lambda keys: [key in existing for key in keys])
+    assert got == unpaused.run(lambda keys: [key in existing for key in keys])
+    assert num_pauses >= search.num_keys // PAUSE_EVERY // scheme.geometry.topology.tp_size, num_pauses

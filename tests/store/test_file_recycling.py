@@ -38,10 +38,10 @@ def _backend(store: FramedStore) -> FileBackend:
 def test_a_removed_file_is_recycled_for_the_next_put_of_its_size(tmp_path: Path) -> None:
     store = _open(tmp_path)
     assert store.put(["a"], [_value(1)]) == [Status.OK]
-    old_inode = os.stat(_backend(store)._path("a")).st_ino
+    old_inode = os.stat(_backend(store).path_of("a")).st_ino
     assert store.remove(["a"]) == [Status.OK]
     assert store.put(["b"], [_value(2, _SIZE - 7)]) == [Status.OK]  # same page-rounded size class
-    assert os.stat(_backend(store)._path("b")).st_ino == old_inode, "the spare was not recycled"
+    assert os.stat(_backend(store).path_of("b")).st_ino == old_inode, "the spare was not recycled"
     destination = bytearray(_SIZE - 7)
     assert store.get_into(["b"], [destination]) == [Status.OK] and destination == _value(2, _SIZE - 7)
     assert store.get_into(["a"], [bytearray(_SIZE)]) == [Status.NOT_FOUND]
@@ -54,7 +54,7 @@ def test_a_reader_that_opened_the_old_name_never_sees_the_recycled_bytes(
     reader = _open(tmp_path)
     writer = _open(tmp_path)  # another handle: its flocks conflict with the reader's as across processes
     assert writer.put(["a"], [_value(1)]) == [Status.OK]
-    path_a = _backend(reader)._path("a")
+    path_a = _backend(reader).path_of("a")
     old_inode = os.stat(path_a).st_ino
     real_open = os.open
     recycled: list[bool] = []
@@ -65,7 +65,7 @@ def test_a_reader_that_opened_the_old_name_never_sees_the_recycled_bytes(
             # Between the reader's open and its lock, "a" is removed and its inode rewritten as "b".
             assert writer.remove(["a"]) == [Status.OK]
             assert writer.put(["b"], [_value(2)]) == [Status.OK]
-            recycled.append(os.stat(_backend(writer)._path("b")).st_ino == old_inode)
+            recycled.append(os.stat(_backend(writer).path_of("b")).st_ino == old_inode)
             assert writer.put(["a"], [_value(1)]) == [Status.OK]  # "a" again, in a new file
         return fd
 
@@ -83,13 +83,13 @@ def test_a_file_held_by_a_reader_is_not_recycled(tmp_path: Path) -> None:
     reader = _open(tmp_path)
     writer = _open(tmp_path)
     assert writer.put(["a"], [_value(1)]) == [Status.OK]
-    opened = _backend(reader)._open_published(_backend(reader)._path("a"))  # a read in progress
+    opened = _backend(reader)._open_published(_backend(reader).path_of("a"))  # a read in progress
     assert opened is not None
     fd, info = opened
     try:
         assert writer.remove(["a"]) == [Status.OK]
         assert writer.put(["b"], [_value(2)]) == [Status.OK]
-        assert os.stat(_backend(writer)._path("b")).st_ino != info.st_ino, "a locked inode was overwritten"
+        assert os.stat(_backend(writer).path_of("b")).st_ino != info.st_ino, "a locked inode was overwritten"
         assert os.pread(fd, _SIZE, info.st_size - _SIZE) == _value(1), "the reader saw other bytes"
     finally:
         os.close(fd)
@@ -105,7 +105,7 @@ def test_a_damaged_recycled_value_reads_back_corrupt_into_layer_parts(tmp_path: 
     layers = [_value(2, _SIZE // 4) for _ in range(4)]
     assert store.put(["b"], [layers]) == [Status.OK]
     assert _backend(store).num_recycled == 1
-    path = _backend(store)._path("b")
+    path = _backend(store).path_of("b")
     with open(path, "r+b") as file:  # one flipped bit in the last layer, on disk
         file.seek(-10, os.SEEK_END)
         byte = file.read(1)[0]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from hybridkv.store import Status, open_store
+from hybridkv.store.file import FileBackend
 
 
 def test_directory_is_private_and_names_are_hashed(tmp_path: Path) -> None:
@@ -28,10 +29,12 @@ def test_directory_is_private_and_names_are_hashed(tmp_path: Path) -> None:
 def test_capacity_evicts_least_recently_used_first(tmp_path: Path) -> None:
     value = b"v" * 1000
     store = open_store(f"file://{tmp_path}/s?capacity=10KiB")
+    backend = store.backend
+    assert isinstance(backend, FileBackend)
     keys = [f"k{i}" for i in range(8)]
     for index, key in enumerate(keys):
         assert store.put([key], [value]) == [Status.OK]
-        os.utime(store.backend._path(key), (1000.0 + index, 1000.0 + index))  # type: ignore[attr-defined]
+        os.utime(backend.path_of(key), (1000.0 + index, 1000.0 + index))
     # Reading k0 makes it the most recently used (its mtime is old, so the read touches it).
     assert store.get_into(["k0"], [bytearray(len(value))]) == [Status.OK]
     for index in range(8, 14):

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from hybridkv.store import Status, open_store
+from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import ChecksumAlgo
 from hybridkv.store.framed import FramedStore, FrameParts, VerifyHook
-from hybridkv.store.memory import _SPARE_MIN_FRAME, MemoryBackend, drop_memory_store
+from hybridkv.store.memory import SPARE_MIN_FRAME, MemoryBackend, drop_memory_store
 
 
 def test_file_and_memory_backends_frame_just_in_time(tmp_path: Path) -> None:
@@ -77,7 +78,9 @@ def test_file_store_verifies_each_frame_it_reads(tmp_path: Path) -> None:
     keys = [f"k{i}" for i in range(3)]
     values = [bytes([i]) * 5000 for i in range(3)]
     assert store.put(keys, values) == [Status.OK] * 3
-    path = Path(store.backend._path("k1"))
+    backend = store.backend
+    assert isinstance(backend, FileBackend)
+    path = Path(backend.path_of("k1"))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x80
     path.write_bytes(data)
@@ -96,7 +99,7 @@ def memory_name() -> Iterator[str]:
 
 def test_memory_store_reuses_buffers_of_removed_frames(memory_name: str) -> None:
     store = open_store(f"memory://{memory_name}")
-    size = _SPARE_MIN_FRAME + 123
+    size = SPARE_MIN_FRAME + 123
     values = [bytes([i]) * size for i in range(3)]
     keys = [f"key-{i}" for i in range(3)]
     assert store.put(keys, values) == [Status.OK] * 3
@@ -120,9 +123,9 @@ def test_memory_store_does_not_recycle_a_frame_being_read(memory_name: str) -> N
     store = open_store(f"memory://{memory_name}")
     backend = store.backend
     assert isinstance(backend, MemoryBackend)
-    value = b"v" * (_SPARE_MIN_FRAME + 1)
+    value = b"v" * (SPARE_MIN_FRAME + 1)
     assert store.put(["k"], [value]) == [Status.OK]
-    table = backend._table
+    table = backend.table
     data = table.key_to_frame["k"]
     table.pins[id(data)] = 1  # as a reader does while it copies outside the lock
     assert store.remove(["k"]) == [Status.OK]
@@ -131,16 +134,17 @@ def test_memory_store_does_not_recycle_a_frame_being_read(memory_name: str) -> N
 
 
 def test_memory_store_spares_stay_within_capacity(memory_name: str) -> None:
-    capacity = 4 * _SPARE_MIN_FRAME
+    capacity = 4 * SPARE_MIN_FRAME
     store = open_store(f"memory://{memory_name}?capacity={capacity}")
-    size = _SPARE_MIN_FRAME
+    size = SPARE_MIN_FRAME
     keys = [f"k{i:02d}" for i in range(12)]
+    backend = store.backend
+    assert isinstance(backend, MemoryBackend)
+    table = backend.table
     for key in keys:  # every put past the third evicts; evicted buffers become spares, then get reused
         assert store.put([key], [key.encode() * (size // 3)]) == [Status.OK]
-        table = store.backend._table
         assert table.num_bytes + table.spare_bytes <= capacity, (table.num_bytes, table.spare_bytes)
     assert store.remove(keys[-3:]) == [Status.OK] * 3
-    table = store.backend._table
     assert table.num_bytes + table.spare_bytes <= capacity
     stats = store.stats()
     assert stats.num_bytes is not None and stats.num_bytes <= capacity
@@ -149,7 +153,7 @@ def test_memory_store_spares_stay_within_capacity(memory_name: str) -> None:
 def test_memory_store_readers_never_see_a_recycled_buffer(memory_name: str) -> None:
     # checksum=none: a torn read would come back OK, so only the pins keep this test green.
     store = open_store(f"memory://{memory_name}?checksum=none")
-    size = _SPARE_MIN_FRAME
+    size = SPARE_MIN_FRAME
     mine, other = b"A" * size, b"B" * size
     assert store.put(["k"], [mine]) == [Status.OK]
     stop = threading.Event()
