@@ -55,6 +55,8 @@ log = structlog.get_logger(__name__)
 #: The longest the engine waits for one step's layer-wise loads (summed over its waits). Past it, the
 #: step's jobs are abandoned: reported as load errors (vLLM recomputes), and nothing more is written.
 LAYERWISE_WAIT_S = 5.0
+#: The most host buffer bytes kept per group between steps (reused: no allocation and page faults per load).
+_MAX_SPARE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class LayerwiseLoads:
         self._thread = threading.Thread(target=self._loop, name="hybridkv-layerwise-load", daemon=True)
         self._thread.start()
         self._copy_stream: torch.cuda.Stream | None = None
+        #: load thread only: per group, the last step's host buffers (one per layer tensor), for reuse
+        self._spare: dict[int, list[torch.Tensor]] = {}
         #: steps whose jobs were reported failed because a loaded layer was never waited for
         self.num_unwaited_steps = 0
 
@@ -276,12 +280,15 @@ class LayerwiseLoads:
         where = [(job, i) for job in step.jobs for i, ref in enumerate(job.blocks) if ref.sgid == sgid]
         refs = [job.blocks[i] for job, i in where]
         keys = [step.scheme.key(sgid, rank, ref.block_hash) for ref in refs]
-        pin = mover.device.type == "cuda"
         # Layer-major host buffers: buffers[k][row] is block ``refs[row]``'s page of tensor k.
-        buffers = [
-            torch.empty((len(refs), nbytes), dtype=torch.uint8, pin_memory=pin)
-            for nbytes in mover.page_nbytes
-        ]
+        whole = self._spare.pop(sgid, None)
+        if whole is None or whole[0].shape[0] < len(refs):
+            pin = mover.device.type == "cuda"
+            whole = [
+                torch.empty((len(refs), nbytes), dtype=torch.uint8, pin_memory=pin)
+                for nbytes in mover.page_nbytes
+            ]
+        buffers = [b[: len(refs)] for b in whole]
         arrays = [b.numpy() for b in buffers]
         destinations = [[a[row] for a in arrays] for row in range(len(refs))]
         statuses: list[Status]
@@ -300,7 +307,9 @@ class LayerwiseLoads:
                 self._stats.add("load_failed_keys")
         self._stats.add("load_keys", len(keys))
         if late:
-            return
+            return  # the buffers go with the late call (never reused)
+        if sum(b.numel() for b in whole) <= _MAX_SPARE_BYTES:
+            self._spare[sgid] = whole  # free again once this group's commit below returned (same thread)
         ok_jobs = {
             job.req_id
             for job in step.jobs
