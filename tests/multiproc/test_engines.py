@@ -130,8 +130,10 @@ def test_two_multiprocess_engines_share_a_file_store(tmp_path: Path) -> None:
 
 def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    # Every store call sleeps 200 ms: the request's saves are still being written when it returns.
-    slow = f"faulty+file://{root}?capacity=256MiB&delay_ms=200"
+    # Every store call sleeps 600 ms: the request's saves are still being written when it returns (at
+    # 200 ms a busy host sometimes returned from generate() after they had finished; the reset then
+    # proved nothing). Settling waits up to 10 s.
+    slow = f"faulty+file://{root}?capacity=256MiB&delay_ms=600"
     other = run_engine(
         tmp_path,
         "other",
