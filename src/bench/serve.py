@@ -20,9 +20,17 @@ clients listen on 0.0.0.0). Plus ``hybridkv-chaos`` (a ``faulty+file://`` store 
 Per configuration: TTFT (time to the first streamed content chunk) mean/p50/p99, end-to-end latency,
 requests/s and output tokens/s, local and external hit tokens (``/metrics`` deltas, per turn), hybridkv's own
 counters, errors, and greedy-token agreement with the ``none`` run (and of ``none`` with itself in a second
-pass, where batching alone may change greedy tokens). After the load: nothing running or waiting,
+pass, where batching alone may change greedy tokens), with the reference's top-2 log-probability gap where
+they differ (a flipped bfloat16 tie is about 0). After the load: nothing running or waiting,
 ``POST /reset_prefix_cache`` succeeds (no blocks stay pinned), the audit log is clean and every lifecycle in
 it terminated.
+
+Exactness (the **serial pass**): before its load, each configuration's server runs a few sessions one request
+at a time, its evicted prefixes coming back from its tier; a no-connector server whose local cache keeps every
+prefix runs the same requests. An external hit restores exactly what a local hit keeps, so hybridkv's greedy
+tokens must equal that server's. (Not the small-cache ``none`` server's: a prefix recomputed after eviction
+rounds differently and may flip a tie.) Every server computes on the same CPU cores
+(``ServerShape.reserved_cpus``).
 """
 
 from __future__ import annotations

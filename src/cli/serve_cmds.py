@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "cache smaller than the working set and drives S sessions x T turns over HTTP at concurrency C "
         "(streamed /v1/chat/completions, greedy), then the eviction probe (a prompt, unique long prompts, "
         "the prompt again). Reports TTFT, latency, throughput, local/external hit tokens, errors, token "
-        "agreement with the no-connector run, and the after-load checks (nothing pinned, audit clean). "
+        "agreement with the no-connector run (with how near a tie each differing token was), the serial "
+        "pass's exact check, and the after-load checks (nothing pinned, audit clean). "
         "Mooncake configurations need a private network namespace (scripts/netns-run).",
     )
     serve.add_argument(
