@@ -68,6 +68,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="the server's local KV cache, MiB: keep it under a quarter of the working set (%(default)s)",
     )
     serve.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=shape.reserved_cpus,
+        help="CPU cores vLLM's CPU backend leaves to other processes, the same for every configuration "
+        "(VLLM_CPU_NUM_OF_RESERVED_CPU; vLLM's own default reserves one more with a KV connector) (%(default)s)",
+    )
+    serve.add_argument(
         "--full-store-capacity",
         default=shape.full_store_capacity,
         help="store capacity of hybridkv-full (%(default)s)",
@@ -150,14 +157,19 @@ def handle_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hybridkv bench serve: {error}", file=sys.stderr)
         return EXIT_USAGE
-    shape = ServerShape(kv_cache_bytes=args.kv_cache_mib << 20, full_store_capacity=args.full_store_capacity)
+    for flag, value in (("--reserved-cpus", args.reserved_cpus), ("--serial-sessions", args.serial_sessions)):
+        if value < 0:
+            print(f"hybridkv bench serve: {flag} must be >= 0, got {value}", file=sys.stderr)
+            return EXIT_USAGE
+    shape = ServerShape(
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        full_store_capacity=args.full_store_capacity,
+        reserved_cpus=args.reserved_cpus,
+    )
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     model = build_tiny_model(args.family, models_dir, size=args.size)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hybridkv-bench-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    if args.serial_sessions < 0:
-        print("hybridkv bench serve: --serial-sessions must be >= 0", file=sys.stderr)
-        return EXIT_USAGE
     per_pass = workload.num_sessions * workload.num_turns + workload.num_evict_prompts + 2
     per_serial = min(args.serial_sessions, workload.num_sessions) * workload.num_turns
     total = per_pass * (len(configs) + (0 if args.no_self_check or "none" not in configs else 1))

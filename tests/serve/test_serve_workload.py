@@ -29,6 +29,10 @@ def test_bad_workload_is_refused_naming_the_value(capsys: pytest.CaptureFixture[
     assert "vllm-magic" in capsys.readouterr().err
     assert main(["bench", "serve", "--concurrency", "0"]) == EXIT_USAGE
     assert "concurrency" in capsys.readouterr().err
+    assert main(["bench", "serve", "--serial-sessions", "-1"]) == EXIT_USAGE
+    assert "--serial-sessions" in capsys.readouterr().err
+    assert main(["bench", "serve", "--reserved-cpus", "-2"]) == EXIT_USAGE
+    assert "--reserved-cpus" in capsys.readouterr().err
 
 
 def _record(session: int, turn: int, tokens: list[int], gaps: list[float]) -> RequestRecord:
