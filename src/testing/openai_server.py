@@ -217,11 +217,14 @@ class OpenAIServer:
         ids: list[int] = out["choices"][0]["token_ids"]
         return ids
 
-    def reset_prefix_cache(self, attempts: int = 20) -> int:
+    def reset_prefix_cache(self, attempts: int = 20, *, reset_external: bool = False) -> int:
         """``POST /reset_prefix_cache`` until it succeeds (vLLM refuses while blocks are in use); returns the
-        number of attempts. Raises when it never succeeds: blocks stay pinned on an idle server."""
+        number of attempts. ``reset_external`` also resets the KV connector's cache (hybridkv: removes its
+        namespace from the store). Raises when it never succeeds: blocks stay pinned on an idle server (or
+        the connector could not reset)."""
+        url = f"{self.base_url}/reset_prefix_cache" + ("?reset_external=true" if reset_external else "")
         for attempt in range(1, attempts + 1):
-            if http_json(f"{self.base_url}/reset_prefix_cache", {}, method="POST") == {"success": True}:
+            if http_json(url, {}, method="POST") == {"success": True}:
                 return attempt
             time.sleep(0.1)
         raise RuntimeError(f"POST /reset_prefix_cache never succeeded in {attempts} attempts")
@@ -260,6 +263,28 @@ class StreamResult:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: the response's ``id`` (vLLM's request id is this plus a suffix)
+    response_id: str = ""
+    #: per generated token, the top log-probabilities as ``(token, logprob)`` (token as ``token_id:N``), best
+    #: first; empty unless the body asked for ``logprobs``
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
+
+
+def _top_logprobs(choice: Mapping[str, Any]) -> list[list[tuple[str, float]]]:
+    """The per-token top log-probabilities of one streamed choice: chat (``logprobs.content``) or
+    completions (``logprobs.top_logprobs``)."""
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        per_token = [
+            [(str(top["token"]), float(top["logprob"])) for top in entry.get("top_logprobs") or ()]
+            for entry in logprobs["content"] or ()
+        ]
+    else:
+        per_token = [
+            [(str(token), float(lp)) for token, lp in (entry or {}).items()]
+            for entry in logprobs.get("top_logprobs") or ()
+        ]
+    return [sorted(tops, key=lambda pair: -pair[1]) for tops in per_token]
 
 
 def stream_request(
@@ -267,9 +292,12 @@ def stream_request(
 ) -> StreamResult:
     """POST ``body`` with ``stream: true`` to ``path`` (``/v1/completions`` or ``/v1/chat/completions``) and
     read the server-sent events. TTFT is the time to the first chunk that carries content (text or token
-    ids). Asks for ``return_token_ids`` and the usage block; never raises on an HTTP or protocol error (it
+    ids). Asks for ``return_token_ids`` and the usage block (and, when ``body`` asks for ``logprobs``, for
+    tokens named by id in them); never raises on an HTTP or protocol error (it
     is reported in ``error``)."""
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if body.get("logprobs"):
+        payload["return_tokens_as_token_ids"] = True
     host, _, port = base_url.removeprefix("http://").partition(":")
     start = time.perf_counter()
     result = StreamResult(ok=False)
@@ -292,6 +320,7 @@ def stream_request(
             if "error" in event:
                 result.error = str(event["error"])[:300]
                 return result
+            result.response_id = result.response_id or str(event.get("id") or "")
             usage = event.get("usage")
             if usage:
                 result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -305,6 +334,7 @@ def stream_request(
                     result.ttft_s = time.perf_counter() - start
                 text_parts.append(piece or "")
                 result.token_ids.extend(int(i) for i in ids)
+                result.top_logprobs.extend(_top_logprobs(choice))
         result.text = "".join(text_parts)
         result.ok = result.ttft_s is not None
         if not result.ok:

@@ -8,7 +8,8 @@ eviction probe (a prompt, unique long prompts, the prompt again through ``/v1/co
 
 What must hold: no failed request; resent turns and the probe's reuse take their prefix from the store
 once the local cache evicted it; greedy tokens at concurrency 1 do not depend on where a prefix came from
-(a second pass after ``reset_prefix_cache``, every prefix then from the store, gives the same tokens);
+(they equal a no-connector server's whose local cache keeps every prefix, and a second pass after
+``reset_prefix_cache``, every prefix then from the store, gives the same tokens);
 after the load nothing runs or waits and the local prefix cache resets (no block stays pinned); the audit
 log replays cleanly and every lifecycle in it terminated. The second test does it through a chaos store
 (failed and corrupted gets, failed puts) whose capacity is smaller than the working set.
@@ -22,7 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.serve import LoadResult, Workload, audit_summary, check_after_load, run_load
+from hybridkv.bench.serve import (
+    LoadResult,
+    Workload,
+    audit_summary,
+    check_after_load,
+    divergence,
+    run_load,
+)
 from hybridkv.testing.openai_server import (
     OpenAIServer,
     hybridkv_transfer_config,
@@ -51,18 +59,33 @@ WORKLOAD = Workload(
 #: working set, and the smallest cache that admits a 1,024-token request.
 KV_CACHE_BYTES = 6 << 20
 MAX_MODEL_LEN = 1024
+#: The same OpenMP cores with and without a connector (vLLM reserves one more core when one is configured):
+#: a different thread count rounds differently in bfloat16 and flips greedy ties.
+SAME_CORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def _server(tmp_path: Path, store: str, audit: Path, *, max_num_seqs: int) -> OpenAIServer:
+def _server(
+    tmp_path: Path,
+    store: str | None,
+    audit: Path | None,
+    *,
+    max_num_seqs: int,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
+    name: str = "server",
+) -> OpenAIServer:
     model = build_tiny_model("qwen3_next", DEFAULT_MODELS_DIR)
+    kv = None
+    if store is not None:
+        kv = hybridkv_transfer_config(store, namespace="serve-load", audit_log=str(audit))
     return OpenAIServer(
         model,
-        tmp_path / "server.log",
-        kv_transfer_config=hybridkv_transfer_config(store, namespace="serve-load", audit_log=str(audit)),
+        tmp_path / f"{name}.log",
+        kv_transfer_config=kv,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        extra_env=SAME_CORES_ENV,
     )
 
 
@@ -93,6 +116,18 @@ def _assert_clean_after(server: OpenAIServer, audit: Path) -> None:
 
 
 def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Path) -> None:
+    # The reference: no connector, a local cache that keeps every prefix (every resent turn a local hit).
+    reference_server = _server(
+        tmp_path, None, None, max_num_seqs=1, kv_cache_bytes=64 << 20, name="reference"
+    )
+    try:
+        reference_server.wait_healthy()
+        reference = run_load(reference_server.base_url, WORKLOAD)
+    finally:
+        reference_server.stop()
+    _assert_no_errors(reference, "reference")
+    assert reference.totals["local_hit_tokens"] > 0 and reference.totals["preemptions"] == 0, reference.totals
+
     audit = tmp_path / "audit.jsonl"
     server = _server(tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3)
     try:
@@ -104,6 +139,10 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
             assert turn["external_hit_tokens"] >= 128, f"no external hit on resent turn: {first.per_turn}"
         assert first.probe["external_hit_tokens"] >= 128, f"probe reuse missed the store: {first.probe}"
         assert first.totals["hybridkv_load_failed_keys"] == 0, first.totals
+        # An external hit restores exactly what a local hit keeps: one request at a time, the same greedy
+        # tokens as the server that never evicted, request by request.
+        assert divergence(first.records, reference.records).differing == (), "tokens differ from a local hit"
+        assert _tokens(first) == _tokens(reference)
 
         # Every prefix from the store now: the same greedy tokens, request by request.
         server.reset_prefix_cache()

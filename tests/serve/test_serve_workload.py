@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hybridkv.bench.serve import Workload, conversation_messages
+from hybridkv.bench.serve import RequestRecord, Workload, conversation_messages, divergence
 from hybridkv.cli import EXIT_USAGE, main
 
 
@@ -29,3 +29,46 @@ def test_bad_workload_is_refused_naming_the_value(capsys: pytest.CaptureFixture[
     assert "vllm-magic" in capsys.readouterr().err
     assert main(["bench", "serve", "--concurrency", "0"]) == EXIT_USAGE
     assert "concurrency" in capsys.readouterr().err
+    assert main(["bench", "serve", "--serial-sessions", "-1"]) == EXIT_USAGE
+    assert "--serial-sessions" in capsys.readouterr().err
+    assert main(["bench", "serve", "--reserved-cpus", "-2"]) == EXIT_USAGE
+    assert "--reserved-cpus" in capsys.readouterr().err
+
+
+def _record(session: int, turn: int, tokens: list[int], gaps: list[float]) -> RequestRecord:
+    return RequestRecord(
+        phase="turn",
+        session=session,
+        turn=turn,
+        ok=True,
+        error=None,
+        ttft_s=0.1,
+        latency_s=0.2,
+        prompt_tokens=100,
+        completion_tokens=len(tokens),
+        token_ids=tokens,
+        text=" ".join(map(str, tokens)),
+        top2_gaps=gaps,
+    )
+
+
+def test_divergence_compares_only_identical_conversations_and_reports_the_reference_gap() -> None:
+    reference = [
+        _record(0, 0, [5, 6, 7], [0.5, 0.0, 0.2]),
+        _record(0, 1, [8, 9], [0.3, 0.3]),
+        _record(1, 0, [1, 2], [0.4, 0.4]),
+        _record(1, 1, [3, 4], [0.4, 0.4]),
+    ]
+    other = [
+        _record(0, 0, [5, 9, 7], [0.5, 0.0, 0.2]),  # differs at token 1, a tie in the reference
+        _record(0, 1, [8, 9], [0.3, 0.3]),  # its conversation already differs: not compared
+        _record(1, 0, [1, 2], [0.4, 0.4]),
+        _record(1, 1, [3, 5], [0.4, 0.4]),  # differs at token 1, where the reference was clear
+    ]
+    d = divergence(other, reference)
+    assert (d.num_compared, d.num_equal, d.num_diverged_conversations) == (3, 1, 1)
+    assert d.differing == (("turn", 0, 0, 1, 0.0), ("turn", 1, 1, 1, 0.4))
+    assert d.agreement == 1 / 3
+    assert d.max_reference_gap == 0.4
+    assert divergence(reference, reference).agreement == 1.0
+    assert divergence(reference, reference).differing == ()
