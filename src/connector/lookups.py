@@ -45,10 +45,10 @@ MAX_KEYS_PER_ROUND = 16384
 #: (a few ms at 128K tokens) would otherwise stall vLLM's scheduler thread for up to a whole interval.
 #: ``sleep(0)`` does not reliably hand it over (the sleeper takes it back before the waiter wakes up).
 GIL_HANDOFF_S = 0.0001
-
-
-def _hand_off_gil() -> None:
-    time.sleep(GIL_HANDOFF_S)
+#: CPU work the worker does between two hand-offs. Short lookups never hand off: each hand-off costs up
+#: to a switch interval when the engine thread is busy, and a lookup of a few thousand tokens is done in
+#: well under this.
+SLICE_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -82,6 +82,7 @@ class LookupService:
         self._num_submitted = 0  # written by the submitting (scheduler) thread only
         self._num_retired = 0  # finished or cancelled tasks; written by the worker only
         self._call_started_s: float | None = None
+        self._slice_started_s = time.perf_counter()  # the worker's, since its last wait or hand-off
         self._closed = False
         self.num_exists_calls = 0
         self.num_keys_checked = 0
@@ -95,7 +96,7 @@ class LookupService:
         """Queue ``task`` without waiting; its search's CPU work then runs on the worker, in slices
         (``LookupSearch.pause``)."""
         assert not self._closed, "LookupService.submit after close"
-        task.search.pause = _hand_off_gil
+        task.search.pause = self._pause
         self._num_submitted += 1
         self._inbox.put(task)
 
@@ -118,12 +119,32 @@ class LookupService:
                     return False
                 self._idle.wait(min(left, 0.01))
 
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` until a submitted task finishes; at once when none is in flight.
+
+        For an engine step that scheduled nothing: vLLM's engine loop then spins through empty steps
+        while requests wait for their lookups, and the spinning thread takes the GIL back for a whole
+        switch interval each time the worker gives it up (for a store call, a hand-off). Waiting here
+        releases it, so the lookups run at full speed while the engine has nothing else to do.
+        """
+        with self._idle:
+            retired = self._num_retired
+            if retired >= self._num_submitted:
+                return
+            self._idle.wait_for(lambda: self._num_retired != retired, timeout_s)
+
     def close(self) -> None:
         """Stop the worker; tasks not taken yet are cancelled (their ``done`` stays False)."""
         self._closed = True
         self._inbox.put(None)
 
     # -- worker -----------------------------------------------------------------------------------------
+
+    def _pause(self) -> None:
+        """Hand the GIL over if this thread has run ``SLICE_S`` since it last waited or handed it over."""
+        if time.perf_counter() - self._slice_started_s >= SLICE_S:
+            time.sleep(GIL_HANDOFF_S)
+            self._slice_started_s = time.perf_counter()
 
     def _finish(self, task: LookupTask, error: str | None = None) -> None:
         task.error = error
@@ -136,6 +157,8 @@ class LookupService:
         """Move submitted tasks into ``active`` (waiting for one when ``block``); False once closed."""
         try:
             item = self._inbox.get(block=block)
+            if block:
+                self._slice_started_s = time.perf_counter()
             while True:
                 if item is None:
                     return False
@@ -184,7 +207,7 @@ class LookupService:
                 finished.append((task, "cancelled"))
                 continue
             task_keys = task.search.next_keys()
-            time.sleep(GIL_HANDOFF_S)
+            self._pause()
             if task_keys is None:
                 finished.append((task, None))
             elif batch and len(union) + len(task_keys) > MAX_KEYS_PER_ROUND:
@@ -221,7 +244,7 @@ class LookupService:
             self.breaker.on_failure()  # slow: a few in a row open the circuit
         else:
             self.breaker.on_success()
-        time.sleep(GIL_HANDOFF_S)
+        self._slice_started_s = time.perf_counter()  # it waited for the store: the GIL was free
         present = {key: status.is_ok for key, status in zip(keys, statuses)}
         self.num_exists_calls += 1
         self.num_keys_checked += len(keys)
@@ -229,4 +252,4 @@ class LookupService:
             task.store_s += elapsed
             if not task.cancelled:
                 task.search.feed(task_keys, [present[key] for key in task_keys])
-                time.sleep(GIL_HANDOFF_S)
+                self._pause()

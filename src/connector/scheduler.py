@@ -84,6 +84,8 @@ _BREAKER_FAILURES = 3
 #: costs only this request (other requests are scheduled meanwhile).
 _MAX_WAIT_BUDGETS = 20
 _MIN_WAIT_S = 5.0
+#: Longest wait of an engine step that scheduled nothing for a lookup in flight to finish.
+_IDLE_STEP_LOOKUP_WAIT_S = 0.002
 _BREAKER_OPEN_S = 1.0
 #: Store maintenance calls (invalidation removes, namespace resets) queued or running at most.
 _MAINTENANCE_QUEUE = 64
@@ -468,6 +470,10 @@ class SchedulerSide:
         :meth:`SavePlanner.step_job`). Every save job's source blocks are pinned from here until every
         rank reported it.
         """
+        if so.total_num_scheduled_tokens == 0:
+            # Nothing to compute: let lookups in flight run instead of the engine loop's empty steps
+            # (``LookupService.wait_for_progress``); a step with work never waits here.
+            self.lookups.wait_for_progress(_IDLE_STEP_LOOKUP_WAIT_S)
         meta = self.take_unplanned_meta()
         bs = so.kv_connector_block_state
         if bs is None or not self.can_save or self.namespace_closed:
