@@ -318,7 +318,11 @@ def _summarize(
 
     Ratios are taken within a round (against the no-connector run of the same round), then the median.
     """
-    row: dict[str, Any] = {"store": label, "num_rounds": len(rounds), "num_steps": rounds[0]["num_steps"]}
+    row: dict[str, Any] = {
+        "store": label,
+        "num_rounds": len(rounds),
+        "num_steps": statistics.median(r["num_steps"] for r in rounds),
+    }
     for name in (
         "schedule_p50_ms",
         "schedule_p99_ms",
@@ -339,7 +343,6 @@ def _summarize(
         ratios = [r[name] / b[name] for r, b in zip(rounds, base_rounds)]
         row[ratio] = statistics.median(ratios)
         row[f"{ratio}_spread"] = _spread(ratios)
-    row["num_steps"] = statistics.median(r["num_steps"] for r in rounds)
     for name in ("lookups_per_s", "round_trips_p50", "keys_p50"):
         row[name] = statistics.median(r[name] for r in rounds)
     for name in ("round_trips_max", "keys_max", "lookup_errors"):

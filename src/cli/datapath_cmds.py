@@ -31,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="report directory or .json path (%(default)s)")
     parser.add_argument("--batches", default="16,64,256", help="blocks per batch (%(default)s)")
     parser.add_argument("--geometries", default="attn,mamba", help="comma-separated, of attn, mamba")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds per measurement; medians and spread reported")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved timed rounds per measurement; medians and spread reported",
+    )
     parser.add_argument("--stage-mib", type=int, default=32, help="device staging buffer MiB (%(default)s)")
     parser.add_argument("--no-per-page", action="store_true", help="skip the naive per-page copy baseline")
 

@@ -254,7 +254,7 @@ def handle_lookup(args: argparse.Namespace) -> int:
 
 
 def handle_scheduler(args: argparse.Namespace) -> int:
-    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS
+    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
     from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
 
     if (
@@ -286,7 +286,16 @@ def handle_scheduler(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             urls.append(url)
             labels[url] = f"mooncake (master +{delay_ms:g} ms each way)"
-        report = _run_scheduler(args, urls, labels, models_dir)
+        report = run_scheduler_bench(
+            urls,
+            labels=labels,
+            num_requests=args.requests,
+            max_tokens=args.max_tokens,
+            per_step=args.per_step,
+            num_rounds=args.rounds,
+            forward_ms=args.forward_ms,
+            models_dir=models_dir,
+        )
     print(
         f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens; "
         f"{report['num_rounds']} interleaved rounds (medians, spread min..max), "
@@ -300,20 +309,3 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)
             status = EXIT_PROBLEM
     return status
-
-
-def _run_scheduler(
-    args: argparse.Namespace, urls: list[str], labels: dict[str, str], models_dir: Path
-) -> dict[str, Any]:
-    from hybridkv.bench.scheduler import run_scheduler_bench
-
-    return run_scheduler_bench(
-        urls,
-        labels=labels,
-        num_requests=args.requests,
-        max_tokens=args.max_tokens,
-        per_step=args.per_step,
-        num_rounds=args.rounds,
-        forward_ms=args.forward_ms,
-        models_dir=models_dir,
-    )

@@ -108,16 +108,9 @@ class LookupService:
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until every task submitted before the call has finished (tests, benches); False on
         timeout."""
-        deadline = time.monotonic() + timeout_s
         target = self._num_submitted
-        while True:
-            with self._idle:
-                if self._num_retired >= target:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(min(left, 0.01))
+        with self._idle:
+            return self._idle.wait_for(lambda: self._num_retired >= target, timeout_s)
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` until a submitted task finishes; at once when none is in flight.

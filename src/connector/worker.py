@@ -331,7 +331,7 @@ class WorkerSide:
     def start_load(self, meta: HybridStoreMetadata) -> None:
         if not meta.loads:
             return
-        if self._layerwise is not None and self.cfg.layerwise:
+        if self._layerwise is not None:
             # Asleep: the KV cache memory is released; the step's jobs fail without a write (recomputed).
             self.stats.add("layerwise_load_steps")
             self._layerwise.start(meta, self._fence(), write=not self._suspended)

@@ -329,6 +329,7 @@ class LookupSearch:
         self._cap = cap
         # The hex forms are made by the first ``next_keys`` (on the lookup thread, not the caller's).
         self._hex: list[str] = []
+        self._num_ticks = 0
         self._probed = False
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}
@@ -355,24 +356,17 @@ class LookupSearch:
     def _exact_verdict(self, group_index: int, boundary: int) -> bool | None:
         """Present on every rank (True), absent on some (False), or not known yet (None)."""
         verdict = self._exact.get((group_index, boundary))
-        if verdict is not None:
-            return verdict
-        known = self.known
-        hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
-        unknown = False
-        # One absent rank decides; the keys are built one at a time because most boundaries are decided
-        # (or found unknown) by their first ranks, and this runs for every candidate of every round.
-        for prefix in self.scheme.group_rank_prefixes[group_index]:
-            fact = known.get(prefix + hash_hex)
-            if fact is False:
-                self._exact[(group_index, boundary)] = False  # facts only grow: a verdict never changes
-                return False
-            if fact is None:
-                unknown = True
-        if unknown:
-            return None
-        self._exact[(group_index, boundary)] = True
-        return True
+        if verdict is None:
+            known = self.known
+            facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
+            if False in facts:
+                verdict = False
+            elif None in facts:
+                return None
+            else:
+                verdict = True
+            self._exact[(group_index, boundary)] = verdict  # facts only grow: a verdict never changes
+        return verdict
 
     def _guess(self) -> LookupResult:
         """The fixed point under the current facts: exact where known, the probe elsewhere."""
@@ -386,31 +380,31 @@ class LookupSearch:
 
         return _resolve(self._candidates, self._with_pauses(available_in_store))
 
+    def _tick(self) -> None:
+        """One key or boundary of work: ``pause`` after every ``PAUSE_EVERY`` of them."""
+        self._num_ticks += 1
+        if self._num_ticks % PAUSE_EVERY == 0 and self.pause is not None:
+            self.pause()
+
     def _with_pauses(self, available: AvailableFn) -> AvailableFn:
-        pause = self.pause
-        if pause is None:
+        """``available``, one tick per call."""
+        if self.pause is None:
             return available
-        num_calls = 0
 
         def paused(group_index: int, boundary: int) -> bool:
-            nonlocal num_calls
-            num_calls += 1
-            if num_calls % PAUSE_EVERY == 0:
-                pause()
+            self._tick()
             return available(group_index, boundary)
 
         return paused
 
     def _paused(self, items: Iterable[_T]) -> Iterator[_T]:
-        """``items``, with ``pause`` called after every ``PAUSE_EVERY`` of them."""
-        pause = self.pause
-        if pause is None:
+        """``items``, one tick per item."""
+        if self.pause is None:
             yield from items
             return
-        for index, item in enumerate(items, 1):
+        for item in items:
             yield item
-            if index % PAUSE_EVERY == 0:
-                pause()
+            self._tick()
 
     def next_keys(self) -> tuple[str, ...] | None:
         """The keys to check next (one batched ``exists``), or None: ``result`` holds the answer."""
