@@ -125,10 +125,14 @@ def test_layerwise_faults_keep_tokens_exact(
     if fault.startswith("delay"):
         assert s_tot.get("truncations", 0) == 0 and w_tot["load_bytes"] > 0
         return
-    # Every load failed (the second hit may miss instead, once a corrupt entry's removal is through): each
-    # truncated, and its step's saves were dropped (that step attended to garbage).
+    # Every load failed: each truncated, and its step's saves were dropped (that step attended to garbage).
     assert s_tot["truncations"] >= 1 and report.num_truncations == s_tot["truncations"]
-    assert w_tot["load_failed_keys"] == 2 * s_tot["truncations"]
+    if fault.startswith("corrupt"):
+        # The removal of the first hit's corrupt entries runs in the background: the second hit may miss (both
+        # removed), find one block (the second removed, the first not yet) or both (neither removed yet).
+        assert s_tot["truncations"] <= w_tot["load_failed_keys"] <= 2 * s_tot["truncations"]
+    else:
+        assert w_tot["load_failed_keys"] == 2 * s_tot["truncations"]
     assert w_tot["layerwise_dropped_saves"] >= 1
     # The failed blocks left vLLM's prefix cache: no other request could find their garbage before the
     # recompute (and they are not re-cached after it).
