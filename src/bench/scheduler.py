@@ -44,6 +44,8 @@ SCHEDULER_COLUMNS = [
     "busy_schedule_p99_ms",
     "busy_p99_ratio",
     "busy_p99_ratio_spread",
+    "busy_connector_p99_ms",
+    "busy_vllm_p99_ms",
     "lookups_per_s",
     "round_trips_p50",
     "round_trips_max",
@@ -243,8 +245,10 @@ def _drive(
     # vLLM's EngineCore freezes its start-up heap (``freeze_gc_heap``) so that collections while serving
     # do not walk it. Without the freeze, one collection here walks every object of the imported vLLM
     # (tens of ms) and the p99 of either configuration measures when the collector happened to run.
+    in_connector = _ConnectorClock(sched.connector) if sched.connector is not None else None
     freeze_gc_heap()
     step_s: list[float] = []
+    busy_connector_s: list[float] = []  # per busy step: time inside the connector's scheduler calls
     busy_step_s: list[float] = []  # steps that scheduled tokens (the others delay no request)
     answered: set[str] = set()
     hit_tokens = 0
@@ -255,11 +259,15 @@ def _drive(
             for req in pending[:per_step]:
                 sched.add_request(req)
             pending = pending[per_step:]
+            if in_connector is not None:
+                in_connector.elapsed_s = 0.0
             t0 = time.perf_counter()
             out = sched.schedule()
             step_s.append(time.perf_counter() - t0)
             if out.total_num_scheduled_tokens:
                 busy_step_s.append(step_s[-1])
+                if in_connector is not None:
+                    busy_connector_s.append(in_connector.elapsed_s)
             done = set(out.num_scheduled_tokens)
             if out.kv_connector_metadata is not None:
                 for load in out.kv_connector_metadata.loads:
@@ -286,6 +294,14 @@ def _drive(
         "busy_schedule_p99_ms": _percentile(busy_step_s, 0.99) * 1e3,
         "wall_s": wall_s,
     }
+    if busy_connector_s:
+        # The split of a busy step: the connector's own calls, and vLLM's work around them (which grows with
+        # the connector too: a hit's blocks are allocated in one step, a request waiting for its lookup is
+        # matched against the local prefix cache again every step).
+        row["busy_connector_p99_ms"] = _percentile(busy_connector_s, 0.99) * 1e3
+        row["busy_vllm_p99_ms"] = (
+            _percentile([t - c for t, c in zip(busy_step_s, busy_connector_s)], 0.99) * 1e3
+        )
     if side is not None:
         costs = list(side.lookups.recent_costs)
         trips = [c[0] for c in costs] or [0]
@@ -305,6 +321,32 @@ def _drive(
         )
     sched.shutdown()
     return row
+
+
+class _ConnectorClock:
+    """Times the connector's scheduler-side calls of one ``schedule()`` (``elapsed_s``, reset by the caller).
+
+    The wait of a step that scheduled nothing (``LookupService.wait_for_progress``) is left out: it is the
+    connector handing the interpreter to its lookup thread, not work on the step's path."""
+
+    _CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
+
+    def __init__(self, connector: Any) -> None:
+        self.elapsed_s = 0.0
+        for name in self._CALLS:
+            setattr(connector, name, self._timed(getattr(connector, name), 1.0))
+        lookups = connector.scheduler_side.lookups
+        lookups.wait_for_progress = self._timed(lookups.wait_for_progress, -1.0)
+
+    def _timed(self, call: Any, sign: float) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.elapsed_s += sign * (time.perf_counter() - t0)
+
+        return timed
 
 
 def _spread(values: Sequence[float]) -> str:
@@ -329,7 +371,11 @@ def _summarize(
         "schedule_max_ms",
         "busy_schedule_p50_ms",
         "busy_schedule_p99_ms",
+        "busy_connector_p99_ms",
+        "busy_vllm_p99_ms",
     ):
+        if name not in rounds[0]:
+            continue  # the connector split of the no-connector rows
         values = [r[name] for r in rounds]
         row[name] = statistics.median(values)
         row[f"{name}_spread"] = _spread(values)

@@ -14,10 +14,11 @@ multiprocess executor's message queue), so results are small named tuples of int
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
-from hybridkv.lifecycle.keys import EntryId, KeyScheme
+from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -39,11 +40,74 @@ class BlockRef:
         return EntryId(tp_rank, self.sgid, self.index, self.key_boundary)
 
 
+class PlannedRefs(Sequence[BlockRef]):
+    """A job's blocks, kept as the plan's blocks plus the physical block id of each, and expanded into
+    :class:`BlockRef` objects on first use.
+
+    The scheduler's step only looks the block ids up (one slice lookup per group); the objects a 128K-token
+    hit needs (thousands) are built where they are used: in each worker process (the compact form is what
+    is pickled) or on the scheduler's rare failure path.
+    """
+
+    __slots__ = ("_expanded", "block_ids", "gid_of_sgid", "planned")
+
+    def __init__(
+        self, planned: Sequence[PlannedBlock], block_ids: Sequence[int], gid_of_sgid: Sequence[int]
+    ) -> None:
+        assert len(planned) == len(block_ids), f"{len(planned)} planned blocks but {len(block_ids)} block ids"
+        self.planned = tuple(planned)
+        self.block_ids = tuple(block_ids)
+        self.gid_of_sgid = tuple(gid_of_sgid)
+        self._expanded: tuple[BlockRef, ...] | None = None
+
+    def _refs(self) -> tuple[BlockRef, ...]:
+        if self._expanded is None:
+            gid_of = self.gid_of_sgid
+            self._expanded = tuple(
+                BlockRef(
+                    p.group_index, gid_of[p.group_index], p.block_index, bid, p.block_hash, p.key_boundary
+                )
+                for p, bid in zip(self.planned, self.block_ids)
+            )
+        return self._expanded
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> BlockRef: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[BlockRef, ...]: ...
+    def __getitem__(self, index: int | slice) -> BlockRef | tuple[BlockRef, ...]:
+        return self._refs()[index]
+
+    def __iter__(self) -> Iterator[BlockRef]:
+        return iter(self._refs())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PlannedRefs({len(self)} blocks)"
+
+    def __getstate__(self) -> tuple[tuple[PlannedBlock, ...], tuple[int, ...], tuple[int, ...]]:
+        return self.planned, self.block_ids, self.gid_of_sgid  # the compact form only
+
+    def __setstate__(self, state: tuple[tuple[PlannedBlock, ...], tuple[int, ...], tuple[int, ...]]) -> None:
+        self.planned, self.block_ids, self.gid_of_sgid = state
+        self._expanded = None
+
+
 @dataclass(frozen=True)
 class LoadJob:
     req_id: str
     boundary: int
-    blocks: tuple[BlockRef, ...]
+    #: a tuple, or the scheduler's :class:`PlannedRefs` (expanded on first use)
+    blocks: Sequence[BlockRef]
     #: layerwise mode, a declined hit (``blocks`` empty): the block ids vLLM allocated for its external
     #: tokens, reported as load errors so vLLM recomputes them (the one KV cache group's ids)
     declined_block_ids: tuple[int, ...] = ()
@@ -53,7 +117,8 @@ class LoadJob:
 class SaveJob:
     job_id: int
     req_id: str
-    blocks: tuple[BlockRef, ...]
+    #: a tuple, or the scheduler's :class:`PlannedRefs` (expanded on first use)
+    blocks: Sequence[BlockRef]
 
 
 @dataclass

@@ -22,7 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hybridkv.connector.metadata import BlockRef, HybridStoreWorkerMetadata, SaveJob, SaveOutcome, SaveResult
+from hybridkv.connector.metadata import (
+    HybridStoreWorkerMetadata,
+    PlannedRefs,
+    SaveJob,
+    SaveOutcome,
+    SaveResult,
+)
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
 from hybridkv.lifecycle.kinds import KIND_RULES, cdiv
@@ -98,6 +104,7 @@ class SavePlanner:
         self._publisher = publisher
         self._all_ranks = ranks
         self._by_gid = {g.gid: g for g in geo.groups}
+        self._gid_of_sgid = geo.gid_of_sgid
         self._jobs: dict[int, _Job] = {}
         #: jobs created between steps (finish-time tails), sent with the next step's metadata
         self._unsent: list[SaveJob] = []
@@ -235,23 +242,16 @@ class SavePlanner:
             by_group.setdefault(sgid, []).append(boundary)
         plan = plan_save(self.scheme, list(request.block_hashes), by_group)
         bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
-        refs = tuple(
-            BlockRef(
-                b.group_index,
-                self.geo.groups[b.group_index].gid,
-                b.block_index,
-                bid_of[(b.group_index, b.key_boundary)],
-                b.block_hash,
-                b.key_boundary,
-            )
-            for b in plan.blocks
+        block_ids = [bid_of[(b.group_index, b.key_boundary)] for b in plan.blocks]
+        job = SaveJob(
+            self._next_job, request.request_id, PlannedRefs(plan.blocks, block_ids, self._gid_of_sgid)
         )
-        job = SaveJob(self._next_job, request.request_id, refs)
         self._next_job += 1
         wave = self.machine.new_save_wave(request.request_id, job.job_id, plan)
         pinned: list[Any] = []
         if self._pool is not None:
-            pinned = [self._pool.blocks[ref.block_id] for ref in refs]
+            # One pin per physical block (a DCP-sharded block is several planned entries).
+            pinned = [self._pool.blocks[bid] for bid in dict.fromkeys(block_ids)]
             self._pool.touch(pinned)
         self._jobs[job.job_id] = _Job(job, wave, pinned, request, self._publisher.reset_epoch)
         wave.start_put()

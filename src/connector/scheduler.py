@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -50,11 +51,11 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookups import LookupService, LookupTask
 from hybridkv.connector.metadata import (
-    BlockRef,
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
     LoadResult,
+    PlannedRefs,
 )
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import StatsBox
@@ -140,6 +141,7 @@ class SchedulerSide:
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
+        self._gid_of_sgid = self.geo.gid_of_sgid
         self._block_pool: Any = None  # vLLM's block pool (``bind_block_pool``)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
@@ -371,13 +373,14 @@ class SchedulerSide:
             return
         lc = r.lc
         refs, reason = self._bind_plan(request, lc, blocks, num_external_tokens)
-        if reason is not None:
+        if refs is None:
+            assert reason is not None
             self._decline_allocated(
                 request, r, reason, self._external_block_ids(r, blocks, num_external_tokens)
             )
             return
         assert lc.lookup is not None and lc.lookup.plan is not None  # _bind_plan checked it
-        job = LoadJob(request.request_id, lc.lookup.plan.boundary, tuple(refs))
+        job = LoadJob(request.request_id, lc.lookup.plan.boundary, refs)
         r.load, r.load_results, r.load_ranks = job, [], set()
         self._pending_loads.append(job)
         lc.start_load()
@@ -387,32 +390,37 @@ class SchedulerSide:
 
     def _bind_plan(
         self, request: Request, lc: RequestLifecycle, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> tuple[list[BlockRef], str | None]:
+    ) -> tuple[PlannedRefs | None, str | None]:
         """The plan's blocks on the request's real block table, or why vLLM's allocation does not fit."""
         if lc.current is not State.PARTIAL_HIT or lc.lookup is None or lc.lookup.plan is None:
-            return [], f"{num_external_tokens} external tokens allocated in state {lc.state} without a plan"
+            return None, f"{num_external_tokens} external tokens allocated in state {lc.state} without a plan"
         plan = lc.lookup.plan
         planned = plan.boundary - plan.num_computed_tokens
         if planned != num_external_tokens:
-            return [], (
+            return None, (
                 f"vLLM allocated {num_external_tokens} external tokens, the plan has {planned} "
                 f"(boundary {plan.boundary}, local {plan.num_computed_tokens})"
             )
         table = blocks.get_block_ids()
-        refs: list[BlockRef] = []
-        for load in plan.loads:
-            info = self.geo.groups[load.group_index]
+        block_ids: list[int] = []
+        # One slice lookup per group (the plan keeps each group's block-table positions, computed on the
+        # lookup thread): a 128K-token hit has thousands of planned blocks.
+        for group_index, indexes in enumerate(plan.block_indexes_by_group):
+            if not indexes:
+                continue
+            info = self.geo.groups[group_index]
             row = table[info.gid] if info.gid < len(table) else []
-            bid = row[load.block_index] if load.block_index < len(row) else 0
-            if bid == 0:
-                return [], (
-                    f"group {info.gid} ({info.kind.value}) block {load.block_index} is not allocated "
-                    f"(null block) in the load plan for boundary {plan.boundary}"
-                )
-            refs.append(
-                BlockRef(info.sgid, info.gid, load.block_index, bid, load.block_hash, load.key_boundary)
+            if indexes[-1] < len(row):
+                ids = itemgetter(*indexes)(row) if len(indexes) > 1 else (row[indexes[0]],)
+                if 0 not in ids:
+                    block_ids.extend(ids)
+                    continue
+            bad = next(i for i in indexes if i >= len(row) or row[i] == 0)
+            return None, (
+                f"group {info.gid} ({info.kind.value}) block {bad} is not allocated "
+                f"(null block) in the load plan for boundary {plan.boundary}"
             )
-        return refs, None
+        return PlannedRefs(plan.loads, block_ids, self._gid_of_sgid), None
 
     def _external_block_ids(
         self, r: _Req | None, blocks: KVCacheBlocks, num_external_tokens: int

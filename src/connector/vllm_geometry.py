@@ -48,6 +48,11 @@ class ConnectorGeometry:
         return self.scheme.geometry
 
     @property
+    def gid_of_sgid(self) -> tuple[int, ...]:
+        """vLLM's KV cache group id of each store group (by store group index)."""
+        return tuple(g.gid for g in self.groups)
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(r.tp_rank for r in self.geometry.topology.ranks)
 

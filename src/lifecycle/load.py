@@ -127,6 +127,21 @@ class LoadPlan:
         """Every (entry, key) of the plan, rank-major."""
         return self.scheme.entries(self.loads)
 
+    @cached_property
+    def block_indexes_by_group(self) -> tuple[tuple[int, ...], ...]:
+        """Per group index: the block-table positions of its planned blocks, in ``loads`` order.
+
+        ``loads`` is sorted by (group, block index), so concatenating these rows gives ``loads``' order:
+        binding the plan to a block table is one slice lookup per group (the scheduler's step does it)."""
+        rows: list[list[int]] = [[] for _ in range(self.scheme.geometry.num_groups)]
+        for load in self.loads:
+            rows[load.group_index].append(load.block_index)
+        flat = [index for row in rows for index in row]
+        assert flat == [load.block_index for load in self.loads], (
+            f"plan for boundary {self.boundary}: loads are not sorted by (group, block index)"
+        )
+        return tuple(tuple(row) for row in rows)
+
     def loads_for_rank(self, tp_rank: int) -> list[tuple[PlannedBlock, str]]:
         """The blocks ``tp_rank`` fetches, with their keys (possibly none: it must still report done)."""
         return self.scheme.rank_keys(self.loads, tp_rank)

@@ -271,12 +271,14 @@ def _build_plan(
                     PlannedBlock(g, block_index, key_boundary, hashes[key_boundary // unit_hash - 1])
                 )
     loads.sort(key=lambda load: (load.group_index, load.block_index))
-    return LoadPlan(
+    plan = LoadPlan(
         scheme=scheme,
         boundary=boundary,
         num_computed_tokens=candidates.num_computed_tokens,
         loads=tuple(loads),
     )
+    _ = plan.block_indexes_by_group  # computed here (the lookup thread), not in the scheduler's step
+    return plan
 
 
 @dataclass

@@ -187,6 +187,52 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     assert side.lifecycle("m1").state == "MISS"
 
 
+def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]) -> None:
+    sched = _scheduler(objs["vc"])
+    conn = sched.connector
+    side = conn.scheduler_side
+    side.machine.sink = sink = MemoryAuditSink()
+    store = open_store(objs["store_url"])
+    req = _request("n1", 130, first=3700)
+    _fill(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (0, 128), (1, 128)], RANKS)
+    real_after_alloc = conn.update_state_after_alloc
+    null_block = sched.kv_cache_manager.block_pool.null_block
+
+    def with_null_block(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        # A vLLM whose allocation leaves a planned full-attention block on the null block.
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        groups = [list(group) for group in blocks.blocks]
+        full = side.geo.groups[0].gid
+        groups[full][1] = null_block
+        real_after_alloc(request, KVCacheBlocks(tuple(groups)), num_external_tokens)
+
+    conn.update_state_after_alloc = with_null_block  # type: ignore[method-assign]
+    sched.add_request(req)
+    out = sched.schedule()
+    (job,) = out.kv_connector_metadata.loads
+    assert (job.req_id, job.boundary, tuple(job.blocks)) == ("n1", 0, ())
+    declined = [r for r in sink.records if r["event"] == "hit_declined"]
+    assert len(declined) == 1 and "block 1 is not allocated (null block)" in declined[0]["detail"]["reason"]
+
+
+def test_a_bound_plan_names_the_allocated_blocks_and_pickles_compactly(objs: dict[str, Any]) -> None:
+    import pickle
+
+    sched, side, _, out, _ = _planned_load(objs, "b1", 3800)
+    (job,) = out.kv_connector_metadata.loads
+    table = sched.kv_cache_manager.get_blocks("b1").get_block_ids()
+    assert len(job.blocks) > 0
+    for ref in job.blocks:
+        assert ref.gid == side.geo.groups[ref.sgid].gid
+        assert ref.block_id == table[ref.gid][ref.index] != 0, ref
+    # The workers receive the plan's blocks and ids, not the expanded references.
+    size_before = len(pickle.dumps(job))
+    copy = pickle.loads(pickle.dumps(job))
+    assert tuple(copy.blocks) == tuple(job.blocks)
+    assert len(pickle.dumps(job)) == size_before, "the expanded references were pickled"
+
+
 # ------------------------------------------------------------------------------------------------- item 6
 class _Recorder:
     def __init__(self) -> None:

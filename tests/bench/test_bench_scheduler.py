@@ -1,0 +1,37 @@
+"""``hybridkv bench scheduler`` through the CLI entry point, small settings (the real vLLM ``Scheduler``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm]
+
+
+def test_bench_scheduler_rows_ratios_and_the_connector_split(tmp_path: Path) -> None:
+    from hybridkv.cli import main
+
+    out = tmp_path / "scheduler.json"
+    argv = ["bench", "scheduler", "--requests", "6", "--max-tokens", "16384", "--rounds", "2"]
+    assert main([*argv, "--forward-ms", "0.5", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    base, ours = report["rows"]
+    assert base["store"] == "(no connector)" and "busy_connector_p99_ms" not in base
+    assert ours["store"].startswith("faulty+memory://") and ours["num_rounds"] == 2
+    # The asynchronous probing lookup finds exactly what the synchronous full scan finds.
+    assert ours["hit_tokens"] == ours["full_scan_hit_tokens"] > 0
+    assert ours["lookup_errors"] == 0 and 1 <= ours["round_trips_max"] <= 4
+    # A busy step splits into the connector's own calls and vLLM's work around them.
+    for name in ("busy_schedule_p99_ms", "busy_connector_p99_ms", "busy_vllm_p99_ms"):
+        assert ours[name] > 0, name
+    assert ours["busy_connector_p99_ms"] <= ours["busy_schedule_p99_ms"]
+    for round_row in report["rounds"][ours["store"]]:
+        assert round_row["busy_connector_p99_ms"] <= round_row["busy_schedule_p99_ms"]
+    # Ratios are taken within a round, then the median (of two rounds: their mean).
+    ratios = [
+        r["busy_schedule_p99_ms"] / b["busy_schedule_p99_ms"]
+        for r, b in zip(report["rounds"][ours["store"]], report["rounds"]["(no connector)"], strict=True)
+    ]
+    assert ours["busy_p99_ratio"] == pytest.approx(sum(ratios) / 2)
