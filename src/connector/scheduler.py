@@ -259,6 +259,19 @@ class SchedulerSide:
             self._abandon_search(r)
         lc = r.lc
         memo_key = (request.num_tokens, num_computed_tokens, lc.max_boundary)
+        task = r.task
+        if task is not None and not task.done and r.search_inputs == memo_key and r.waiting_since is not None:
+            # vLLM asks every waiting request again every step: while its search is in flight, asked the
+            # same, within its budget and with nothing that ends it early, the answer is "ask again".
+            now = time.monotonic()
+            budget_s = self.cfg.lookup_budget_ms / 1000.0
+            if (
+                now - r.waiting_since <= budget_s
+                and task.store_s <= budget_s
+                and not self.lookups.stalled(now)
+                and not self.namespace_closed
+            ):
+                return None, False
         if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
             boundary = r.memo[1]
         else:

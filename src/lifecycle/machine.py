@@ -102,6 +102,7 @@ class TransitionSpec:
 
 
 _S = State
+_STATE_OF_NAME: dict[str, State] = {state.name: state for state in State}  # ``State[name]`` is slower
 #: Retries of a truncated load (then MISS for the rest of the incarnation).
 MAX_LOAD_RETRIES = 1
 LOAD_INITIAL = State.NEW
@@ -310,7 +311,7 @@ class _Model:
 
     @property
     def current(self) -> State:
-        return State[self.state]
+        return _STATE_OF_NAME[self.state]
 
 
 class RequestLifecycle(_Model):
