@@ -1,10 +1,12 @@
 """Store throughput and latency measurements, as pure functions returning dicts (``hybridkv bench store``).
 
 Every throughput is reported next to a plain ``memcpy`` (``numpy.copyto``) of the same bytes, value size and
-working set, measured in the same run, because on a shared 2-core box absolute GB/s swing by +-40 %.
-The memcpy writes into pre-touched buffers; a store must place each new value in new pages (page faults
-and kernel zeroing), which dominates ``put`` for large values on this box.
-Throughputs are the best of ``repeats`` rounds (the least disturbed one); GB/s uses 1e9 bytes.
+working set, measured in the same rounds, because on a shared 2-core box absolute GB/s swing by +-40 %:
+each round runs the memcpy, the batched put and the batched get back to back, so one round's ratios see one
+machine load. Ratios are the median over ``repeats`` rounds, with their min and max as the spread;
+throughputs are medians too. The memcpy writes into pre-touched buffers; a store must place each new value
+in page-cache pages (page faults and kernel zeroing for new pages, per-page bookkeeping for recycled ones),
+which dominates ``put`` for large values. GB/s uses 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -60,17 +62,27 @@ def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dic
     return {"memcpy_gbps": best}
 
 
-def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: int = 3) -> dict[str, float]:
-    """Best-of-``repeats`` GB/s of one batched ``put`` and one batched ``get_into`` of ``num_values`` values.
+def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: int = 5) -> dict[str, float]:
+    """Throughput of one batched ``put`` and one batched ``get_into`` of ``num_values`` values, interleaved
+    with a memcpy of the same bytes: medians over ``repeats`` rounds, and per-round ratios to the memcpy
+    (median, min, max).
 
     Each round uses fresh keys (puts are insert-if-absent, so a repeated key would measure nothing), checks
-    every status and the bytes of the first and last value, then removes its keys.
+    every status and the bytes of the first and last value, then removes its keys. The memcpy copies the
+    sources into buffers of its own, so the get's byte check cannot pass on bytes the memcpy left behind.
     """
     sources, destinations = _buffers(value_size, num_values, seed=2)
+    copies = [np.ones(value_size, dtype=np.uint8) for _ in range(num_values)]  # pre-touched pages
     total = value_size * num_values
-    best_put = best_get = 0.0
+    memcpy_gbps: list[float] = []
+    put_gbps: list[float] = []
+    get_gbps: list[float] = []
     for round_index in range(max(1, repeats)):
         keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
+        start = time.perf_counter()
+        for source, copy in zip(sources, copies):
+            np.copyto(copy, source)
+        memcpy_elapsed = time.perf_counter() - start
         start = time.perf_counter()
         put_statuses = store.put(keys, _as_values(sources))
         put_elapsed = time.perf_counter() - start
@@ -87,9 +99,24 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
             sources[-1], destinations[-1]
         ), f"{store.url}: bench read back different bytes"
         store.remove(keys)
-        best_put = max(best_put, total / max(put_elapsed, 1e-9) / 1e9)
-        best_get = max(best_get, total / max(get_elapsed, 1e-9) / 1e9)
-    return {"put_gbps": best_put, "get_gbps": best_get}
+        for destination in destinations[:: max(1, len(destinations) - 1)]:
+            destination.fill(1)  # the next round's check must see that round's bytes, not these
+        memcpy_gbps.append(total / max(memcpy_elapsed, 1e-9) / 1e9)
+        put_gbps.append(total / max(put_elapsed, 1e-9) / 1e9)
+        get_gbps.append(total / max(get_elapsed, 1e-9) / 1e9)
+    put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps)]
+    get_ratios = [get / memcpy for get, memcpy in zip(get_gbps, memcpy_gbps)]
+    return {
+        "put_gbps": statistics.median(put_gbps),
+        "get_gbps": statistics.median(get_gbps),
+        "memcpy_gbps": statistics.median(memcpy_gbps),
+        "put_ratio": statistics.median(put_ratios),
+        "put_ratio_min": min(put_ratios),
+        "put_ratio_max": max(put_ratios),
+        "get_ratio": statistics.median(get_ratios),
+        "get_ratio_min": min(get_ratios),
+        "get_ratio_max": max(get_ratios),
+    }
 
 
 def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, float]:
@@ -132,14 +159,11 @@ def run_store_bench(
     *,
     value_sizes: Sequence[int] = DEFAULT_VALUE_SIZES,
     bytes_per_round: int = DEFAULT_BYTES_PER_ROUND,
-    repeats: int = 3,
+    repeats: int = 5,
     num_exists_calls: int = 1000,
 ) -> dict[str, Any]:
-    """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy."""
-    memcpy_by_size = {
-        size: measure_memcpy(size, num_values_for(size, bytes_per_round), repeats=repeats)
-        for size in value_sizes
-    }
+    """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy
+    (medians over ``repeats`` interleaved rounds, and their spread)."""
     rows: list[dict[str, Any]] = []
     for url in urls:
         store = open_store(url)
@@ -148,9 +172,6 @@ def run_store_bench(
             for size in value_sizes:
                 num_values = num_values_for(size, bytes_per_round)
                 result = measure_put_get(store, size, num_values, repeats=repeats)
-                # memcpy again right after, so both sides see the same machine load; keep the better one.
-                again = measure_memcpy(size, num_values, repeats=repeats)
-                memcpy_gbps = max(memcpy_by_size[size]["memcpy_gbps"], again["memcpy_gbps"])
                 rows.append(
                     {
                         "store": store.url.split("?", 1)[0],
@@ -158,11 +179,9 @@ def run_store_bench(
                         "value_size": size,
                         "value_size_text": format_size(size),
                         "num_values": num_values,
-                        "put_gbps": result["put_gbps"],
-                        "get_gbps": result["get_gbps"],
-                        "memcpy_gbps": memcpy_gbps,
-                        "put_ratio": result["put_gbps"] / memcpy_gbps,
-                        "get_ratio": result["get_gbps"] / memcpy_gbps,
+                        **result,
+                        "put_ratio_spread": f"{result['put_ratio_min']:.2f}-{result['put_ratio_max']:.2f}",
+                        "get_ratio_spread": f"{result['get_ratio_min']:.2f}-{result['get_ratio_max']:.2f}",
                         **latency,
                     }
                 )
@@ -170,7 +189,8 @@ def run_store_bench(
             store.close()
     return {
         "benchmark": "store",
-        "unit": "GB/s = 1e9 bytes/s; ratios are store / memcpy of the same bytes in the same run",
+        "unit": "GB/s = 1e9 bytes/s; ratios are store / memcpy of the same bytes in the same round, medians "
+        "over the rounds with min-max spread",
         "bytes_per_round": bytes_per_round,
         "repeats": repeats,
         "rows": rows,
@@ -187,7 +207,9 @@ TABLE_COLUMNS = [
     "get_gbps",
     "memcpy_gbps",
     "put_ratio",
+    "put_ratio_spread",
     "get_ratio",
+    "get_ratio_spread",
     "exists_p50_us",
     "exists_p99_us",
 ]
