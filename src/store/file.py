@@ -393,11 +393,9 @@ class FileBackend:
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
             if new_path is None:
                 continue
-            if seal is not None:
-                seal(index)
             claim = claims[index]
             results[index], published = self._publish(
-                key, frame, new_path, None if claim is None else claim[0]
+                key, frame, new_path, None if claim is None else claim[0], seal, index
             )
             if not published:
                 num_unpublished_bytes += sizes[index]
@@ -408,19 +406,38 @@ class FileBackend:
                 self.num_recycled += num_claimed
         return results
 
-    def _publish(self, key: str, frame: FrameParts, path: str, spare: str | None) -> tuple[Status, bool]:
+    def _publish(
+        self, key: str, frame: FrameParts, path: str, spare: str | None, seal: SealHook | None, index: int
+    ) -> tuple[Status, bool]:
         """Write ``frame`` to a temp file (the claimed ``spare`` in tmp/ if given, else a new one) and link it
-        to ``path``: (status, whether this call published). The temp file is gone afterwards."""
+        to ``path``: (status, whether this call published). The temp file is gone afterwards.
+
+        The payload parts are written first and the header part last, right after ``seal(index)`` (if given)
+        has filled it: the checksum then reads payload bytes the write has just pulled into the CPU cache
+        instead of fetching them from memory once more (see Speed), and the file holds the whole sealed frame
+        before it is linked."""
+        header = frame[0]
+        size = sum(part.nbytes for part in frame)
         temp = self._temp_path() if spare is None else spare
         try:
-            fd = self._open_spare(spare, sum(part.nbytes for part in frame)) if spare is not None else None
+            fd = self._open_spare(spare, size) if spare is not None else None
             if fd is None:  # no spare, or a reader of its previous life still holds it: a new file
                 temp = self._temp_path()
                 if spare is not None:
                     os.unlink(spare)
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    # The final size first: a tmpfs mounted huge=within_size backs a file with large pages
+                    # only inside its size (kernels before 6.14 do not count the size a write is growing to).
+                    os.ftruncate(fd, size)
+                except OSError:
+                    os.close(fd)
+                    raise
             try:
-                _write_all(fd, frame)
+                _write_all(fd, frame[1:], header.nbytes)
+                if seal is not None:
+                    seal(index)
+                _write_all(fd, [header], 0)
             finally:
                 # Unlocks a recycled inode. Safe before the link: its bytes are final now, and a reader of
                 # its previous life that locks it from here on finds its old name no longer links to it.
@@ -664,10 +681,13 @@ def _advance(pending: list[memoryview], num_bytes: int) -> None:
             num_bytes = 0
 
 
-def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+def _write_all(fd: int, parts: Sequence[memoryview], offset: int) -> None:
+    """Write ``parts`` back to back into ``fd`` from ``offset`` (the file position is not used)."""
     pending = [part for part in parts if part.nbytes]
     while pending:
-        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+        num_written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        offset += num_written
+        _advance(pending, num_written)
 
 
 def _read_all(fd: int, parts: Sequence[memoryview]) -> int:
