@@ -24,8 +24,10 @@ from typing import Any, cast
 import numpy as np
 from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.store.base import Status, Store, Value
+from hybridkv.store.file import FileBackend
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
+from typing_extensions import Buffer
 
 DEFAULT_VALUE_SIZES = (64 << 10, 1 << 20, 16 << 20)
 DEFAULT_BYTES_PER_ROUND = 64 << 20
@@ -62,7 +64,9 @@ def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dic
     return {"memcpy_gbps": best}
 
 
-def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: int = 5) -> dict[str, float]:
+def measure_put_get(
+    store: Store, value_size: int, num_values: int, *, repeats: int = 5, floor_directory: Path | None = None
+) -> dict[str, float]:
     """Throughput of one batched ``put`` and one batched ``get_into`` of ``num_values`` values, interleaved
     with a memcpy of the same bytes: medians over ``repeats`` rounds, and per-round ratios to the memcpy
     (median, min, max).
@@ -70,43 +74,37 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
     Each round uses fresh keys (puts are insert-if-absent, so a repeated key would measure nothing), checks
     every status and the bytes of the first and last value, then removes its keys. The memcpy copies the
     sources into buffers of its own, so the get's byte check cannot pass on bytes the memcpy left behind.
+
+    With ``floor_directory`` (a file store's directory), each round also overwrites ``num_values`` files
+    there whose pages already exist with one ``pwrite`` each, from open descriptors: no checksum, no path
+    syscalls, no locks. ``page_write_ratio`` (that over the memcpy) is the floor a file store's put of
+    recycled files can approach on that filesystem.
     """
     sources, destinations = _buffers(value_size, num_values, seed=2)
     copies = [np.ones(value_size, dtype=np.uint8) for _ in range(num_values)]  # pre-touched pages
+    floor_fds = [] if floor_directory is None else _open_floor_files(floor_directory, sources)
     total = value_size * num_values
     memcpy_gbps: list[float] = []
     put_gbps: list[float] = []
     get_gbps: list[float] = []
-    for round_index in range(max(1, repeats)):
-        keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
-        start = time.perf_counter()
-        for source, copy in zip(sources, copies):
-            np.copyto(copy, source)
-        memcpy_elapsed = time.perf_counter() - start
-        start = time.perf_counter()
-        put_statuses = store.put(keys, _as_values(sources))
-        put_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in put_statuses), (
-            f"{store.url}: bench put failed: {set(put_statuses)}"
-        )
-        start = time.perf_counter()
-        get_statuses = store.get_into(keys, _as_values(destinations))
-        get_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in get_statuses), (
-            f"{store.url}: bench get failed: {set(get_statuses)}"
-        )
-        assert np.array_equal(sources[0], destinations[0]) and np.array_equal(
-            sources[-1], destinations[-1]
-        ), f"{store.url}: bench read back different bytes"
-        store.remove(keys)
-        for destination in destinations[:: max(1, len(destinations) - 1)]:
-            destination.fill(1)  # the next round's check must see that round's bytes, not these
-        memcpy_gbps.append(total / max(memcpy_elapsed, 1e-9) / 1e9)
-        put_gbps.append(total / max(put_elapsed, 1e-9) / 1e9)
-        get_gbps.append(total / max(get_elapsed, 1e-9) / 1e9)
+    page_write_gbps: list[float] = []
+    try:
+        for round_index in range(max(1, repeats)):
+            memcpy_gbps.append(total / _time_memcpy(sources, copies) / 1e9)
+            if floor_fds:
+                start = time.perf_counter()
+                for fd, source in zip(floor_fds, sources):
+                    os.pwrite(fd, cast(Buffer, source), 0)
+                page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
+            put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index)
+            put_gbps.append(total / put_seconds / 1e9)
+            get_gbps.append(total / get_seconds / 1e9)
+    finally:
+        for fd in floor_fds:
+            os.close(fd)
     put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps)]
     get_ratios = [get / memcpy for get, memcpy in zip(get_gbps, memcpy_gbps)]
-    return {
+    result = {
         "put_gbps": statistics.median(put_gbps),
         "get_gbps": statistics.median(get_gbps),
         "memcpy_gbps": statistics.median(memcpy_gbps),
@@ -117,6 +115,59 @@ def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: 
         "get_ratio_min": min(get_ratios),
         "get_ratio_max": max(get_ratios),
     }
+    if page_write_gbps:
+        result["page_write_ratio"] = statistics.median(
+            [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps)]
+        )
+    return result
+
+
+def _open_floor_files(directory: Path, sources: list[np.ndarray]) -> list[int]:
+    """One file per source under ``directory``, written once (so its pages exist) and already unlinked:
+    open descriptors the floor measurement overwrites, gone with the last close."""
+    fds: list[int] = []
+    try:
+        for source in sources:
+            path = directory / f"page-write-floor-{uuid.uuid4().hex}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(path)
+            fds.append(fd)
+            os.pwrite(fd, cast(Buffer, source), 0)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _time_memcpy(sources: list[np.ndarray], copies: list[np.ndarray]) -> float:
+    start = time.perf_counter()
+    for source, copy in zip(sources, copies):
+        np.copyto(copy, source)
+    return max(time.perf_counter() - start, 1e-9)
+
+
+def _time_put_get(
+    store: Store, sources: list[np.ndarray], destinations: list[np.ndarray], round_index: int
+) -> tuple[float, float]:
+    """Seconds of one checked batched put and get of fresh keys (removed afterwards)."""
+    num_values = len(sources)
+    keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
+    start = time.perf_counter()
+    put_statuses = store.put(keys, _as_values(sources))
+    put_elapsed = time.perf_counter() - start
+    assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
+    start = time.perf_counter()
+    get_statuses = store.get_into(keys, _as_values(destinations))
+    get_elapsed = time.perf_counter() - start
+    assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
+    assert np.array_equal(sources[0], destinations[0]) and np.array_equal(sources[-1], destinations[-1]), (
+        f"{store.url}: bench read back different bytes"
+    )
+    store.remove(keys)
+    for destination in destinations[:: max(1, len(destinations) - 1)]:
+        destination.fill(1)  # the next round's check must see that round's bytes, not these
+    return max(put_elapsed, 1e-9), max(get_elapsed, 1e-9)
 
 
 def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, float]:
@@ -136,6 +187,33 @@ def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, 
         "exists_p50_us": statistics.median(samples),
         "exists_p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))],
     }
+
+
+def filesystem_of(directory: Path) -> str:
+    """The filesystem ``directory`` is on, from /proc/self/mountinfo: its type, and for tmpfs its huge-page
+    mode (``tmpfs huge=never``), which decides whether a file store's writes touch 4 KiB or 2 MiB pages;
+    ``unknown`` where mountinfo cannot be read."""
+    path = os.path.realpath(directory)
+    best_mount_point = ""
+    description = "unknown"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as mountinfo:
+            lines = mountinfo.read().splitlines()
+    except OSError:
+        return description
+    for line in lines:
+        mount_fields, separator, filesystem_fields = line.partition(" - ")
+        mount_point = mount_fields.split(" ")[4].replace("\\040", " ") if separator else ""
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if not inside or len(mount_point) < len(best_mount_point):
+            continue
+        filesystem_type, _source, super_options = (filesystem_fields.split(" ") + ["", ""])[:3]
+        best_mount_point = mount_point
+        description = filesystem_type
+        if filesystem_type == "tmpfs":
+            huge = [option for option in super_options.split(",") if option.startswith("huge=")]
+            description += " " + (huge[0] if huge else "huge=never")
+    return description
 
 
 def bench_scratch_dir() -> tempfile.TemporaryDirectory[str]:
@@ -169,13 +247,18 @@ def run_store_bench(
         store = open_store(url)
         try:
             latency = measure_exists_latency(store, num_calls=num_exists_calls)
+            backend = getattr(store, "backend", None)
+            floor_directory = backend.directory if isinstance(backend, FileBackend) else None
             for size in value_sizes:
                 num_values = num_values_for(size, bytes_per_round)
-                result = measure_put_get(store, size, num_values, repeats=repeats)
+                result = measure_put_get(
+                    store, size, num_values, repeats=repeats, floor_directory=floor_directory
+                )
                 rows.append(
                     {
                         "store": store.url.split("?", 1)[0],
                         "url": store.url,
+                        "filesystem": "" if floor_directory is None else filesystem_of(floor_directory),
                         "value_size": size,
                         "value_size_text": format_size(size),
                         "num_values": num_values,
@@ -208,10 +291,12 @@ TABLE_COLUMNS = [
     "memcpy_gbps",
     "put_ratio",
     "put_ratio_spread",
+    "page_write_ratio",
     "get_ratio",
     "get_ratio_spread",
     "exists_p50_us",
     "exists_p99_us",
+    "filesystem",
 ]
 
 
