@@ -37,13 +37,17 @@ objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usa
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 
-Speed (``hybridkv bench store``, /dev/shm): values move with one ``writev``/``readv`` straight from/to the
-caller's buffers, and the frame checksum runs per value right before the write / right after the read
-(``JustInTimeBackend``), while the bytes are in cache. A put into a new file is bounded by tmpfs allocating
-a fresh 4 KiB page per 4 KiB written: a plain ``write`` of 1 MiB into a new /dev/shm file runs at ~0.3x
-memcpy on the dev VM, overwriting a recycled file's pages ~0.5-0.6x (on a tmpfs mounted ``huge=always`` a new
-file takes ~0.6x). Values below ``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~5
-path syscalls per file, not by page faults.
+Speed (``hybridkv bench store``, /dev/shm): values move with one ``pwritev``/``readv`` straight from/to the
+caller's buffers. A put writes the payload first, seals the frame (computes its checksum) right after, while
+the payload is still in cache, and writes the header last; a get verifies each frame right after reading it
+(``JustInTimeBackend``). What bounds a put of a large value is the page cache, not the code around it: on a
+tmpfs with 4 KiB pages (``huge=never``, the default for /dev/shm) every 4 KiB written costs a page lookup,
+lock and dirtying on top of the copy, so merely overwriting a recycled file's pages runs at ~0.5x memcpy on
+the dev VM (the bench's ``page_write_ratio``), and a put, which also hashes, at ~0.4-0.45x; a new file also
+has each page allocated and zeroed (~0.2x). On a tmpfs mounted ``huge=within_size`` (or ``always``) a
+recycled file's pages are 2 MiB and the same put runs at ~0.6-0.7x memcpy: mount the store's directory that
+way where the filesystem allows it. Values below ``_RECYCLE_MIN_SIZE`` are not recycled: their put is
+bounded by the ~10 path syscalls per file, not by page faults.
 """
 
 from __future__ import annotations
