@@ -42,12 +42,15 @@ caller's buffers. A put writes the payload first, seals the frame (computes its 
 the payload is still in cache, and writes the header last; a get verifies each frame right after reading it
 (``JustInTimeBackend``). What bounds a put of a large value is the page cache, not the code around it: on a
 tmpfs with 4 KiB pages (``huge=never``, the default for /dev/shm) every 4 KiB written costs a page lookup,
-lock and dirtying on top of the copy, so merely overwriting a recycled file's pages runs at ~0.5x memcpy on
-the dev VM (the bench's ``page_write_ratio``), and a put, which also hashes, at ~0.4-0.45x; a new file also
+lock and dirtying on top of the copy, so merely overwriting a recycled file's pages runs at ~0.45-0.5x memcpy
+on the dev VM (the bench's ``page_write_ratio``), and a put, which also hashes, at ~0.35-0.45x; a new file also
 has each page allocated and zeroed (~0.2x). On a tmpfs mounted ``huge=within_size`` (or ``always``) a
-recycled file's pages are 2 MiB and the same put runs at ~0.6-0.7x memcpy: mount the store's directory that
-way where the filesystem allows it. Values below ``_RECYCLE_MIN_SIZE`` are not recycled: their put is
-bounded by the ~10 path syscalls per file, not by page faults.
+recycled file's pages are 2 MiB and the same put runs at ~0.55-0.7x memcpy: mount the store's directory that
+way where the filesystem allows it. Pre-faulting spares would not lift the 4 KiB case: a recycled file's
+pages already exist, the cost is the write path's per page, and writing through a fresh ``mmap`` instead
+spends about as much on setting up page-table entries as it saves (measured on the dev VM). Values below
+``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file, not by page
+faults.
 """
 
 from __future__ import annotations
@@ -432,7 +435,7 @@ class FileBackend:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     # The final size first: a tmpfs mounted huge=within_size backs a file with large pages
-                    # only inside its size (kernels before 6.14 do not count the size a write is growing to).
+                    # only inside its size (some kernels look only at the size, not at where a write will end).
                     os.ftruncate(fd, size)
                 except OSError:
                     os.close(fd)
