@@ -1,10 +1,12 @@
 """Store throughput and latency measurements, as pure functions returning dicts (``hybridkv bench store``).
 
 Every throughput is reported next to a plain ``memcpy`` (``numpy.copyto``) of the same bytes, value size and
-working set, measured in the same run, because on a shared 2-core box absolute GB/s swing by +-40 %.
-The memcpy writes into pre-touched buffers; a store must place each new value in new pages (page faults
-and kernel zeroing), which dominates ``put`` for large values on this box.
-Throughputs are the best of ``repeats`` rounds (the least disturbed one); GB/s uses 1e9 bytes.
+working set, measured in the same rounds, because on a shared 2-core box absolute GB/s swing by +-40 %:
+each round runs the memcpy, the batched put and the batched get back to back, so one round's ratios see one
+machine load. Ratios are the median over ``repeats`` rounds, with their min and max as the spread;
+throughputs are medians too. The memcpy writes into pre-touched buffers; a store must place each new value
+in page-cache pages (page faults and kernel zeroing for new pages, per-page bookkeeping for recycled ones),
+which dominates ``put`` for large values. GB/s uses 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any, cast
 import numpy as np
 from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.store.base import Status, Store, Value
+from hybridkv.store.file import FileBackend
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
+from typing_extensions import Buffer
 
 DEFAULT_VALUE_SIZES = (64 << 10, 1 << 20, 16 << 20)
 DEFAULT_BYTES_PER_ROUND = 64 << 20
@@ -60,36 +64,110 @@ def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dic
     return {"memcpy_gbps": best}
 
 
-def measure_put_get(store: Store, value_size: int, num_values: int, *, repeats: int = 3) -> dict[str, float]:
-    """Best-of-``repeats`` GB/s of one batched ``put`` and one batched ``get_into`` of ``num_values`` values.
+def measure_put_get(
+    store: Store, value_size: int, num_values: int, *, repeats: int = 5, floor_directory: Path | None = None
+) -> dict[str, float]:
+    """Throughput of one batched ``put`` and one batched ``get_into`` of ``num_values`` values, interleaved
+    with a memcpy of the same bytes: medians over ``repeats`` rounds, and per-round ratios to the memcpy
+    (median, min, max).
 
     Each round uses fresh keys (puts are insert-if-absent, so a repeated key would measure nothing), checks
-    every status and the bytes of the first and last value, then removes its keys.
+    every status and the bytes of the first and last value, then removes its keys. The memcpy copies the
+    sources into buffers of its own, so the get's byte check cannot pass on bytes the memcpy left behind.
+
+    With ``floor_directory`` (a file store's directory), each round also overwrites ``num_values`` files
+    there whose pages already exist with one ``pwrite`` each, from open descriptors: no checksum, no path
+    syscalls, no locks. ``page_write_ratio`` (that over the memcpy) is the floor a file store's put of
+    recycled files can approach on that filesystem.
     """
     sources, destinations = _buffers(value_size, num_values, seed=2)
+    copies = [np.ones(value_size, dtype=np.uint8) for _ in range(num_values)]  # pre-touched pages
+    floor_fds = [] if floor_directory is None else _open_floor_files(floor_directory, sources)
     total = value_size * num_values
-    best_put = best_get = 0.0
-    for round_index in range(max(1, repeats)):
-        keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
-        start = time.perf_counter()
-        put_statuses = store.put(keys, _as_values(sources))
-        put_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in put_statuses), (
-            f"{store.url}: bench put failed: {set(put_statuses)}"
+    memcpy_gbps: list[float] = []
+    put_gbps: list[float] = []
+    get_gbps: list[float] = []
+    page_write_gbps: list[float] = []
+    try:
+        for round_index in range(max(1, repeats)):
+            memcpy_gbps.append(total / _time_memcpy(sources, copies) / 1e9)
+            if floor_fds:
+                start = time.perf_counter()
+                for fd, source in zip(floor_fds, sources):
+                    os.pwrite(fd, cast(Buffer, source), 0)
+                page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
+            put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index)
+            put_gbps.append(total / put_seconds / 1e9)
+            get_gbps.append(total / get_seconds / 1e9)
+    finally:
+        for fd in floor_fds:
+            os.close(fd)
+    put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps)]
+    get_ratios = [get / memcpy for get, memcpy in zip(get_gbps, memcpy_gbps)]
+    result = {
+        "put_gbps": statistics.median(put_gbps),
+        "get_gbps": statistics.median(get_gbps),
+        "memcpy_gbps": statistics.median(memcpy_gbps),
+        "put_ratio": statistics.median(put_ratios),
+        "put_ratio_min": min(put_ratios),
+        "put_ratio_max": max(put_ratios),
+        "get_ratio": statistics.median(get_ratios),
+        "get_ratio_min": min(get_ratios),
+        "get_ratio_max": max(get_ratios),
+    }
+    if page_write_gbps:
+        result["page_write_ratio"] = statistics.median(
+            [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps)]
         )
-        start = time.perf_counter()
-        get_statuses = store.get_into(keys, _as_values(destinations))
-        get_elapsed = time.perf_counter() - start
-        assert all(s is Status.OK for s in get_statuses), (
-            f"{store.url}: bench get failed: {set(get_statuses)}"
-        )
-        assert np.array_equal(sources[0], destinations[0]) and np.array_equal(
-            sources[-1], destinations[-1]
-        ), f"{store.url}: bench read back different bytes"
-        store.remove(keys)
-        best_put = max(best_put, total / max(put_elapsed, 1e-9) / 1e9)
-        best_get = max(best_get, total / max(get_elapsed, 1e-9) / 1e9)
-    return {"put_gbps": best_put, "get_gbps": best_get}
+    return result
+
+
+def _open_floor_files(directory: Path, sources: list[np.ndarray]) -> list[int]:
+    """One file per source under ``directory``, written once (so its pages exist) and already unlinked:
+    open descriptors the floor measurement overwrites, gone with the last close."""
+    fds: list[int] = []
+    try:
+        for source in sources:
+            path = directory / f"page-write-floor-{uuid.uuid4().hex}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(path)
+            fds.append(fd)
+            os.pwrite(fd, cast(Buffer, source), 0)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _time_memcpy(sources: list[np.ndarray], copies: list[np.ndarray]) -> float:
+    start = time.perf_counter()
+    for source, copy in zip(sources, copies):
+        np.copyto(copy, source)
+    return max(time.perf_counter() - start, 1e-9)
+
+
+def _time_put_get(
+    store: Store, sources: list[np.ndarray], destinations: list[np.ndarray], round_index: int
+) -> tuple[float, float]:
+    """Seconds of one checked batched put and get of fresh keys (removed afterwards)."""
+    num_values = len(sources)
+    keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
+    start = time.perf_counter()
+    put_statuses = store.put(keys, _as_values(sources))
+    put_elapsed = time.perf_counter() - start
+    assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
+    start = time.perf_counter()
+    get_statuses = store.get_into(keys, _as_values(destinations))
+    get_elapsed = time.perf_counter() - start
+    assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
+    assert np.array_equal(sources[0], destinations[0]) and np.array_equal(sources[-1], destinations[-1]), (
+        f"{store.url}: bench read back different bytes"
+    )
+    store.remove(keys)
+    for destination in destinations[:: max(1, len(destinations) - 1)]:
+        destination.fill(1)  # the next round's check must see that round's bytes, not these
+    return max(put_elapsed, 1e-9), max(get_elapsed, 1e-9)
 
 
 def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, float]:
@@ -109,6 +187,33 @@ def measure_exists_latency(store: Store, *, num_calls: int = 1000) -> dict[str, 
         "exists_p50_us": statistics.median(samples),
         "exists_p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))],
     }
+
+
+def filesystem_of(directory: Path) -> str:
+    """The filesystem ``directory`` is on, from /proc/self/mountinfo: its type, and for tmpfs its huge-page
+    mode (``tmpfs huge=never``), which decides whether a file store's writes touch 4 KiB or 2 MiB pages;
+    ``unknown`` where mountinfo cannot be read."""
+    path = os.path.realpath(directory)
+    best_mount_point = ""
+    description = "unknown"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as mountinfo:
+            lines = mountinfo.read().splitlines()
+    except OSError:
+        return description
+    for line in lines:
+        mount_fields, separator, filesystem_fields = line.partition(" - ")
+        mount_point = mount_fields.split(" ")[4].replace("\\040", " ") if separator else ""
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if not inside or len(mount_point) < len(best_mount_point):
+            continue
+        filesystem_type, _source, super_options = (filesystem_fields.split(" ") + ["", ""])[:3]
+        best_mount_point = mount_point
+        description = filesystem_type
+        if filesystem_type == "tmpfs":
+            huge = [option for option in super_options.split(",") if option.startswith("huge=")]
+            description += " " + (huge[0] if huge else "huge=never")
+    return description
 
 
 def bench_scratch_dir() -> tempfile.TemporaryDirectory[str]:
@@ -132,37 +237,34 @@ def run_store_bench(
     *,
     value_sizes: Sequence[int] = DEFAULT_VALUE_SIZES,
     bytes_per_round: int = DEFAULT_BYTES_PER_ROUND,
-    repeats: int = 3,
+    repeats: int = 5,
     num_exists_calls: int = 1000,
 ) -> dict[str, Any]:
-    """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy."""
-    memcpy_by_size = {
-        size: measure_memcpy(size, num_values_for(size, bytes_per_round), repeats=repeats)
-        for size in value_sizes
-    }
+    """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy
+    (medians over ``repeats`` interleaved rounds, and their spread)."""
     rows: list[dict[str, Any]] = []
     for url in urls:
         store = open_store(url)
         try:
             latency = measure_exists_latency(store, num_calls=num_exists_calls)
+            backend = getattr(store, "backend", None)
+            floor_directory = backend.directory if isinstance(backend, FileBackend) else None
             for size in value_sizes:
                 num_values = num_values_for(size, bytes_per_round)
-                result = measure_put_get(store, size, num_values, repeats=repeats)
-                # memcpy again right after, so both sides see the same machine load; keep the better one.
-                again = measure_memcpy(size, num_values, repeats=repeats)
-                memcpy_gbps = max(memcpy_by_size[size]["memcpy_gbps"], again["memcpy_gbps"])
+                result = measure_put_get(
+                    store, size, num_values, repeats=repeats, floor_directory=floor_directory
+                )
                 rows.append(
                     {
                         "store": store.url.split("?", 1)[0],
                         "url": store.url,
+                        "filesystem": "" if floor_directory is None else filesystem_of(floor_directory),
                         "value_size": size,
                         "value_size_text": format_size(size),
                         "num_values": num_values,
-                        "put_gbps": result["put_gbps"],
-                        "get_gbps": result["get_gbps"],
-                        "memcpy_gbps": memcpy_gbps,
-                        "put_ratio": result["put_gbps"] / memcpy_gbps,
-                        "get_ratio": result["get_gbps"] / memcpy_gbps,
+                        **result,
+                        "put_ratio_spread": f"{result['put_ratio_min']:.2f}-{result['put_ratio_max']:.2f}",
+                        "get_ratio_spread": f"{result['get_ratio_min']:.2f}-{result['get_ratio_max']:.2f}",
                         **latency,
                     }
                 )
@@ -170,7 +272,8 @@ def run_store_bench(
             store.close()
     return {
         "benchmark": "store",
-        "unit": "GB/s = 1e9 bytes/s; ratios are store / memcpy of the same bytes in the same run",
+        "unit": "GB/s = 1e9 bytes/s; ratios are store / memcpy of the same bytes in the same round, medians "
+        "over the rounds with min-max spread",
         "bytes_per_round": bytes_per_round,
         "repeats": repeats,
         "rows": rows,
@@ -187,9 +290,13 @@ TABLE_COLUMNS = [
     "get_gbps",
     "memcpy_gbps",
     "put_ratio",
+    "put_ratio_spread",
+    "page_write_ratio",
     "get_ratio",
+    "get_ratio_spread",
     "exists_p50_us",
     "exists_p99_us",
+    "filesystem",
 ]
 
 

@@ -67,7 +67,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="bytes moved per round (%(default)s)",
     )
     bench.add_argument(
-        "--repeats", type=int, default=3, help="rounds per measurement; best is kept (%(default)s)"
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved rounds; ratios are their median and min-max (%(default)s)",
     )
     bench.add_argument(
         "--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)"

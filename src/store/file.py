@@ -37,13 +37,20 @@ objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usa
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 
-Speed (``hybridkv bench store``, /dev/shm): values move with one ``writev``/``readv`` straight from/to the
-caller's buffers, and the frame checksum runs per value right before the write / right after the read
-(``JustInTimeBackend``), while the bytes are in cache. A put into a new file is bounded by tmpfs allocating
-a fresh 4 KiB page per 4 KiB written: a plain ``write`` of 1 MiB into a new /dev/shm file runs at ~0.3x
-memcpy on the dev VM, overwriting a recycled file's pages ~0.5-0.6x (on a tmpfs mounted ``huge=always`` a new
-file takes ~0.6x). Values below ``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~5
-path syscalls per file, not by page faults.
+Speed (``hybridkv bench store``, /dev/shm): values move with one ``pwritev``/``readv`` straight from/to the
+caller's buffers. A put writes the payload first, seals the frame (computes its checksum) right after, while
+the payload is still in cache, and writes the header last; a get verifies each frame right after reading it
+(``JustInTimeBackend``). What bounds a put of a large value is the page cache, not the code around it: on a
+tmpfs with 4 KiB pages (``huge=never``, the default for /dev/shm) every 4 KiB written costs a page lookup,
+lock and dirtying on top of the copy, so merely overwriting a recycled file's pages runs at ~0.45-0.5x memcpy
+on the dev VM (the bench's ``page_write_ratio``), and a put, which also hashes, at ~0.35-0.45x; a new file also
+has each page allocated and zeroed (~0.2x). On a tmpfs mounted ``huge=within_size`` (or ``always``) a
+recycled file's pages are 2 MiB and the same put runs at ~0.55-0.7x memcpy: mount the store's directory that
+way where the filesystem allows it. Pre-faulting spares would not lift the 4 KiB case: a recycled file's
+pages already exist, the cost is the write path's per page, and writing through a fresh ``mmap`` instead
+spends about as much on setting up page-table entries as it saves (measured on the dev VM). Values below
+``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file, not by page
+faults.
 """
 
 from __future__ import annotations
@@ -393,11 +400,9 @@ class FileBackend:
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
             if new_path is None:
                 continue
-            if seal is not None:
-                seal(index)
             claim = claims[index]
             results[index], published = self._publish(
-                key, frame, new_path, None if claim is None else claim[0]
+                key, frame, new_path, None if claim is None else claim[0], seal, index
             )
             if not published:
                 num_unpublished_bytes += sizes[index]
@@ -408,19 +413,38 @@ class FileBackend:
                 self.num_recycled += num_claimed
         return results
 
-    def _publish(self, key: str, frame: FrameParts, path: str, spare: str | None) -> tuple[Status, bool]:
+    def _publish(
+        self, key: str, frame: FrameParts, path: str, spare: str | None, seal: SealHook | None, index: int
+    ) -> tuple[Status, bool]:
         """Write ``frame`` to a temp file (the claimed ``spare`` in tmp/ if given, else a new one) and link it
-        to ``path``: (status, whether this call published). The temp file is gone afterwards."""
+        to ``path``: (status, whether this call published). The temp file is gone afterwards.
+
+        The payload parts are written first and the header part last, right after ``seal(index)`` (if given)
+        has filled it: the checksum then reads payload bytes the write has just pulled into the CPU cache
+        instead of fetching them from memory once more (see Speed), and the file holds the whole sealed frame
+        before it is linked."""
+        header = frame[0]
+        size = sum(part.nbytes for part in frame)
         temp = self._temp_path() if spare is None else spare
         try:
-            fd = self._open_spare(spare, sum(part.nbytes for part in frame)) if spare is not None else None
+            fd = self._open_spare(spare, size) if spare is not None else None
             if fd is None:  # no spare, or a reader of its previous life still holds it: a new file
                 temp = self._temp_path()
                 if spare is not None:
                     os.unlink(spare)
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    # The final size first: a tmpfs mounted huge=within_size backs a file with large pages
+                    # only inside its size (some kernels look only at the size, not at where a write will end).
+                    os.ftruncate(fd, size)
+                except OSError:
+                    os.close(fd)
+                    raise
             try:
-                _write_all(fd, frame)
+                _write_all(fd, frame[1:], header.nbytes)
+                if seal is not None:
+                    seal(index)
+                _write_all(fd, [header], 0)
             finally:
                 # Unlocks a recycled inode. Safe before the link: its bytes are final now, and a reader of
                 # its previous life that locks it from here on finds its old name no longer links to it.
@@ -664,10 +688,13 @@ def _advance(pending: list[memoryview], num_bytes: int) -> None:
             num_bytes = 0
 
 
-def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+def _write_all(fd: int, parts: Sequence[memoryview], offset: int) -> None:
+    """Write ``parts`` back to back into ``fd`` from ``offset`` (the file position is not used)."""
     pending = [part for part in parts if part.nbytes]
     while pending:
-        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+        num_written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        offset += num_written
+        _advance(pending, num_written)
 
 
 def _read_all(fd: int, parts: Sequence[memoryview]) -> int:

@@ -67,8 +67,9 @@ class JustInTimeBackend(Backend, Protocol):
     hash all). It also skips the checksum of values that insert-if-absent does not write.
 
     - ``put_frames_sealed``: each frame's header part is a zeroed placeholder of the header's exact length;
-      the backend calls ``seal(index)`` before it copies frame ``index`` anywhere and never stores a frame it
-      has not sealed. Otherwise as ``put_frames``.
+      the backend calls ``seal(index)`` before it copies frame ``index``'s header part anywhere and never
+      makes a frame it has not sealed visible. It may copy the payload parts first, so that the checksum
+      reads bytes the copy has just pulled into cache. Otherwise as ``put_frames``.
     - ``get_frames_verified``: for every frame it would answer ``OK``, right after filling it, the backend
       calls ``verify(index)`` and answers ``CORRUPT`` if that returns ``False``. Otherwise as
       ``get_frames_into``. (``FramedStore`` still checks every ``OK`` frame that was not verified, so a
@@ -169,7 +170,7 @@ class FramedStore:
         backend = self._backend
         checksum = self._checksum
         if _is_just_in_time(backend):
-            # Header placeholders; the backend seals each frame right before copying it (see JustInTimeBackend).
+            # Header placeholders; the backend seals each frame next to copying it (see JustInTimeBackend).
             frames = [
                 [memoryview(bytearray(header_size(key))), *value_to_parts(value)]
                 for key, value in zip(keys, values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from hybridkv.store import Status, open_store
 from hybridkv.store.file import FileBackend
-from hybridkv.store.frame import ChecksumAlgo
+from hybridkv.store.frame import ChecksumAlgo, encode_header, header_size
 from hybridkv.store.framed import FramedStore, FrameParts, VerifyHook
 from hybridkv.store.memory import SPARE_MIN_FRAME, MemoryBackend, drop_memory_store
 
@@ -71,6 +72,40 @@ def test_framed_store_checks_frames_the_backend_did_not_verify() -> None:
     assert store.put(["k"], [b"payload"]) == [Status.OK]
     assert backend.num_seals == 1
     drop_memory_store(name)
+
+
+@pytest.mark.parametrize("recycled", [False, True], ids=["new-file", "recycled-file"])
+def test_file_store_seals_after_the_payload_is_written_and_before_publishing(
+    tmp_path: Path, recycled: bool
+) -> None:
+    """The file store writes a frame's payload first and seals it right after (hashing bytes still in
+    cache); the header goes in last and the frame is linked only once sealed."""
+    backend = FileBackend(f"file://{tmp_path}/s", tmp_path / "s", capacity_bytes=64 << 20, recycle_min_size=1)
+    store = FramedStore(backend, checksum=ChecksumAlgo.CRC32)
+    value = bytes(range(256)) * 40
+    if recycled:  # leave a spare of the same size class behind, with other bytes in it
+        assert store.put(["old"], [b"\xee" * len(value)]) == [Status.OK]
+        assert store.remove(["old"]) == [Status.OK]
+    keys = ["k"]
+    frames = [[memoryview(bytearray(header_size("k"))), memoryview(value)]]
+    seen_at_seal: list[bytes] = []
+
+    def seal(index: int) -> None:
+        [temp] = list((tmp_path / "s" / "tmp").iterdir())
+        seen_at_seal.append(temp.read_bytes())
+        assert not os.path.exists(backend.path_of("k")), "a frame was published before it was sealed"
+        frame = frames[index]
+        frame[0][:] = encode_header(keys[index], ChecksumAlgo.CRC32, frame[1:])
+
+    assert backend.put_frames_sealed(keys, frames, seal) == [Status.OK]
+    assert backend.num_recycled == int(recycled)
+    [file_at_seal] = seen_at_seal
+    header_length = header_size("k")
+    assert file_at_seal[header_length:] == value, "the payload must be in the file when seal runs"
+    assert file_at_seal[:header_length] != bytes(frames[0][0]), "the header must be written after seal"
+    destination = bytearray(len(value))
+    assert store.get_into(keys, [destination]) == [Status.OK] and destination == value
+    assert not list((tmp_path / "s" / "tmp").iterdir()), "temp files must not outlive a put"
 
 
 def test_file_store_verifies_each_frame_it_reads(tmp_path: Path) -> None:
