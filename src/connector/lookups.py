@@ -18,6 +18,8 @@ Contracts:
 
 from __future__ import annotations
 
+import itertools
+import operator
 import queue
 import threading
 import time
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.store.base import Status
 from hybridkv.store.breaker import Admission, CircuitBreaker
 
 if TYPE_CHECKING:
@@ -238,11 +241,12 @@ class LookupService:
         else:
             self.breaker.on_success()
         self._slice_started_s = time.perf_counter()  # it waited for the store: the GIL was free
-        present = {key: status.is_ok for key, status in zip(keys, statuses)}
+        # C-level maps (thousands of keys): a Python loop here would hold the GIL without a pause.
+        present = dict(zip(keys, map(operator.is_, statuses, itertools.repeat(Status.OK))))
         self.num_exists_calls += 1
         self.num_keys_checked += len(keys)
         for task, task_keys in batch:
             task.store_s += elapsed
             if not task.cancelled:
-                task.search.feed(task_keys, [present[key] for key in task_keys])
+                task.search.feed(task_keys, list(map(present.__getitem__, task_keys)))
                 self._pause()
