@@ -380,6 +380,7 @@ def measure_hybridkv(
     loaded_bytes: list[int] = []
     loaded_keys: list[int] = []
     load_job_s: list[float] = []
+    phases_ms: list[dict[str, float]] = []
     start = time.perf_counter()
     with vllm_harness.inprocess_engine(
         model_dir,
@@ -392,19 +393,33 @@ def measure_hybridkv(
         geo = sched.scheduler_side.geo.describe()
         totals = worker.worker_side.stats.totals
         before: dict[str, float] = {}
+        phases_before: dict[str, float] = {}
 
         def before_external() -> None:
             before.update(
                 (name, totals.get(name, 0)) for name in ("load_bytes", "load_keys", "load_job_seconds")
             )
+            phases_before.clear()
+            phases_before.update(_load_phase_seconds(worker.worker_side))
 
         def after_external(counted: bool) -> None:
+            # Read before the flush and settle below: their pump requests are no part of the hit.
+            phases = _load_phase_seconds(worker.worker_side)
             worker.worker_side.flush()
             vllm_harness.settle(llm)
             if counted:
                 loaded_bytes.append(int(totals.get("load_bytes", 0) - before["load_bytes"]))
                 loaded_keys.append(int(totals.get("load_keys", 0) - before["load_keys"]))
                 load_job_s.append(float(totals.get("load_job_seconds", 0.0) - before["load_job_seconds"]))
+                phases_ms.append(
+                    {
+                        # seconds -> ms per hit; counts (jobs, keys) stay counts
+                        (f"{name[:-2]}_ms" if name.endswith("_s") else name): (
+                            (value - phases_before.get(name, 0.0)) * (1e3 if name.endswith("_s") else 1)
+                        )
+                        for name, value in phases.items()
+                    }
+                )
 
         hooks = _RoundHooks(
             after_cold=lambda _counted: vllm_harness.settle(llm),
@@ -427,8 +442,28 @@ def measure_hybridkv(
         "loaded_bytes": loaded_bytes,
         "loaded_keys": loaded_keys,
         "load_job_s": load_job_s,
+        "load_phases_ms": phases_ms,
+        "torch_threads": _torch_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),
         "scheduler_totals": {k: v for k, v in sched_totals.items() if not k.startswith("hit_tokens.")},
     }
+
+
+def _load_phase_seconds(worker_side: Any) -> dict[str, float]:
+    """The worker's load-phase totals (``WorkerSide.load_timings``) and, on a file store, the store's own
+    read-phase totals (``FileBackend.read_timings``, prefixed ``file_``); seconds (``*jobs``/``*keys``:
+    counts) summed since the engine started."""
+    out = {name: float(value) for name, value in worker_side.load_timings.items()}
+    read_timings = getattr(getattr(worker_side.store, "backend", None), "read_timings", None)
+    if isinstance(read_timings, dict):
+        out |= {f"file_{name}": float(value) for name, value in read_timings.items()}
+    return out
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _dir_bytes(path: Path) -> int:
@@ -494,6 +529,26 @@ def _drop_local_cache_any_connector(llm: Any, attempts: int = 40) -> None:
     raise RuntimeError(f"vLLM refused to reset its prefix cache {attempts} times (blocks still in use)")
 
 
+def _wait_until_no_block_in_use(llm: Any, attempts: int = 400) -> int:
+    """Step the engine with a short request until no KV block is referenced (in-process engines only).
+
+    ``MooncakeStoreConnector``'s in-flight save holds references on the blocks it reads until the scheduler
+    learns it finished; waiting for that after the cold request makes the local hit a pure local prefix hit,
+    with no store traffic of the cold request's save running beside it (the hybridkv engine's saves are
+    flushed the same way). Returns the number of steps it took; ``RuntimeError`` after ``attempts``."""
+    from vllm import SamplingParams
+
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    for step in range(attempts):
+        if pool.get_num_free_blocks() >= pool.num_gpu_blocks - 1:  # all but the null block
+            return step
+        llm.generate(
+            [{"prompt_token_ids": _PUMP_TOKENS}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
+        )
+        time.sleep(0.01)
+    raise RuntimeError(f"KV blocks still referenced after {attempts} engine steps (a save never finished)")
+
+
 def _mooncake_store_connector_rounds(
     model_dir: Path,
     *,
@@ -503,12 +558,18 @@ def _mooncake_store_connector_rounds(
     dtype: str,
     warmup_tokens: int,
     seed: int,
+    torch_threads: int,
+    cpus: list[int],
 ) -> dict[str, Any]:
     """Cold / local / external samples of vLLM's ``MooncakeStoreConnector`` (``MOONCAKE_CONFIG_PATH`` set by
-    the caller); the same protocol as :func:`measure_hybridkv`. Runs in a child process (see
+    the caller); the same protocol as :func:`measure_hybridkv`, on the same cores (``cpus``) with the same
+    number of torch threads as the hybridkv engines. Runs in a child process (see
     :func:`measure_mooncake_store_connector`)."""
+    import torch
     from vllm.config import KVTransferConfig
 
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(torch_threads)  # before vLLM's CPU worker disables it
     vllm_harness.prepare_inprocess_environment("ERROR")
     transfer = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
     from vllm import LLM
@@ -519,12 +580,25 @@ def _mooncake_store_connector_rounds(
         kv_transfer_config=transfer,
         **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     )
+    settle_steps: list[int] = []
+
+    def after_cold(counted: bool) -> None:
+        steps = _wait_until_no_block_in_use(llm)
+        if counted:
+            settle_steps.append(steps)
+
     # Its drop succeeds only once its saves have been reported (until then they pin the blocks): untimed.
-    hooks = _RoundHooks(drop_local_cache=lambda: _drop_local_cache_any_connector(llm))
+    hooks = _RoundHooks(after_cold=after_cold, drop_local_cache=lambda: _drop_local_cache_any_connector(llm))
     samples, cached = _ttft_rounds(
         llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
     )
-    return {"samples_s": samples, "num_cached_tokens": cached}
+    return {
+        "samples_s": samples,
+        "num_cached_tokens": cached,
+        "steps_until_saves_done": settle_steps,
+        "torch_threads": _torch_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
 
 
 def _mooncake_store_connector_child(kwargs: dict[str, Any], config_path: str, out_path: str) -> None:
@@ -583,6 +657,9 @@ def measure_mooncake_store_connector(
         "dtype": dtype,
         "warmup_tokens": warmup_tokens,
         "seed": seed,
+        # The same cores and thread count as the hybridkv engines of this (parent) process.
+        "torch_threads": _torch_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),
     }
     process = multiprocessing.get_context("spawn").Process(
         target=_mooncake_store_connector_child,
@@ -674,27 +751,42 @@ def _profile(
     load_profile: Sequence[dict[str, float]],
     store_path: dict[str, Any] | None,
     load_job: float | None,
+    phases_ms: Sequence[dict[str, float]] = (),
 ) -> dict[str, Any]:
-    """Where a hybridkv hit's time above the local hit goes (ms, medians); see ``PROFILE_SOURCES``."""
+    """Where a hybridkv hit's time above the local hit goes (ms, medians over rounds); see
+    ``PROFILE_SOURCES``."""
     lookup_ms = _median([p["lookup_ms"] for p in load_profile if not math.isnan(p["lookup_ms"])])
     load_ms = _median([p["load_ms"] for p in load_profile if not math.isnan(p["load_ms"])])
+
+    def phase(name: str) -> float | None:
+        return _median([p[name] for p in phases_ms if name in p])
+
     out: dict[str, Any] = {
         "overhead_ms": overhead_ms,
         "lookup_ms": lookup_ms,
         "load_ms": load_ms,
         "load_job_ms": _ms(load_job),
+        "queue_ms": phase("queue_ms"),
+        "store_ms": phase("store_ms"),
+        "open_ms": phase("file_open_ms"),
+        "readv_ms": phase("file_read_ms"),
+        "verify_ms": phase("file_verify_ms"),
+        "close_ms": phase("file_close_ms"),
+        "keys_read": phase("file_keys"),
+        "report_ms": phase("report_ms"),
     }
+    targets, commit = phase("targets_ms"), phase("commit_ms")
+    out["targets_commit_ms"] = targets + commit if targets is not None and commit is not None else None
     if store_path is not None:
-        read_ms = store_path["get_no_checksum_ms"]
-        verify_ms = max(0.0, store_path["get_ms"] - read_ms)
         out |= {
-            "store_read_into_dest_ms": read_ms,
-            "verify_ms": verify_ms,
+            "microbench_get_ms": store_path["get_ms"],
+            "microbench_get_no_checksum_ms": store_path["get_no_checksum_ms"],
             "checksum_alone_ms": store_path["checksum_ms"],
             "memcpy_ms": store_path["memcpy_ms"],
         }
-        if load_ms is not None:
-            out["load_wait_ms"] = load_ms - read_ms - verify_ms
+    steps = [out["queue_ms"], out["load_job_ms"], out["report_ms"]]
+    if load_ms is not None and all(v is not None for v in steps):
+        out["engine_wait_ms"] = load_ms - sum(v for v in steps if v is not None)
     if overhead_ms is not None and load_ms is not None:
         out["outside_load_ms"] = overhead_ms - load_ms - (lookup_ms or 0.0)
     return out
@@ -704,16 +796,26 @@ def _profile(
 PROFILE_SOURCES = {
     "overhead_ms": "TTFT external - local, median over rounds (llm.generate wall time)",
     "lookup_ms": "audit log: lookup_started -> hit_found (monotonic), scheduler side",
-    "load_ms": "audit log: load_started -> load_verified, scheduler side: the worker's read, verify and copy "
-    "into the pages plus the engine steps until the scheduler saw it finished",
+    "load_ms": "audit log: load_started -> load_verified, scheduler side: the hand-off to the worker, its "
+    "load job, and the engine steps until the scheduler saw it finished",
     "load_job_ms": "worker's load thread, wall time of its load jobs during the request (load_job_seconds)",
-    "store_read_into_dest_ms": "microbench, this process: framed get_into of the same bytes (value size x "
-    "count) into host buffers, checksum=none",
-    "verify_ms": "microbench: get_into with the checksum minus without",
+    "queue_ms": "worker: start_load_kv -> the load thread takes the job (WorkerSide.load_timings)",
+    "store_ms": "worker: wall time inside the store's get_into (read + verify, all reader threads)",
+    "open_ms": "file store: open + shared lock + name check, summed over keys and reader threads "
+    "(FileBackend.read_timings; thread time, so with several readers it can exceed store_ms)",
+    "readv_ms": "file store: readv of the frames straight into the KV pages, summed over reader threads",
+    "verify_ms": "file store: the frame check (xxh3 over the bytes just read), summed over reader threads",
+    "close_ms": "file store: mtime touch + close, summed over reader threads",
+    "keys_read": "file store: keys read during the hit",
+    "targets_commit_ms": "worker: building the destination views + committing them (host pages: no copy)",
+    "report_ms": "worker: load job done -> the engine thread takes it in transfer_results",
+    "engine_wait_ms": "load_ms - queue - load_job - report: the scheduler -> worker hand-off (the step that "
+    "issues the load) and the step after the report until the scheduler saw it",
+    "outside_load_ms": "overhead - lookup - load: scheduling around the load (the extra steps of an async load)",
+    "microbench_get_ms": "microbench, this process: framed get_into of the same bytes into host buffers",
+    "microbench_get_no_checksum_ms": "microbench: the same with checksum=none (read alone)",
     "checksum_alone_ms": "microbench: the checksum over the same bytes, no store",
     "memcpy_ms": "microbench: np.copyto of the same bytes (the copy floor)",
-    "load_wait_ms": "load_ms - read - verify: issue, thread hand-off and the engine's step cadence",
-    "outside_load_ms": "overhead - lookup - load: scheduling around the load (the extra steps of an async load)",
 }
 
 #: The hit-profile columns ``hybridkv bench ttft`` prints.
@@ -723,9 +825,15 @@ PROFILE_COLUMNS = [
     "overhead_ms",
     "lookup_ms",
     "load_ms",
-    "store_read_into_dest_ms",
+    "queue_ms",
+    "load_job_ms",
+    "store_ms",
+    "open_ms",
+    "readv_ms",
     "verify_ms",
-    "load_wait_ms",
+    "targets_commit_ms",
+    "report_ms",
+    "engine_wait_ms",
     "outside_load_ms",
     "memcpy_ms",
 ]
@@ -785,7 +893,9 @@ def run_ttft_bench(
         "protocol": "per round a fresh prompt: cold; the same prompt again (local hit); reset_prefix_cache() "
         "(keeps the store) then the same prompt (external hit). Saves are flushed between requests, untimed. "
         "One warm-up round on a short prompt is not counted. MooncakeStoreConnector runs the same protocol "
-        "in its own spawned process (its in-process teardown hangs), against the same mooncake_master.",
+        "in its own spawned process (its in-process teardown hangs), against the same mooncake_master, on "
+        "the same cores with the same torch threads; after its cold request the engine steps until no KV "
+        "block is referenced (its save finished), so its local hit runs with no store traffic beside it.",
         "ratios": "overhead_ms = median over rounds of (external-hit - local-hit) of the same engine; "
         "copy_floor_ms = loaded bytes / memcpy GB/s of the same value size, measured in this process; "
         "overhead_over_floor = overhead / copy floor; overhead_over_peer = overhead / the same family's "
@@ -874,7 +984,13 @@ def _measure_families(
             first_local = first_local or ours["samples_s"]["local"]
             profiles.append(
                 {"family": family, "connector": label}
-                | _profile(row["overhead_ms"], ours["load_profile"], store_path, _median(ours["load_job_s"]))
+                | _profile(
+                    row["overhead_ms"],
+                    ours["load_profile"],
+                    store_path,
+                    _median(ours["load_job_s"]),
+                    ours["load_phases_ms"],
+                )
             )
             details[f"{family}/{label}"] = {
                 "model": str(model_dir),
@@ -944,11 +1060,17 @@ def _measure_families(
             not_measured.append(
                 f"{family}: no ExampleConnector baseline (it does not support the hybrid KV-cache manager)"
             )
-        peer_overhead = next(
-            (row["overhead_ms"] for row in family_rows if row["connector"] == PEER_CONNECTOR), None
-        )
+        peer_row = next((row for row in family_rows if row["connector"] == PEER_CONNECTOR), None)
+        peer_overhead = peer_row["overhead_ms"] if peer_row is not None else None
+        if peer_row is not None and (peer_overhead is None or peer_overhead <= 0):
+            # Noise larger than the hit: a ratio over it would mean nothing.
+            not_measured.append(
+                f"{family}: overhead_over_peer not computable: {PEER_CONNECTOR}'s overhead is "
+                f"{format(peer_overhead, '.1f') if peer_overhead is not None else 'unknown'} ms "
+                f"(external hit {peer_row['external_hit_ms']:.1f} ms, local hit {peer_row['local_hit_ms']:.1f} "
+                f"ms, spread {peer_row['overhead_ms_spread']})"
+            )
         for row in family_rows:
-            # A peer overhead at or below zero (noise larger than the hit) makes the ratio meaningless.
             if peer_overhead is not None and peer_overhead > 0:
                 row["overhead_over_peer"] = _ratio(row["overhead_ms"], peer_overhead)
         rows.extend(family_rows)

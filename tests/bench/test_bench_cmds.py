@@ -123,7 +123,14 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
     ]
     for profile in report["profiles"]:
         assert profile["load_ms"] > 0 and profile["lookup_ms"] >= 0, profile
-        assert profile["store_read_into_dest_ms"] > 0 and profile["memcpy_ms"] > 0, profile
+        assert profile["microbench_get_no_checksum_ms"] > 0 and profile["memcpy_ms"] > 0, profile
+        # the worker's and the file store's own phases of the hit's load job
+        row = ours[profile["family"]]
+        assert profile["keys_read"] == row["loaded_keys"], (profile, row)
+        for key in ("store_ms", "open_ms", "readv_ms", "verify_ms", "targets_commit_ms"):
+            assert profile[key] > 0, (key, profile)
+        assert profile["queue_ms"] >= 0 and profile["report_ms"] >= 0, profile
+        assert profile["store_ms"] <= profile["load_job_ms"], profile
 
 
 def test_overhead_is_the_median_of_per_round_differences_with_spread() -> None:

@@ -198,3 +198,62 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
         assert torch.equal(caches["attn.0"][7], expected)
     finally:
         ws.shutdown()
+
+
+def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
+    vllm_objs: dict[str, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch read by the load thread and a helper reader at once (the split threshold lowered to 0):
+    every block gets its own key's bytes, a key missing from the helper's share fails only its block,
+    and the job's phases are timed (worker and file store)."""
+    import threading
+
+    from hybridkv.connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_SPLIT_READ_MIN_BYTES", 0)
+    url = f"file://{tmp_path}/store?capacity=64MiB"
+    ws, caches, scheme = _worker(vllm_objs, url)
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(10)]
+        src = list(range(1, 11))
+        dst = list(range(21, 31))
+        save = SaveJob(
+            1, "r", tuple(BlockRef(0, 0, i, b, h, 32) for i, (b, h) in enumerate(zip(src, hashes)))
+        )
+        ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
+        assert ws.flush()
+        # The 8th key (in the helper's share: keys 5..9) is gone before the load.
+        store = open_store(url)
+        assert store.remove([scheme.key(0, 0, hashes[7])])[0].is_ok
+        store.close()
+        readers: set[str] = set()
+        backend = ws.store.backend  # type: ignore[attr-defined]
+        read = backend.get_frames_verified
+
+        def spy(*args: Any) -> Any:  # records which threads read; the real read does the work
+            readers.add(threading.current_thread().name)
+            return read(*args)
+
+        monkeypatch.setattr(backend, "get_frames_verified", spy)
+        untouched = caches["attn.0"][28].clone()
+        load = LoadJob(
+            "r", 32, tuple(BlockRef(0, 0, i, b, h, 32) for i, (b, h) in enumerate(zip(dst, hashes)))
+        )
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+        assert _wait_loads(ws) == ({"r"}, {"r"})
+        assert len(readers) == 2 and any(name.startswith("hybridkv-read") for name in readers), readers
+        for i, (s, d) in enumerate(zip(src, dst)):
+            if i == 7:
+                assert torch.equal(caches["attn.0"][d], untouched), "a missing key must leave its page alone"
+            else:
+                assert torch.equal(caches["attn.0"][d], caches["attn.0"][s]), f"block {d} has other bytes"
+        wm = ws.worker_meta()
+        assert wm is not None
+        outcomes = {res.entry.block_index: res.outcome for res in wm.loads["r"]}
+        assert outcomes == {i: (LoadOutcome.MISSING if i == 7 else LoadOutcome.OK) for i in range(10)}
+        timings = ws.load_timings
+        assert timings["jobs"] == 1 and timings["store_s"] > 0 and timings["queue_s"] >= 0, timings
+        assert timings["report_s"] > 0, "the report phase ends when transfer_results hands the job over"
+        assert backend.read_timings["keys"] == 10 and backend.read_timings["read_s"] > 0
+    finally:
+        ws.shutdown()
