@@ -89,6 +89,7 @@ TABLE_COLUMNS = [
     "copy_floor_ms",
     "overhead_over_floor",
     "overhead_over_peer",
+    "loadavg_1m",
 ]
 
 DEFAULT_FAMILIES = ("llama", "lfm2")
@@ -678,6 +679,12 @@ def measure_mooncake_store_connector(
     return result
 
 
+def _load_change(at_start: float) -> str:
+    """The host's 1-minute load average at a measurement's start and now, as ``start->end``: on a shared
+    host other jobs' load inflates both hits of a round (the overhead is their difference, per round)."""
+    return f"{at_start:.1f}->{os.getloadavg()[0]:.1f}"
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -951,6 +958,7 @@ def _measure_families(
         first_local: list[float] = []
         for label, url in stores:
             audit = scratch / f"audit-{family}-{len(family_rows)}.jsonl"
+            load_at_start = os.getloadavg()[0]
             ours = measure_hybridkv(
                 model_dir,
                 store_url=url,
@@ -979,7 +987,7 @@ def _measure_families(
                 loaded_keys=med_keys,
                 memcpy_gbps=memcpy_gbps,
                 load_job=_median(ours["load_job_s"]),
-            )
+            ) | {"loadavg_1m": _load_change(load_at_start)}
             family_rows.append(row)
             first_local = first_local or ours["samples_s"]["local"]
             profiles.append(
@@ -1007,6 +1015,7 @@ def _measure_families(
             )
         if peer_ok:
             assert master_address is not None
+            load_at_start = os.getloadavg()[0]
             peer = measure_mooncake_store_connector(
                 model_dir,
                 master_address=master_address,
@@ -1032,8 +1041,10 @@ def _measure_families(
                         loaded_keys=None,
                         memcpy_gbps=memcpy_gbps,
                     )
+                    | {"loadavg_1m": _load_change(load_at_start)}
                 )
         if baseline and family in _EXAMPLE_FAMILIES:
+            load_at_start = os.getloadavg()[0]
             example = measure_example_connector(
                 model_dir,
                 storage_dir=scratch / f"example-{family}",
@@ -1053,7 +1064,7 @@ def _measure_families(
                     loaded_keys=None,
                     memcpy_gbps=memcpy_gbps,
                 )
-                | {"local_hit_ms": None}
+                | {"local_hit_ms": None, "loadavg_1m": _load_change(load_at_start)}
             )
             details[f"{family}/ExampleConnector"] = example
         elif baseline:
