@@ -858,8 +858,14 @@ def run_ttft_bench(
     mooncake: bool = False,
     models_dir: Path = DEFAULT_MODELS_DIR,
     kv_cache_bytes: int | None = None,
+    reserved_cpus: int = 1,
 ) -> dict[str, Any]:
     """Measure every family; one row per (family, connector) with medians and same-run ratios.
+
+    Every engine (the in-process ones and ``MooncakeStoreConnector``'s child) computes on this process's
+    cores with ``max(1, cores - reserved_cpus)`` torch threads, like ``bench serve``'s ``--reserved-cpus``:
+    the reserved core is left to the connectors' own threads and to other jobs on a shared host, where
+    an OpenMP barrier across every core stalls whenever another process takes one of them.
 
     ``mooncake``: also hybridkv on ``mooncake://`` and vLLM's ``MooncakeStoreConnector`` (own process),
     against a ``mooncake_master`` the bench starts; needs a loopback-only network namespace
@@ -869,6 +875,7 @@ def run_ttft_bench(
     if rounds < 1 or prompt_tokens < 1:
         raise ValueError("need rounds >= 1 and prompt_tokens >= 1")
     resolved_dtype = resolve_dtype(dtype)
+    compute_threads = _set_compute_threads(reserved_cpus)
     scratch = Path(scratch_dir)
     load_before = os.getloadavg()
     started = time.perf_counter()
@@ -897,6 +904,8 @@ def run_ttft_bench(
         "dtype": resolved_dtype,
         "dtype_requested": dtype,
         "cpu_fast_bf16": cpu_has_fast_bf16(),
+        "reserved_cpus": reserved_cpus,
+        "compute_threads": compute_threads,
         "protocol": "per round a fresh prompt: cold; the same prompt again (local hit); reset_prefix_cache() "
         "(keeps the store) then the same prompt (external hit). Saves are flushed between requests, untimed. "
         "One warm-up round on a short prompt is not counted. MooncakeStoreConnector runs the same protocol "
@@ -919,6 +928,22 @@ def run_ttft_bench(
         "loadavg_after": os.getloadavg(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+
+
+def _set_compute_threads(reserved_cpus: int) -> int:
+    """Give this process's engines ``max(1, cores - reserved_cpus)`` torch threads (the peer child copies
+    this process's count); returns the count in effect. vLLM's CPU worker disables
+    ``torch.set_num_threads`` once an engine has started in this process: the count then stays what it was
+    (the report records it)."""
+    import torch
+
+    if reserved_cpus < 0:
+        raise ValueError(f"reserved_cpus must be >= 0, got {reserved_cpus}")
+    wanted = max(1, len(os.sched_getaffinity(0)) - reserved_cpus)
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return _torch_threads()
 
 
 def _measure_families(

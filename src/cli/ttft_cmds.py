@@ -68,6 +68,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         default=None,
         help="where models are built (default: $HYBRIDKV_TEST_MODELS or /tmp/hybridkv-test-models)",
     )
+    ttft.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=1,
+        help="cores every engine leaves to the connectors' threads and other jobs: each computes with "
+        "cores - N torch threads (at least 1), the MooncakeStoreConnector child too (%(default)s)",
+    )
     add_report_arguments(ttft, "bench-results/ttft.json")
     ttft.set_defaults(func=handle_ttft)
 
@@ -149,9 +156,10 @@ def handle_ttft(args: argparse.Namespace) -> int:
 
     families = _csv(args.family)
     unknown = sorted(set(families) - set(FAMILIES))
-    if not families or unknown or args.rounds < 1 or args.prompt_tokens < 1:
+    if not families or unknown or args.rounds < 1 or args.prompt_tokens < 1 or args.reserved_cpus < 0:
         print(
-            f"error: need --family from {list(FAMILIES)} (unknown: {unknown}), --rounds >= 1, --prompt-tokens >= 1",
+            f"error: need --family from {list(FAMILIES)} (unknown: {unknown}), --rounds >= 1, "
+            "--prompt-tokens >= 1, --reserved-cpus >= 0",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -174,10 +182,13 @@ def handle_ttft(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline,
             mooncake=args.mooncake,
             models_dir=models_dir,
+            reserved_cpus=args.reserved_cpus,
         )
     print(
         f"prompt {report['prompt_tokens']} tokens, {report['rounds']} rounds, dtype {report['dtype']}, "
-        f"size {report['size']} (medians; spread = min..max over rounds; ratios from the same run)"
+        f"size {report['size']}, {report['compute_threads']} compute threads per engine on "
+        f"{report['host']['cpus']} cores, load average {report['loadavg_before'][0]:.1f} -> "
+        f"{report['loadavg_after'][0]:.1f} (medians; spread = min..max over rounds; ratios from the same run)"
     )
     print(format_table([_with_spreads(row) for row in report["rows"]], TABLE_COLUMNS))
     print("\nwhere the hybridkv hit's time goes (ms, medians; sources in the report's profile_sources):")
