@@ -781,6 +781,8 @@ def _profile(
         "close_ms": phase("file_close_ms"),
         "keys_read": phase("file_keys"),
         "report_ms": phase("report_ms"),
+        "engine_steps": phase("engine_steps"),
+        "engine_busy_ms": phase("engine_busy_ms"),
     }
     targets, commit = phase("targets_ms"), phase("commit_ms")
     out["targets_commit_ms"] = targets + commit if targets is not None and commit is not None else None
@@ -816,6 +818,9 @@ PROFILE_SOURCES = {
     "keys_read": "file store: keys read during the hit",
     "targets_commit_ms": "worker: building the destination views + committing them (host pages: no copy)",
     "report_ms": "worker: load job done -> the engine thread takes it in transfer_results",
+    "engine_steps": "worker: engine steps (transfer_results calls) while the load was in flight",
+    "engine_busy_ms": "worker: the engine thread's time between those calls (its own step work, holding the "
+    "GIL the reader threads need after each system call)",
     "engine_wait_ms": "load_ms - queue - load_job - report: the scheduler -> worker hand-off (the step that "
     "issues the load) and the step after the report until the scheduler saw it",
     "outside_load_ms": "overhead - lookup - load: scheduling around the load (the extra steps of an async load)",
@@ -840,6 +845,8 @@ PROFILE_COLUMNS = [
     "verify_ms",
     "targets_commit_ms",
     "report_ms",
+    "engine_steps",
+    "engine_busy_ms",
     "engine_wait_ms",
     "outside_load_ms",
     "memcpy_ms",

@@ -96,6 +96,8 @@ _LOAD_READERS = 2
 _SPLIT_READ_MIN_BYTES = 4 << 20
 #: The phases of :attr:`WorkerSide.load_timings` (seconds, summed over load jobs), in time order.
 LOAD_PHASES = ("queue_s", "targets_s", "store_s", "commit_s", "report_s")
+#: The engine thread's side of :attr:`WorkerSide.load_timings` while loads are in flight.
+ENGINE_PHASES = ("engine_steps", "engine_busy_s")
 
 
 @dataclass
@@ -219,8 +221,12 @@ class WorkerSide:
         #: hit profile): ``jobs``; ``queue_s`` from ``start_load`` to the load thread taking the job;
         #: ``targets_s`` building the destinations; ``store_s`` inside the store's ``get_into`` (read +
         #: verify); ``commit_s`` moving staged bytes into the pages; ``report_s`` from the job's end to the
-        #: engine thread taking it in ``transfer_results``.
-        self.load_timings: dict[str, float] = dict.fromkeys(("jobs", *LOAD_PHASES), 0.0)
+        #: engine thread taking it in ``transfer_results``; ``engine_steps`` the engine's calls of
+        #: ``transfer_results`` while loads were in flight, ``engine_busy_s`` its time between them (the
+        #: engine thread's own step work, which holds the GIL the load threads need between system calls).
+        self.load_timings: dict[str, float] = dict.fromkeys(("jobs", *LOAD_PHASES, *ENGINE_PHASES), 0.0)
+        # perf_counter when ``transfer_results`` last returned with loads in flight, else None
+        self._engine_back_at: float | None = None
         # request id -> perf_counter when its load finished, until ``transfer_results`` reports it
         self._load_finished_at: dict[str, float] = {}
         self._suspended = False  # sleep mode: the KV cache memory is released
@@ -585,15 +591,18 @@ class WorkerSide:
         the GIL, so the load runs at full speed; steps with no load in flight never wait.
         """
         with self._lock:
+            if self._engine_back_at is not None:
+                self.load_timings["engine_steps"] += 1
+                self.load_timings["engine_busy_s"] += time.perf_counter() - self._engine_back_at
             if self._num_loads_in_flight and not self._outbox.has_finished_loads:
                 self._load_finished.wait(_LOAD_YIELD_S)
             finished, failed = self._outbox.take_finished_loads()
-            if self._load_finished_at:
-                now = time.perf_counter()
-                for req_id in finished:
-                    at = self._load_finished_at.pop(req_id, None)
-                    if at is not None:
-                        self.load_timings["report_s"] += now - at
+            now = time.perf_counter()
+            for req_id in finished:
+                at = self._load_finished_at.pop(req_id, None)
+                if at is not None:
+                    self.load_timings["report_s"] += now - at
+            self._engine_back_at = now if self._num_loads_in_flight else None
             return finished, failed
 
     # ------------------------------------------------------------------ saves
