@@ -89,8 +89,9 @@ _LOAD_STAGING_WAIT_S = 5.0
 #: Threads that read one load batch from the store: the load thread and ``_LOAD_READERS - 1`` helpers, each
 #: reading (and verifying) its own contiguous share of the keys. One thread reads a file-store hit at about
 #: half of memcpy speed (the kernel's copy out of tmpfs pages) and then checksums it; two threads overlap
-#: one key's checksum with another key's read and use a second core (measured: 65 MB in 31 keys, 15 ms ->
-#: 11 ms on the 2-core dev VM).
+#: one key's checksum with another key's read and use a second core (measured on the 2-core dev VM, 65 MB
+#: in 31 keys: 18 -> 12.6 ms with the second core idle; 20.9 -> 20.3 ms inside an engine while another job
+#: held about one core).
 _LOAD_READERS = 2
 #: A batch smaller than this is read by the load thread alone (the hand-off costs more than it saves).
 _SPLIT_READ_MIN_BYTES = 4 << 20
