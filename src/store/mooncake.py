@@ -202,9 +202,9 @@ class MooncakeBackend:
         except BaseException:
             self._breaker.on_failure()  # never leave a half-open probe slot taken
             raise
-        codes = [int(code) for code in codes]
+        codes = list(map(int, codes))  # in C: an exists of thousands of keys holds the GIL while converting
         assert len(codes) == num_keys, f"mooncake {op} returned {len(codes)} codes for {num_keys} keys"
-        down = [code for code in codes if code in _MASTER_DOWN_CODES]
+        down = sorted(_MASTER_DOWN_CODES.intersection(codes))
         if down:
             self._breaker.on_failure()
             log.warning(
