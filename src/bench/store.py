@@ -216,11 +216,13 @@ def filesystem_of(directory: Path) -> str:
     return description
 
 
-def bench_scratch_dir() -> tempfile.TemporaryDirectory[str]:
-    """A scratch directory for the default file store: in ``/dev/shm`` when present (the recommended
-    production location), else the system temp dir. The caller removes it (it is a context manager)."""
+def bench_scratch_dir(parent: str | None = None) -> tempfile.TemporaryDirectory[str]:
+    """A scratch directory for the default file store: under ``parent`` if given, else in ``/dev/shm`` when
+    present (the recommended production location), else the system temp dir. The caller removes it (it is a
+    context manager)."""
     shm = "/dev/shm"
-    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    if parent is None and os.path.isdir(shm) and os.access(shm, os.W_OK):
+        parent = shm
     return tempfile.TemporaryDirectory(prefix="hybridkv-bench-", dir=parent)
 
 

@@ -97,9 +97,10 @@ DEFAULT_FAMILIES = ("llama", "lfm2")
 _EXAMPLE_FAMILIES = ("llama",)
 
 
-def default_scratch_dir() -> Any:
-    """A temp dir under ``/dev/shm`` when present (a context manager); the stores live there."""
-    return bench_scratch_dir()
+def default_scratch_dir(parent: str | None = None) -> Any:
+    """A temp dir under ``parent`` (default: ``/dev/shm`` when present) as a context manager; the stores live
+    there."""
+    return bench_scratch_dir(parent)
 
 
 def _prompt(num_tokens: int, seed: int) -> list[int]:

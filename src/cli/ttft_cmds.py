@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -67,6 +68,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "--models-dir",
         default=None,
         help="where models are built (default: $HYBRIDKV_TEST_MODELS or /tmp/hybridkv-test-models)",
+    )
+    ttft.add_argument(
+        "--scratch-dir",
+        default=None,
+        help="directory under which the file:// stores (and the peers' files) live, e.g. a huge-page tmpfs "
+        "mount (default: a temp dir under /dev/shm when present)",
     )
     ttft.add_argument(
         "--reserved-cpus",
@@ -171,7 +178,10 @@ def handle_ttft(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    with default_scratch_dir() as scratch:
+    if args.scratch_dir is not None and not os.path.isdir(args.scratch_dir):
+        print(f"error: --scratch-dir {args.scratch_dir!r} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    with default_scratch_dir(args.scratch_dir) as scratch:
         report = run_ttft_bench(
             families,
             scratch_dir=scratch,

@@ -87,12 +87,17 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
             "300",
             "--rounds",
             "1",
+            "--scratch-dir",
+            str(tmp_path),
             "--out",
             str(out),
             "--no-plot",
         ]
     )
     assert code == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["ttft.json"], (
+        "the scratch dir under --scratch-dir is removed"
+    )
     report = json.loads(out.read_text())
     assert report["benchmark"] == "ttft" and report["rounds"] == 1 and report["prompt_tokens"] == 300
     ours = {
@@ -222,3 +227,11 @@ def test_bench_ttft_mooncake_rows_next_to_the_file_store(tmp_path: Path) -> None
         "HybridStoreConnector file://",
         "HybridStoreConnector mooncake://",
     ]
+
+
+def test_bench_ttft_scratch_dir_must_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ttft.json"
+    missing = tmp_path / "no-such-mount"
+    assert _main(["bench", "ttft", "--scratch-dir", str(missing), "--out", str(out)]) == 2
+    assert "--scratch-dir" in capsys.readouterr().err
+    assert not out.exists()
