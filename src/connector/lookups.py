@@ -240,7 +240,7 @@ class LookupService:
             self.breaker.on_failure()  # slow: a few in a row open the circuit
         else:
             self.breaker.on_success()
-        self._slice_started_s = time.perf_counter()  # it waited for the store: the GIL was free
+        self._slice_started_s = time.perf_counter()  # it waited for the store (the GIL was free most of it)
         # C-level maps (thousands of keys): a Python loop here would hold the GIL without a pause.
         present = dict(zip(keys, map(operator.is_, statuses, itertools.repeat(Status.OK))))
         self.num_exists_calls += 1

@@ -104,7 +104,6 @@ class SavePlanner:
         self._publisher = publisher
         self._all_ranks = ranks
         self._by_gid = {g.gid: g for g in geo.groups}
-        self._gid_of_sgid = geo.gid_of_sgid
         self._jobs: dict[int, _Job] = {}
         #: jobs created between steps (finish-time tails), sent with the next step's metadata
         self._unsent: list[SaveJob] = []
@@ -244,7 +243,7 @@ class SavePlanner:
         bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
         block_ids = [bid_of[(b.group_index, b.key_boundary)] for b in plan.blocks]
         job = SaveJob(
-            self._next_job, request.request_id, PlannedRefs(plan.blocks, block_ids, self._gid_of_sgid)
+            self._next_job, request.request_id, PlannedRefs(plan.blocks, block_ids, self.geo.gid_of_sgid)
         )
         self._next_job += 1
         wave = self.machine.new_save_wave(request.request_id, job.job_id, plan)

@@ -141,7 +141,6 @@ class SchedulerSide:
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
-        self._gid_of_sgid = self.geo.gid_of_sgid
         self._block_pool: Any = None  # vLLM's block pool (``bind_block_pool``)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
@@ -260,18 +259,18 @@ class SchedulerSide:
         lc = r.lc
         memo_key = (request.num_tokens, num_computed_tokens, lc.max_boundary)
         task = r.task
-        if task is not None and not task.done and r.search_inputs == memo_key and r.waiting_since is not None:
-            # vLLM asks every waiting request again every step: while its search is in flight, asked the
-            # same, within its budget and with nothing that ends it early, the answer is "ask again".
-            now = time.monotonic()
-            budget_s = self.cfg.lookup_budget_ms / 1000.0
-            if (
-                now - r.waiting_since <= budget_s
-                and task.store_s <= budget_s
-                and not self.lookups.stalled(now)
-                and not self.namespace_closed
-            ):
-                return None, False
+        if (
+            task is not None
+            and not task.done
+            and r.search_inputs == memo_key
+            and r.waiting_since is not None  # the first ask starts the wait (``_answer``)
+            and lc.current is State.LOOKUP
+            and not self.namespace_closed
+            and not self._lookup_expired(r, task, time.monotonic())
+        ):
+            # vLLM asks every waiting request again every step: while its search is in flight the answer
+            # is "ask again", given before any other work (``_answer`` reaches the same).
+            return None, False
         if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
             boundary = r.memo[1]
         else:
@@ -331,14 +330,9 @@ class SchedulerSide:
                 return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
             r.task = task = LookupTask(request.request_id, search, inputs)
             self.lookups.submit(task)
-        budget_s = self.cfg.lookup_budget_ms / 1000.0
         if r.waiting_since is None:
             r.waiting_since = now
-        elif (
-            task.store_s > budget_s
-            or self.lookups.stalled(now)
-            or now - r.waiting_since > max(_MAX_WAIT_BUDGETS * budget_s, _MIN_WAIT_S)
-        ):
+        elif self._lookup_expired(r, task, now):
             self.stats.add("lookup_errors")
             log.warning(
                 ConnectorLogEvent.LOOKUP_OVER_BUDGET,
@@ -350,6 +344,17 @@ class SchedulerSide:
             )
             return self._unavailable(r, "over lookup budget")
         return None
+
+    def _lookup_expired(self, r: _Req, task: LookupTask, now: float) -> bool:
+        """Whether a search in flight must end as a miss: its store time is over ``lookup_budget_ms``, a
+        store call hangs, or the request has waited (since ``r.waiting_since``) longer than any request may."""
+        assert r.waiting_since is not None, f"request {r.request.request_id}: its wait has not started"
+        budget_s = self.cfg.lookup_budget_ms / 1000.0
+        return (
+            task.store_s > budget_s
+            or self.lookups.stalled(now)
+            or now - r.waiting_since > max(_MAX_WAIT_BUDGETS * budget_s, _MIN_WAIT_S)
+        )
 
     def _unavailable(self, r: _Req, reason: str) -> int:
         self._abandon_search(r)
@@ -433,7 +438,7 @@ class SchedulerSide:
                 f"group {info.gid} ({info.kind.value}) block {bad} is not allocated "
                 f"(null block) in the load plan for boundary {plan.boundary}"
             )
-        return PlannedRefs(plan.loads, block_ids, self._gid_of_sgid), None
+        return PlannedRefs(plan.loads, block_ids, self.geo.gid_of_sgid), None
 
     def _external_block_ids(
         self, r: _Req | None, blocks: KVCacheBlocks, num_external_tokens: int

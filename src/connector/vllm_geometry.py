@@ -12,6 +12,7 @@ keys would name the wrong hashes or hits would land off vLLM's grid, so startup 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import structlog
@@ -47,7 +48,7 @@ class ConnectorGeometry:
     def geometry(self) -> Geometry:
         return self.scheme.geometry
 
-    @property
+    @cached_property
     def gid_of_sgid(self) -> tuple[int, ...]:
         """vLLM's KV cache group id of each store group (by store group index)."""
         return tuple(g.gid for g in self.groups)

@@ -133,13 +133,11 @@ class LoadPlan:
 
         ``loads`` is sorted by (group, block index), so concatenating these rows gives ``loads``' order:
         binding the plan to a block table is one slice lookup per group (the scheduler's step does it)."""
+        groups = [load.group_index for load in self.loads]
+        assert groups == sorted(groups), f"plan for boundary {self.boundary}: loads are not grouped by group"
         rows: list[list[int]] = [[] for _ in range(self.scheme.geometry.num_groups)]
         for load in self.loads:
             rows[load.group_index].append(load.block_index)
-        flat = [index for row in rows for index in row]
-        assert flat == [load.block_index for load in self.loads], (
-            f"plan for boundary {self.boundary}: loads are not sorted by (group, block index)"
-        )
         return tuple(tuple(row) for row in rows)
 
     def loads_for_rank(self, tp_rank: int) -> list[tuple[PlannedBlock, str]]:

@@ -143,12 +143,18 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- item 5
-def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[str, Any]) -> None:
+def _audited(objs: dict[str, Any]) -> tuple[Any, Any, Any, MemoryAuditSink, Any]:
+    """A fresh engine whose lifecycle records go to a memory sink: (scheduler, connector, its scheduler
+    side, the sink, the test's store)."""
     sched = _scheduler(objs["vc"])
     conn = sched.connector
     side = conn.scheduler_side
     side.machine.sink = sink = MemoryAuditSink()
-    store = open_store(objs["store_url"])
+    return sched, conn, side, sink, open_store(objs["store_url"])
+
+
+def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[str, Any]) -> None:
+    sched, conn, side, sink, store = _audited(objs)
     req = _request("m1", 130, first=3600)
     _fill(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (1, 96)], RANKS)
     lookup = side.lookup
@@ -188,11 +194,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
 
 
 def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]) -> None:
-    sched = _scheduler(objs["vc"])
-    conn = sched.connector
-    side = conn.scheduler_side
-    side.machine.sink = sink = MemoryAuditSink()
-    store = open_store(objs["store_url"])
+    sched, conn, side, sink, store = _audited(objs)
     req = _request("n1", 130, first=3700)
     _fill(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (0, 128), (1, 128)], RANKS)
     real_after_alloc = conn.update_state_after_alloc
