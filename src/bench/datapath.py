@@ -17,7 +17,8 @@ torch + numpy only, so it runs on a bare GPU host::
   (block, layer) page straight into the pinned slab.
 
 Every case is set up (and warmed up once) first; then ``--repeats`` rounds each time every measure of every
-case once, interleaved, so that a slow moment of the host or the bus lands on all configurations alike.
+case once, interleaved (each round starting a case at the next measure), so that a slow moment of the host or
+the bus lands on all configurations alike.
 GB/s are 1e9 bytes per second, the median of the rounds, with the spread (min-max); a ratio is the median
 of the rounds' paired ratios (ours / the contiguous copy timed right after it). On CUDA each batch size has
 its own :class:`StagingContext` with a slab it fills, as a full PUT wave fills the worker's. The report
@@ -52,6 +53,8 @@ from hybridkv.connector.datapath import (
 )
 
 DEFAULT_BATCHES = (16, 64, 256)
+#: The directions the bench's kernel movers route through the copy kernel.
+KERNEL_DIRECTIONS = frozenset({"save", "load"})
 MiB = 1 << 20
 
 
@@ -138,14 +141,27 @@ def _raw(page: torch.Tensor) -> torch.Tensor:
     return page.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _raw_fill(page: torch.Tensor) -> None:
+    """Zero a page (random source pages differ from it, so a round trip that moved nothing cannot pass)."""
+    page.zero_()
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
 #: What each case times, in the order of one round: ours next to its baseline, so that each round gives a
-#: paired ratio. ``per_page_gather`` (CUDA only): one copy per (block, layer page) into the pinned buffer.
-MEASURES = ("gather", "d2h_copy", "scatter", "h2d_copy", "per_page_gather")
-RATIOS = {"gather_ratio": ("gather", "d2h_copy"), "scatter_ratio": ("scatter", "h2d_copy")}
+#: paired ratio. CUDA: ``gather`` / ``scatter`` move a batch with the copy kernel (``cuda_copy: kernel``;
+#: the DMA path where the kernel cannot move the pages), ``gather_dma`` / ``scatter_dma`` with packing into
+#: device staging plus DMA copies (``cuda_copy: dma``); ``per_page_gather``: one copy per (block, layer
+#: page) into the pinned buffer.
+MEASURES = ("gather", "d2h_copy", "gather_dma", "scatter", "h2d_copy", "scatter_dma", "per_page_gather")
+RATIOS = {
+    "gather_ratio": ("gather", "d2h_copy"),
+    "gather_dma_ratio": ("gather_dma", "d2h_copy"),
+    "scatter_ratio": ("scatter", "h2d_copy"),
+    "scatter_dma_ratio": ("scatter_dma", "h2d_copy"),
+}
 
 
 @dataclass
@@ -157,6 +173,7 @@ class Case:
     nbytes: int
     block_nbytes: int
     verified: bool
+    kernel: str  # the directions the copy kernel took ("save+load"), or why none
     timers: dict[str, Callable[[], object]]
     seconds: dict[str, list[float]]
 
@@ -174,7 +191,7 @@ class Buffers:
 def make_case(
     geo: Geometry,
     layers: list[Any],
-    mover: BlockMover,
+    movers: dict[str, BlockMover],
     num_blocks: int,
     batch: int,
     device: torch.device,
@@ -183,42 +200,55 @@ def make_case(
     per_page: bool,
     rng: random.Random,
 ) -> Case:
-    """Set up one (geometry, batch): scattered ids, a byte-exact round-trip check, one warm-up of each."""
+    """Set up one (geometry, batch): scattered ids, a byte-exact round-trip check of every mover, one
+    warm-up of each measure. ``movers``: measure-name suffix ("" or "_dma") -> the mover it times."""
     flat = flatten_layers(layers)
+    mover = movers[""]
     nbytes = batch * mover.block_nbytes
     picks = rng.sample(range(num_blocks), 2 * batch)  # scattered ids, like a real block table
     src_ids, dst_ids = picks[:batch], picks[batch:]
     sink = buffers.sink[:nbytes]
 
-    # correctness first: scatter(gather(src)) into dst reproduces src
-    sb = mover.gather(src_ids, timeout=10)
-    assert sb is not None
-    with sb:
-        _copy_out(sb, sink)
-    sb = mover.scatter_targets(dst_ids, timeout=10)
-    assert sb is not None
-    _copy_in(sb, sink)
-    sb.commit()
-    _sync(device)
-    verified = all(
-        torch.equal(_raw(t[d]), _raw(t[s])) for t in flat for s, d in zip(src_ids, dst_ids, strict=True)
-    )
-
-    def gather() -> None:
-        sb = mover.gather(src_ids, timeout=10)
+    # correctness first: per mover, scatter(gather(src)) into dst reproduces src (dst scrambled before)
+    verified = True
+    for m in movers.values():
+        for t in flat:
+            for d in dst_ids:
+                _raw_fill(t[d])
+        sb = m.gather(src_ids, timeout=10)
         assert sb is not None
         with sb:
-            if device.type == "cpu":  # zero-copy views: count the store's copy out of them
-                _copy_out(sb, sink)
-
-    def scatter() -> None:
-        sb = mover.scatter_targets(dst_ids, timeout=10)
+            _copy_out(sb, sink)
+        sb = m.scatter_targets(dst_ids, timeout=10)
         assert sb is not None
-        if device.type == "cpu":  # the store writes the pages (views) directly: count that copy
-            _copy_in(sb, sink)
+        _copy_in(sb, sink)
         sb.commit()
+        sb.release()
+        _sync(device)
+        verified = verified and all(
+            torch.equal(_raw(t[d]), _raw(t[s])) for t in flat for s, d in zip(src_ids, dst_ids, strict=True)
+        )
 
-    timers: dict[str, Callable[[], object]] = {"gather": gather, "scatter": scatter}
+    timers: dict[str, Callable[[], object]] = {}
+    for suffix, m in movers.items():
+
+        def gather(m: BlockMover = m) -> None:
+            sb = m.gather(src_ids, timeout=10)
+            assert sb is not None
+            with sb:
+                if device.type == "cpu":  # zero-copy views: count the store's copy out of them
+                    _copy_out(sb, sink)
+
+        def scatter(m: BlockMover = m) -> None:
+            sb = m.scatter_targets(dst_ids, timeout=10)
+            assert sb is not None
+            if device.type == "cpu":  # the store writes the pages (views) directly: count that copy
+                _copy_in(sb, sink)
+            sb.commit()
+            sb.release()
+
+        timers["gather" + suffix] = gather
+        timers["scatter" + suffix] = scatter
     if device.type == "cuda":
         assert buffers.host is not None and buffers.dev is not None
         host, dev = buffers.host[:nbytes], buffers.dev[:nbytes]
@@ -246,7 +276,12 @@ def make_case(
     for fn in timers.values():  # warm-up (also allocates lazily created staging buffers)
         fn()
     _sync(device)
-    return Case(geo.name, batch, nbytes, mover.block_nbytes, verified, timers, {m: [] for m in timers})
+    kernel = "+".join(sorted(mover.kernel_directions, reverse=True)) or (
+        "no: " + mover.kernel_unsupported if mover.kernel_unsupported else "no"
+    )
+    return Case(
+        geo.name, batch, nbytes, mover.block_nbytes, verified, kernel, timers, {m: [] for m in timers}
+    )
 
 
 def _spread(values: Sequence[float]) -> str:
@@ -263,6 +298,7 @@ def summarize(case: Case) -> dict[str, Any]:
         "block_kib": case.block_nbytes / 1024,
         "rounds": min(len(s) for s in case.seconds.values()),
         "verified": case.verified,
+        "kernel": case.kernel,
     }
     for m, secs in case.seconds.items():
         gbps = [_gbps(case.nbytes, s) for s in secs]
@@ -270,6 +306,8 @@ def summarize(case: Case) -> dict[str, Any]:
         row[f"{m}_gbps_spread"] = _spread(gbps)
         row[f"{m}_gbps_all"] = gbps
     for name, (ours, base) in RATIOS.items():
+        if ours not in case.seconds:
+            continue
         ratios = [b / o for o, b in zip(case.seconds[ours], case.seconds[base], strict=True)]
         row[name] = statistics.median(ratios)
         row[f"{name}_spread"] = _spread(ratios)
@@ -290,6 +328,7 @@ def run_bench(
     per_page: bool = True,
     seed: int = 0,
     shared_slab: bool = False,
+    beside_compute: bool = True,
 ) -> dict[str, Any]:
     """Measure every (geometry, batch); returns the JSON report (``rows`` plus environment).
 
@@ -297,7 +336,9 @@ def run_bench(
     moment of the host or the bus lands on all configurations alike. CUDA: each batch size gets a staging
     context whose slab it fills, as a full PUT wave fills the worker's; ``shared_slab`` instead gives all
     cases one context sized for the largest batch (smaller batches then pay one PCIe copy per layer
-    tensor rather than per staging chunk). ``device="auto"``: CUDA when available, else the CPU."""
+    tensor rather than per staging chunk). ``beside_compute`` (CUDA): also time a matmul loop alone and with
+    each path's transfers looping beside it (:func:`beside_compute_rows`). ``device="auto"``: CUDA when
+    available, else the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -310,27 +351,36 @@ def run_bench(
     num_blocks = max(2 * max(batches), 64) + 16
     caches = {name: build_layers(GEOMETRIES[name], num_blocks, dev) for name in geometries}
     contexts: list[StagingContext] = []
+    # CUDA: each case times the copy kernel ("") and packing + DMA ("_dma"); the CPU has one direct path.
+    paths = {"": KERNEL_DIRECTIONS, "_dma": frozenset()} if dev.type == "cuda" else {"": frozenset()}
 
-    def context(slab: int) -> StagingContext | None:
+    def context(slab: int, kernel_directions: frozenset[str]) -> StagingContext | None:
         if dev.type != "cuda":
             return None
-        contexts.append(StagingContext(dev, PinnedPool(slab, slab, pin=True), stage_bytes=stage_bytes))
+        contexts.append(
+            StagingContext(
+                dev,
+                PinnedPool(slab, slab, pin=True),
+                stage_bytes=stage_bytes,
+                kernel_directions=kernel_directions,
+            )
+        )
         return contexts[-1]
 
     def slab_for(layers: list[Any], num_blocks_per_slab: int) -> int:
         return num_blocks_per_slab * _flat_bytes(layers) + 256 * len(flatten_layers(layers))
 
     # Built before any transfer (staging sizes settle when movers are built).
-    if shared_slab:  # one context whose one slab holds the largest batch: smaller batches leave it part-full
-        shared = context(max(slab_for(c, max(batches)) for c in caches.values()))
-        movers = {(name, b): BlockMover(caches[name], staging=shared) for name in geometries for b in batches}
-    else:  # per (geometry, batch size), a slab the batch fills, like the worker's slab and a full PUT wave
-        movers = {
-            (name, b): BlockMover(caches[name], staging=context(slab_for(caches[name], b)))
-            for name in geometries
-            for b in batches
-        }
-    max_nbytes = max(batches) * max(m.block_nbytes for m in movers.values())
+    movers: dict[tuple[str, int], dict[str, BlockMover]] = {}
+    for suffix, directions in paths.items():
+        if shared_slab:  # one context whose slab holds the largest batch: smaller batches leave it part-full
+            shared = context(max(slab_for(c, max(batches)) for c in caches.values()), directions)
+        for name in geometries:
+            for b in batches:
+                # else per (geometry, batch size), a slab the batch fills, like the worker's slab and a PUT wave
+                ctx = shared if shared_slab else context(slab_for(caches[name], b), directions)
+                movers.setdefault((name, b), {})[suffix] = BlockMover(caches[name], staging=ctx)
+    max_nbytes = max(batches) * max(m[""].block_nbytes for m in movers.values())
     buffers = Buffers(
         np.empty(max_nbytes, dtype=np.uint8),
         np.ones(max_nbytes, dtype=np.uint8) if dev.type == "cpu" else None,
@@ -352,13 +402,21 @@ def run_bench(
         for name in geometries
         for batch in batches
     ]
-    for _ in range(repeats):
+    for r in range(repeats):
         for case in cases:
-            for m, fn in case.timers.items():
+            # Each round starts the case at another measure: the first transfer after switching cases ran
+            # up to 15 % slower (measured: the same path timed first and third in a round), which must not
+            # land on one path in every round.
+            order = list(case.timers.items())
+            for m, fn in order[r % len(order) :] + order[: r % len(order)]:
                 case.seconds[m].append(_timed(fn, dev))
     rows = [summarize(case) for case in cases]
     for row in rows:
         print(_fmt_row(row), file=sys.stderr, flush=True)
+    beside: list[dict[str, Any]] = []
+    if dev.type == "cuda" and beside_compute:
+        attn = [c for c in cases if c.geometry == "attn"] or cases
+        beside = beside_compute_rows(min(attn, key=lambda c: abs(c.batch - 64)), dev, repeats)
     for ctx in contexts:
         ctx.close()
     del caches, movers, buffers
@@ -383,9 +441,73 @@ def run_bench(
         "env": env,
         "geometries": {k: asdict(GEOMETRIES[k]) for k in geometries},
         "rows": rows,
+        "beside_compute": beside,
     }
     return report
 
+
+#: The GPU work a transfer runs beside in ``beside_compute_rows``: this many bf16 matmuls of this size.
+BESIDE_MATMULS, BESIDE_SIZE = 30, 8192
+
+
+def beside_compute_rows(case: Case, device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """What each path's transfers cost the forward running beside them, for one case.
+
+    A side stream runs ``BESIDE_MATMULS`` bf16 matmuls (as a forward would); meanwhile the host runs one
+    transfer measure of ``case`` back to back until they finish. Per measure (and ``alone``: no transfer),
+    the matmuls' median time over ``repeats`` interleaved rounds, its ratio to ``alone`` (``slowdown``), and
+    the GB/s the transfers moved meanwhile. The copy kernel occupies a few SMs while it copies; packing
+    with DMA uses them only to pack.
+    """
+    a = torch.randn(BESIDE_SIZE, BESIDE_SIZE, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def run(load: Callable[[], object] | None) -> tuple[float, float]:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            start.record()
+            for _ in range(BESIDE_MATMULS):
+                a @ a
+            end.record()
+        moved = 0
+        while not end.query():  # type: ignore[no-untyped-call]
+            if load is not None:
+                load()
+                moved += case.nbytes
+        torch.cuda.synchronize(device)
+        ms = float(start.elapsed_time(end))
+        return ms, moved / (ms / 1e3) / 1e9
+
+    loads: dict[str, Callable[[], object] | None] = {"alone": None}
+    loads.update(
+        {m: case.timers[m] for m in ("gather", "gather_dma", "scatter", "scatter_dma") if m in case.timers}
+    )
+    run(None)  # warm-up (cuBLAS picks its kernel)
+    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in loads}
+    for _ in range(repeats):
+        for m, load in loads.items():
+            samples[m].append(run(load))
+    alone = statistics.median(ms for ms, _ in samples["alone"])
+    rows = []
+    for m, vals in samples.items():
+        ms_all = [ms for ms, _ in vals]
+        rows.append(
+            {
+                "geometry": case.geometry,
+                "blocks": case.batch,
+                "beside": m,
+                "matmul_ms": statistics.median(ms_all),
+                "matmul_ms_spread": _spread(ms_all),
+                "slowdown": statistics.median(ms_all) / alone,
+                "moved_gbps": statistics.median(g for _, g in vals),
+            }
+        )
+    return rows
+
+
+BESIDE_COLUMNS = ["geometry", "blocks", "beside", "matmul_ms", "matmul_ms_spread", "slowdown", "moved_gbps"]
 
 COLUMNS = [
     "geometry",
@@ -397,9 +519,12 @@ COLUMNS = [
     "gather_ratio_spread",
     "scatter_gbps",
     "h2d_copy_gbps",
+    "gather_dma_ratio",
     "scatter_ratio",
     "scatter_ratio_spread",
+    "scatter_dma_ratio",
     "per_page_gather_gbps",
+    "kernel",
     "verified",
 ]
 
@@ -408,9 +533,9 @@ def _fmt_row(row: dict[str, Any]) -> str:
     return "  ".join(f"{c}={format_cell(row.get(c))}" for c in COLUMNS if c in row)
 
 
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a text table of the ``COLUMNS`` any row has."""
-    table: str = _format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
+    """The rows as a text table of the ``columns`` any row has."""
+    table: str = _format_table(rows, [c for c in columns if any(c in r for r in rows)])
     return table
 
 

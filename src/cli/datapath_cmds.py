@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stage-mib", type=int, default=32, help="device staging buffer MiB (%(default)s)")
     parser.add_argument("--no-per-page", action="store_true", help="skip the naive per-page copy baseline")
+    parser.add_argument(
+        "--no-beside-compute",
+        action="store_true",
+        help="CUDA: skip timing a matmul loop with each path's transfers running beside it",
+    )
 
 
 def handle_bench(args: argparse.Namespace) -> int:
@@ -65,10 +70,13 @@ def handle_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             stage_bytes=args.stage_mib << 20,
             per_page=not args.no_per_page,
+            beside_compute=not args.no_beside_compute,
         )
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USAGE
     print(datapath.format_table(report["rows"]))
+    if report["beside_compute"]:
+        print(datapath.format_table(report["beside_compute"], datapath.BESIDE_COLUMNS))
     print(f"report: {datapath.write_report(report, args.out)}")
     return ExitCode.OK

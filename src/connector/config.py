@@ -18,6 +18,11 @@ Keys (all optional):
                     (``start_load_kv`` starts it, each attention layer waits for its own pages); only for
                     models with one attention KV cache group and with async scheduling off (checked at
                     engine start, see ``connector.check_layerwise_supported``).
+``cuda_copy``       how batches cross PCIe on CUDA KV caches: ``"auto"`` (default): loads of up to 48 MiB by
+                    one copy kernel straight between the pages and pinned host memory, larger loads and
+                    every save by DMA from a packed staging buffer; ``"kernel"``: every batch by the
+                    kernel; ``"dma"``: every batch by DMA. The kernel
+                    needs Triton and contiguous pages (others fall back to DMA). Ignored for host caches.
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -50,10 +55,21 @@ KNOWN_KEYS: tuple[str, ...] = (
     "lookup_budget_ms",
     "verify_checksums",
     "load_mode",
+    "cuda_copy",
 )
 
 #: values of ``load_mode``
 LOAD_MODES: tuple[str, ...] = ("async", "layerwise")
+
+#: ``cuda_copy`` -> the directions ("save": device -> host, "load": host -> device) the copy kernel moves
+CUDA_COPY_DIRECTIONS: dict[str, frozenset[str]] = {
+    "auto": frozenset({"load"}),
+    "kernel": frozenset({"save", "load"}),
+    "dma": frozenset(),
+}
+#: ``cuda_copy: auto``: the largest batch the kernel loads; larger ones go by DMA, which kept up with or beat
+#: the kernel from 64 MiB up on an H200 (docs/performance.md, "The GPU data path").
+AUTO_KERNEL_MAX_BATCH_BYTES = 48 << 20
 
 _STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
 
@@ -101,6 +117,7 @@ class ConnectorConfig:
     lookup_budget_ms: float
     verify_checksums: bool
     load_mode: str = "async"
+    cuda_copy: str = "auto"
 
     @property
     def layerwise(self) -> bool:
@@ -175,6 +192,13 @@ class ConnectorConfig:
                 f"kv_connector_extra_config['load_mode']: expected one of {list(LOAD_MODES)}, got {load_mode!r}"
             )
 
+        cuda_copy = extra.get("cuda_copy", "auto")
+        if not isinstance(cuda_copy, str) or cuda_copy not in CUDA_COPY_DIRECTIONS:
+            raise ValueError(
+                f"kv_connector_extra_config['cuda_copy']: expected one of {list(CUDA_COPY_DIRECTIONS)}, "
+                f"got {cuda_copy!r}"
+            )
+
         return cls(
             store=store,
             namespace=namespace,
@@ -183,4 +207,5 @@ class ConnectorConfig:
             lookup_budget_ms=float(budget),
             verify_checksums=verify,
             load_mode=load_mode,
+            cuda_copy=cuda_copy,
         )

@@ -48,6 +48,10 @@ One copy per page ran at 3-6 GB/s for attention pages. What is left is host time
 attention blocks (4 layers per 16 MiB chunk) is about as long as the bus takes to move the chunk, so the
 result follows the host's speed; the bus also waits while the first chunk is packed.
 
+The copy kernel (``StagingContext.kernel_directions``, ``cuda_copy``): for a group whose pages are contiguous,
+one Triton launch moves the whole batch straight between the pages and the pinned slab over PCIe (same slab
+layout, no device staging, no DMA copy); see ``hybridkv.connector.copy_kernels`` and docs/performance.md.
+
 Fences. On CUDA the forward runs asynchronously: when ``wait_for_save`` returns on the host, the kernels
 that write this step's blocks may still be queued. :meth:`StagingContext.fence` records an event on the
 current (compute) stream; a gather given that fence reads the blocks only after that event, so it sees
@@ -226,15 +230,31 @@ class StagingContext:
     """
 
     def __init__(
-        self, device: torch.device | str, pool: PinnedPool, *, stage_bytes: int = DEFAULT_STAGE_BYTES
+        self,
+        device: torch.device | str,
+        pool: PinnedPool,
+        *,
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        kernel_directions: frozenset[str] = frozenset(),
+        kernel_max_batch_bytes: int | None = None,
     ):
+        unknown = set(kernel_directions) - {"save", "load"}
+        assert not unknown, f"kernel_directions: unknown direction(s) {sorted(unknown)}"
         self.device = torch.device(device)
         self.pool = pool
+        #: Directions ("save": device -> host, "load": host -> device) whose batches one copy kernel moves
+        #: straight between the pages and the pinned slab (``hybridkv.connector.copy_kernels``), for the
+        #: movers whose pages it supports; the other directions pack into device staging and copy by DMA.
+        self.kernel_directions = frozenset(kernel_directions)
+        #: Batches larger than this take the DMA path in every direction (None: no limit).
+        self.kernel_max_batch_bytes = kernel_max_batch_bytes
         self.is_cuda = self.device.type == "cuda"
         self._chunk_bytes = _align(max(1, stage_bytes // 2))
         self._streams: dict[str, tuple[Any, Any]] = {}  # direction -> (kernel stream, copy stream)
         self._stages: dict[str, torch.Tensor] = {}  # direction -> 2 * chunk_bytes of device memory
         self._locks = {"save": threading.Lock(), "load": threading.Lock()}
+        empty = torch.empty(0, dtype=torch.uint8)
+        self._no_buffers = (empty, empty)  # a lane's buffers when it needs no device staging
         if self.is_cuda:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -272,14 +292,18 @@ class StagingContext:
         return _record(torch.cuda.current_stream(self.device))
 
     @contextlib.contextmanager
-    def _lane(self, direction: str, after: Fence) -> Iterator[_Lane]:
-        """Serialized enqueue on ``direction``: its kernel stream (behind ``after``) current, its buffers."""
+    def _lane(self, direction: str, after: Fence, *, staged: bool = True) -> Iterator[_Lane]:
+        """Serialized enqueue on ``direction``: its kernel stream (behind ``after``) current, its buffers
+        (``staged``; else no device staging is allocated and the buffers are empty)."""
         with self._locks[direction]:
             stage = self._stages.get(direction)
-            if stage is None:
+            if stage is None and staged:
                 stage = torch.empty(2 * self._chunk_bytes, dtype=torch.uint8, device=self.device)
                 self._stages[direction] = stage
-            buffers = (stage[: self._chunk_bytes], stage[self._chunk_bytes :])
+            if stage is None:
+                buffers = self._no_buffers
+            else:
+                buffers = (stage[: self._chunk_bytes], stage[self._chunk_bytes :])
             if not self.is_cuda:
                 yield _Lane(buffers, None, None)
                 return
@@ -288,10 +312,12 @@ class StagingContext:
                 _wait(kernel, after)
                 yield _Lane(buffers, kernel, copy)
 
-    def _finish(self, direction: str) -> None:
-        """Block until everything queued so far on ``direction``'s streams is done (CUDA; no-op on CPU)."""
+    def _finish(self, direction: str, *, copy_stream: bool = True) -> None:
+        """Block until everything queued so far on ``direction``'s kernel stream, and its copy stream
+        (``copy_stream``), is done (CUDA; no-op on CPU)."""
         if self.is_cuda:
-            for stream in self._streams[direction]:
+            kernel, copy = self._streams[direction]
+            for stream in (kernel, copy) if copy_stream else (kernel,):
                 ev = _record(stream)
                 assert ev is not None
                 ev.synchronize()
@@ -460,6 +486,22 @@ class BlockMover:
         else:
             self.max_blocks = sys.maxsize
             self._segments = []
+        #: Directions whose batches the copy kernel moves for this group (see
+        #: ``StagingContext.kernel_directions``), and why none when the context asked for some but the
+        #: kernel cannot move these pages (strided pages, say) or Triton cannot be imported.
+        self.kernel_directions: frozenset[str] = frozenset()
+        self.kernel_unsupported: str | None = None
+        self._kernel: Any = None  # copy_kernels.KernelCopier
+        if staging is not None and staging.kernel_directions:
+            try:
+                from hybridkv.connector import copy_kernels  # Triton: imported only when asked for
+
+                self._kernel = copy_kernels.KernelCopier(
+                    self.tensors, self._segments, self.page_nbytes, self.max_blocks
+                )
+                self.kernel_directions = staging.kernel_directions
+            except (ImportError, ValueError) as exc:
+                self.kernel_unsupported = str(exc)
         self._plans: dict[int, list[_Chunk]] = {}  # batch size -> its chunks
         self._views: dict[tuple[int, int], list[_ChunkViews]] = {}  # (batch size, staging address) -> ...
         self._slab_rows: dict[int, tuple[weakref.ref[torch.Tensor], list[list[np.ndarray]]]] = {}
@@ -713,6 +755,12 @@ class BlockMover:
         """
         assert self.staging is not None
         n = len(block_ids)
+        if "save" in self.kernel_directions and self._kernel_takes(n):
+            with self.staging._lane("save", after, staged=False):
+                self._kernel.copy(to_slab=True, rows=range(n), block_ids=block_ids, slab=slab)
+                parts = self._slab_parts(slab, n)  # built while the kernel runs
+            self.staging._finish("save", copy_stream=False)
+            return parts
         with self.staging._lane("save", after) as lane:
             idx = self._index(block_ids)
             copied: list[Fence] = [None, None]  # per buffer: its last copy to the host has read it
@@ -731,6 +779,12 @@ class BlockMover:
         self.staging._finish("save")
         return parts
 
+    def _kernel_takes(self, n: int) -> bool:
+        """Whether a batch of ``n`` blocks is small enough for the copy kernel (see ``kernel_max_batch_bytes``)."""
+        assert self.staging is not None
+        limit = self.staging.kernel_max_batch_bytes
+        return limit is None or n * self.block_nbytes <= limit
+
     def _commit(self, sb: StagedBlocks, keep: list[bool]) -> None:
         if self.staging is None:
             assert sb._staged_pages is not None
@@ -744,6 +798,12 @@ class BlockMover:
         assert sb._slab is not None
         n = len(sb.block_ids)
         kept = [i for i in range(n) if keep[i]]
+        if "load" in self.kernel_directions and self._kernel_takes(n):  # one launch, slab -> kept blocks
+            with self.staging._lane("load", sb._after, staged=False):
+                ids = [sb.block_ids[i] for i in kept]
+                self._kernel.copy(to_slab=False, rows=kept, block_ids=ids, slab=sb._slab)
+            self.staging._finish("load", copy_stream=False)
+            return
         # Mirror of _d2h: chunk i's copy into a staging buffer (copy stream; it touches no block, so it
         # need not wait for the fence) overlaps the unpacking of chunk i-1 (kernel stream, behind the fence).
         with self.staging._lane("load", sb._after) as lane:

@@ -38,6 +38,7 @@ class ConnectorLogEvent(enum.StrEnum):
     RESET_CACHE_STILL_RUNNING = "hybridkv reset_cache still running; lookups miss until it finishes"
     MANIFEST_NOT_WRITTEN = "hybridkv manifest not written"
     WORKER_GEOMETRY = "hybridkv worker geometry"
+    COPY_KERNEL_UNAVAILABLE = "hybridkv: copy kernel unavailable (Triton); CUDA transfers use DMA"
     LOAD_RAISED = "hybridkv load raised"
     SAVE_RAISED = "hybridkv save raised"
     LAYERWISE_LOAD_RAISED = "hybridkv layer-wise load raised"

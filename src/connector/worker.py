@@ -53,7 +53,7 @@ from typing import Any, cast
 import numpy as np
 import structlog
 import torch
-from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.config import AUTO_KERNEL_MAX_BATCH_BYTES, CUDA_COPY_DIRECTIONS, ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagedBlocks, StagingContext
 from hybridkv.connector.layerwise import LayerTensors, LayerwiseLoads
 from hybridkv.connector.log_events import ConnectorLogEvent
@@ -185,6 +185,24 @@ def _ranks() -> tuple[int, int]:
     return tp, dcp
 
 
+def _kernel_directions(cuda_copy: str) -> frozenset[str]:
+    """The directions ``cuda_copy`` routes through the copy kernel, none when Triton is missing under
+    ``auto``. Raises ValueError naming the key when ``kernel`` was asked for and Triton is missing."""
+    directions = CUDA_COPY_DIRECTIONS[cuda_copy]
+    if directions:
+        try:
+            import hybridkv.connector.copy_kernels  # noqa: F401 -- Triton present?
+        except ImportError as exc:
+            if cuda_copy == "kernel":
+                raise ValueError(
+                    f"kv_connector_extra_config['cuda_copy']: {cuda_copy!r} needs Triton, which cannot be "
+                    f"imported ({exc}); use 'dma' or 'auto'"
+                ) from exc
+            log.warning(ConnectorLogEvent.COPY_KERNEL_UNAVAILABLE, cuda_copy=cuda_copy, error=str(exc))
+            return frozenset()
+    return directions
+
+
 class WorkerSide:
     """Worker-role state. One per worker process (TP rank)."""
 
@@ -300,7 +318,12 @@ class WorkerSide:
             n_tensors = max(sum(len(layer) for layer in pl) for pl in per_group.values())
             # One slab holds one PUT wave (a wave ends at the first block that reaches put_wave_bytes).
             slab = self.cfg.put_wave_bytes + block_max + 256 * n_tensors
-            self._staging = StagingContext(device, PinnedPool(slab, _STAGING_SLABS * slab, pin=True))
+            self._staging = StagingContext(
+                device,
+                PinnedPool(slab, _STAGING_SLABS * slab, pin=True),
+                kernel_directions=_kernel_directions(self.cfg.cuda_copy),
+                kernel_max_batch_bytes=AUTO_KERNEL_MAX_BATCH_BYTES if self.cfg.cuda_copy == "auto" else None,
+            )
         self._movers = {sgid: BlockMover(pl, staging=self._staging) for sgid, pl in per_group.items()}
         if self._layerwise is not None:
             layers: dict[int, list[LayerTensors]] = {}
@@ -318,6 +341,11 @@ class WorkerSide:
             store=self.store.url,
             device=str(device),
             staging_bytes=self._staging.pool.budget_bytes if self._staging is not None else 0,
+            copy_kernel={
+                sgid: sorted(m.kernel_directions) or m.kernel_unsupported
+                for sgid, m in self._movers.items()
+                if m.is_staged
+            },
             block_bytes={g.sgid: self.block_nbytes(g.sgid) for g in self.geo.groups},
             **self.geo.describe(),
         )

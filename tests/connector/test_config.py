@@ -22,6 +22,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cfg.lookup_budget_ms == 200.0
     assert cfg.verify_checksums is True
     assert cfg.load_mode == "async" and not cfg.layerwise
+    assert cfg.cuda_copy == "auto"
 
 
 def test_full_config(tmp_path: Path) -> None:
@@ -34,12 +35,14 @@ def test_full_config(tmp_path: Path) -> None:
             "lookup_budget_ms": 5,
             "verify_checksums": False,
             "load_mode": "layerwise",
+            "cuda_copy": "dma",
         }
     )
     assert cfg.store == "memory://x" and cfg.namespace == "prod-a"
     assert cfg.audit_log == str(tmp_path / "audit.jsonl")
     assert cfg.put_wave_bytes == 16 << 20 and cfg.lookup_budget_ms == 5.0 and not cfg.verify_checksums
     assert cfg.load_mode == "layerwise" and cfg.layerwise
+    assert cfg.cuda_copy == "dma"
 
 
 @pytest.mark.parametrize(
@@ -68,6 +71,9 @@ def test_full_config(tmp_path: Path) -> None:
         ("load_mode", "Layerwise"),
         ("load_mode", None),
         ("load_mode", 1),
+        ("cuda_copy", "cuda"),
+        ("cuda_copy", None),
+        ("cuda_copy", True),
     ],
 )
 def test_bad_key_or_value_names_both(key: str, value: object) -> None:

@@ -30,7 +30,7 @@ def test_readme_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_p
             assert parse_size(key, shown) == actual, cell
         elif key == "verify_checksums":
             assert json.loads(shown) is actual, cell
-        elif key == "load_mode":
+        elif key in ("load_mode", "cuda_copy"):
             assert shown == actual, cell
         else:
             assert float(shown) == actual, f"{key}: README says {cell}, code {actual}"
