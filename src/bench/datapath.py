@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hybridkv.bench.report import format_cell, write_json
+from hybridkv.bench.report import format_cell, target_row, write_json
 from hybridkv.bench.report import format_table as _format_table
 from hybridkv.connector.datapath import (
     DEFAULT_STAGE_BYTES,
@@ -441,9 +441,35 @@ def run_bench(
         "env": env,
         "geometries": {k: asdict(GEOMETRIES[k]) for k in geometries},
         "rows": rows,
+        "targets": datapath_targets(rows) if dev.type == "cuda" else [],
         "beside_compute": beside,
     }
     return report
+
+
+#: The issue's target for the GPU data path: both directions at least this fraction of one contiguous pinned
+#: copy, for batches of ``TARGET_MIN_BLOCKS`` blocks or more.
+RATIO_TARGET = 0.85
+TARGET_MIN_BLOCKS = 64
+
+
+def datapath_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per CUDA row of ``TARGET_MIN_BLOCKS``+ blocks, each path's gather and scatter ratio against
+    ``RATIO_TARGET`` (the kernel's rows only where it moved the pages)."""
+    out = []
+    for row in rows:
+        if row["blocks"] < TARGET_MIN_BLOCKS:
+            continue
+        case = f"{row['geometry']}, {row['blocks']} blocks"
+        paths = [("dma", "_dma")] + ([("kernel", "")] if not row["kernel"].startswith("no") else [])
+        for path, suffix in paths:
+            for direction in ("gather", "scatter"):
+                name = f"{direction}{suffix}_ratio"
+                if name in row:
+                    out.append(
+                        target_row(f"{case}: {direction} by {path} / copy", row[name], ">=", RATIO_TARGET)
+                    )
+    return out
 
 
 #: The GPU work a transfer runs beside in ``beside_compute_rows``: this many bf16 matmuls of this size.

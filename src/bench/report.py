@@ -31,6 +31,23 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> s
     return "\n".join(lines)
 
 
+#: Columns of a bench's ``targets`` table (:func:`target_row`).
+TARGET_COLUMNS = ["target", "value", "limit", "met"]
+
+
+def target_row(target: str, value: float | None, op: str, limit: float) -> dict[str, Any]:
+    """One row of a bench's ``targets`` table: ``value`` against ``limit`` by ``op`` (``<=``, ``>=`` or ``==``).
+
+    ``met`` is False when the value is missing (not measured, or noise made it meaningless): a target is
+    reported met only by a number that meets it.
+    """
+    assert op in ("<=", ">=", "=="), f"target {target!r}: unknown comparison {op!r}"
+    met = value is not None and (
+        value <= limit if op == "<=" else value >= limit if op == ">=" else value == limit
+    )
+    return {"target": target, "value": value, "limit": f"{op} {limit:g}", "met": met}
+
+
 def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:
     """Write ``payload`` as indented JSON, creating parent folders; returns the path written."""
     target = Path(path)

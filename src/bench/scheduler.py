@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridkv.bench.report import target_row
 from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 __all__ = ["K3_BLOCK", "K3_DCP", "SCHEDULER_COLUMNS", "k3_configs", "k3_request", "run_scheduler_bench"]
@@ -399,6 +400,37 @@ def _summarize(
     return row
 
 
+#: The issue's targets for a lookup at production geometry (``scheduler_targets``).
+P99_RATIO_TARGET = 1.2
+MAX_ROUND_TRIPS_TARGET = 4
+
+
+def scheduler_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per connector row: ``schedule()`` p99 against the no-connector run (busy steps, and all steps) at most
+    ``P99_RATIO_TARGET``; exactly the synchronous full scan's hit tokens; at most ``MAX_ROUND_TRIPS_TARGET``
+    store round trips per lookup."""
+    out = []
+    for row in rows[1:]:
+        store = row["store"]
+        full = row["full_scan_hit_tokens"]
+        out += [
+            target_row(
+                f"{store}: busy schedule() p99 / no connector", row["busy_p99_ratio"], "<=", P99_RATIO_TARGET
+            ),
+            target_row(f"{store}: schedule() p99 / no connector", row["p99_ratio"], "<=", P99_RATIO_TARGET),
+            target_row(
+                f"{store}: hit tokens / full scan's", row["hit_tokens"] / full if full else None, "==", 1.0
+            ),
+            target_row(
+                f"{store}: store round trips per lookup (max)",
+                row["round_trips_max"],
+                "<=",
+                MAX_ROUND_TRIPS_TARGET,
+            ),
+        ]
+    return out
+
+
 def run_scheduler_bench(
     store_urls: Sequence[str],
     *,
@@ -433,6 +465,7 @@ def run_scheduler_bench(
     names = labels or {}
     rows += [_summarize(names.get(url, url), by_config[i + 1], base) for i, url in enumerate(store_urls)]
     return {
+        "targets": scheduler_targets(rows),
         "benchmark": "scheduler",
         "geometry": f"MLA block {K3_BLOCK} x DCP {K3_DCP} + Mamba align block {K3_BLOCK}, hash unit {K3_BLOCK}",
         "num_requests": num_requests,

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none, save_figure
+from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
@@ -854,6 +854,34 @@ PROFILE_COLUMNS = [
 ]
 
 
+#: The issue's targets for an external hit: its overhead above a local hit at most this many copy floors,
+#: and at most this fraction of vLLM's ``MooncakeStoreConnector``'s overhead in the same run.
+FLOOR_RATIO_TARGET = 2.0
+PEER_RATIO_TARGET = 0.4
+
+
+def ttft_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per hybridkv row: ``overhead_over_floor`` and ``overhead_over_peer`` against their targets (a missing
+    ratio -- no peer in the run, or noise larger than the peer's hit -- is not met)."""
+    out = []
+    for row in rows:
+        if not row["connector"].startswith("HybridStoreConnector"):
+            continue
+        name = f"{row['family']}: {row['connector']}"
+        out.append(
+            target_row(f"{name}: overhead / copy floor", row["overhead_over_floor"], "<=", FLOOR_RATIO_TARGET)
+        )
+        out.append(
+            target_row(
+                f"{name}: overhead / {PEER_CONNECTOR}'s overhead",
+                row["overhead_over_peer"],
+                "<=",
+                PEER_RATIO_TARGET,
+            )
+        )
+    return out
+
+
 def run_ttft_bench(
     families: Sequence[str] = DEFAULT_FAMILIES,
     *,
@@ -927,6 +955,7 @@ def run_ttft_bench(
         "prefix caching off (its loaded_bytes = safetensors bytes it wrote), so its overhead uses the "
         "file-store engine's local hits.",
         "rows": rows,
+        "targets": ttft_targets(rows),
         "profiles": profiles,
         "profile_sources": PROFILE_SOURCES,
         "details": details,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybridkv.bench.report import TARGET_COLUMNS
 from hybridkv.cli.exit_codes import ExitCode
 
 
@@ -78,5 +79,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     print(datapath.format_table(report["rows"]))
     if report["beside_compute"]:
         print(datapath.format_table(report["beside_compute"], datapath.BESIDE_COLUMNS))
+    if report["targets"]:
+        print("\ntargets:")
+        print(datapath.format_table(report["targets"], TARGET_COLUMNS))
     print(f"report: {datapath.write_report(report, args.out)}")
     return ExitCode.OK

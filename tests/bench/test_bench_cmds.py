@@ -136,6 +136,16 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
             assert profile[key] > 0, (key, profile)
         assert profile["queue_ms"] >= 0 and profile["report_ms"] >= 0, profile
         assert profile["store_ms"] <= profile["load_job_ms"], profile
+    # the targets: per hybridkv row, its floor ratio against 2x, and no peer in this run: not met
+    targets = {t["target"]: t for t in report["targets"]}
+    for family, row in ours.items():
+        floor = targets[f"{family}: HybridStoreConnector file://: overhead / copy floor"]
+        assert floor["value"] == row["overhead_over_floor"] and floor["limit"] == "<= 2", floor
+        assert floor["met"] == (row["overhead_over_floor"] is not None and row["overhead_over_floor"] <= 2.0)
+        peer = targets[
+            f"{family}: HybridStoreConnector file://: overhead / MooncakeStoreConnector (vLLM)'s overhead"
+        ]
+        assert peer["value"] is None and peer["met"] is False, peer
 
 
 def test_overhead_is_the_median_of_per_round_differences_with_spread() -> None:

@@ -28,3 +28,35 @@ def test_bench_datapath_cpu_rows(tmp_path: Path, capsys: object) -> None:
         assert len(row["gather_gbps_all"]) == len(row["scatter_gbps_all"]) == 3, row
         assert 0 < row["gather_ratio"] and 0 < row["scatter_ratio"], row
         assert "gather_dma_ratio" not in row, row  # the DMA path exists on CUDA only
+
+
+def test_datapath_targets_cover_each_path_from_64_blocks() -> None:
+    from hybridkv.bench.datapath import datapath_targets
+
+    rows = [
+        {"geometry": "attn", "blocks": 16, "kernel": "save+load", "gather_ratio": 0.6},
+        {
+            "geometry": "attn",
+            "blocks": 64,
+            "kernel": "save+load",
+            "gather_ratio": 0.86,
+            "scatter_ratio": 0.84,
+            "gather_dma_ratio": 0.85,
+            "scatter_dma_ratio": 0.9,
+        },
+        {
+            "geometry": "mamba",
+            "blocks": 64,
+            "kernel": "no: strided",
+            "gather_ratio": 0.9,
+            "gather_dma_ratio": 0.9,
+        },
+    ]
+    got = {t["target"]: t["met"] for t in datapath_targets(rows)}
+    assert got == {
+        "attn, 64 blocks: gather by dma / copy": True,
+        "attn, 64 blocks: scatter by dma / copy": True,
+        "attn, 64 blocks: gather by kernel / copy": True,
+        "attn, 64 blocks: scatter by kernel / copy": False,
+        "mamba, 64 blocks: gather by dma / copy": True,
+    }

@@ -35,3 +35,16 @@ def test_bench_scheduler_rows_ratios_and_the_connector_split(tmp_path: Path) -> 
         for r, b in zip(report["rounds"][ours["store"]], report["rounds"]["(no connector)"], strict=True)
     ]
     assert ours["busy_p99_ratio"] == pytest.approx(sum(ratios) / 2)
+    # The targets table: each of the connector row's numbers against its limit.
+    targets = {t["target"]: t for t in report["targets"]}
+    store = ours["store"]
+    busy = targets[f"{store}: busy schedule() p99 / no connector"]
+    assert busy["value"] == ours["busy_p99_ratio"] and busy["met"] == (ours["busy_p99_ratio"] <= 1.2)
+    assert targets[f"{store}: hit tokens / full scan's"] == {
+        "target": f"{store}: hit tokens / full scan's",
+        "value": 1.0,
+        "limit": "== 1",
+        "met": True,
+    }
+    trips = targets[f"{store}: store round trips per lookup (max)"]
+    assert trips["value"] == ours["round_trips_max"] and trips["met"] is True
