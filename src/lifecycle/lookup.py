@@ -335,6 +335,10 @@ class LookupSearch:
         self._probed = False
         #: (group, boundary) -> whether present on every rank, from facts only (no probe)
         self._exact: dict[tuple[int, int], bool] = {}
+        #: (group, boundary) pairs some of whose rank keys were not known when ``known`` last had
+        #: ``_undecided_at`` facts
+        self._undecided: set[tuple[int, int]] = set()
+        self._undecided_at = -1  # len(known) when ``_undecided`` was filled (facts only grow)
 
     def _boundaries(self, group_index: int) -> Sequence[int]:
         """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
@@ -360,10 +364,16 @@ class LookupSearch:
         verdict = self._exact.get((group_index, boundary))
         if verdict is None:
             known = self.known
+            if len(known) != self._undecided_at:  # new facts (``known`` may be shared): decide again
+                self._undecided.clear()
+                self._undecided_at = len(known)
+            elif (group_index, boundary) in self._undecided:
+                return None
             facts = [known.get(key) for key in self._rank_keys(group_index, boundary)]
             if False in facts:
                 verdict = False
             elif None in facts:
+                self._undecided.add((group_index, boundary))
                 return None
             else:
                 verdict = True
@@ -381,6 +391,14 @@ class LookupSearch:
             return verdict
 
         return _resolve(self._candidates, self._with_pauses(available_in_store))
+
+    def _tick_many(self, num_ticks: int) -> None:
+        """``num_ticks`` ticks of work done in one piece: ``pause`` once if they crossed a multiple of
+        ``PAUSE_EVERY``."""
+        before = self._num_ticks
+        self._num_ticks += num_ticks
+        if self._num_ticks // PAUSE_EVERY != before // PAUSE_EVERY and self.pause is not None:
+            self.pause()
 
     def _tick(self) -> None:
         """One key or boundary of work: ``pause`` after every ``PAUSE_EVERY`` of them."""
@@ -424,12 +442,19 @@ class LookupSearch:
         known = self.known
         if not self._probed:
             geometry = self.scheme.geometry
-            probes = [
-                key
-                for unit in geometry.lookup_units
-                for b in self._paused(self._boundaries(unit[0]))
-                if (key := self._probe_key(unit[0], b)) not in known
-            ]
+            probes: list[str] = []
+            hexes, hash_unit = self._hex, geometry.hash_unit
+            for unit in geometry.lookup_units:
+                prefix = self.scheme.group_rank_prefixes[self._unit_first[unit[0]]][0]  # as _probe_key
+                boundaries = self._boundaries(unit[0])
+                # In slices of PAUSE_EVERY boundaries, each one comprehension (a 128K-token prompt has
+                # thousands): a generator with a tick per boundary cost several times the keys' own work.
+                for start in range(0, len(boundaries), PAUSE_EVERY):
+                    keys = [
+                        prefix + hexes[b // hash_unit - 1] for b in boundaries[start : start + PAUSE_EVERY]
+                    ]
+                    probes.extend([key for key in keys if key not in known] if known else keys)
+                    self._tick_many(len(keys))
             self._probed = True  # fed next (or the search ends with its task): never listed again
             if probes:
                 return tuple(probes)

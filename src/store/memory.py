@@ -14,6 +14,8 @@ copy outside the lock).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -21,6 +23,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
+
+#: ``exists``' answer for a key, indexed by whether it is present
+_STATUS_OF_PRESENT = (Status.NOT_FOUND, Status.OK)
 
 #: Frames at least this big are recycled on remove/evict (malloc reuses smaller ones well enough).
 SPARE_MIN_FRAME = 256 << 10
@@ -136,16 +141,16 @@ class MemoryBackend:
         return self._table
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
+        # C-level maps, not a Python loop: a lookup checks thousands of keys, and a loop here held the GIL
+        # (and the table lock) for milliseconds at a 128K-token prompt, stalling the engine's other threads.
         table = self._table
-        results: list[Status] = []
         with table.lock:
-            for key in keys:
-                if key in table.key_to_frame:
-                    table.key_to_frame.move_to_end(key)
-                    results.append(Status.OK)
-                else:
-                    results.append(Status.NOT_FOUND)
-        return results
+            present = list(map(table.key_to_frame.__contains__, keys))
+            # touch the entries found (LRU order), as a get would
+            collections.deque(
+                map(table.key_to_frame.move_to_end, itertools.compress(keys, present)), maxlen=0
+            )
+        return list(map(_STATUS_OF_PRESENT.__getitem__, present))
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         return self.put_frames_sealed(keys, frames, None)

@@ -132,3 +132,37 @@ def test_k3_128k_search_work_comes_in_slices() -> None:
     got = search.run(lambda keys: [key in existing for key in keys])
     assert got == unpaused.run(lambda keys: [key in existing for key in keys])
     assert num_pauses >= search.num_keys // PAUSE_EVERY // scheme.geometry.topology.tp_size, num_pauses
+
+
+def test_searches_sharing_facts_answer_as_one_alone_does() -> None:
+    """Two searches of one request share ``known``; one is fed while the other has undecided entries
+    from facts it saw before: the other must decide them again on the new facts, not keep them open."""
+    num_tokens = 128 * 1024
+    scheme, hashes = _k3(num_tokens)
+    existing = _saved(scheme, hashes, 96 * 1024, list(range(8192, 96 * 1024 + 1, 8192)))
+    existing.discard(scheme.key(0, 5, hashes[101 * 512 // 64 - 1]))  # a hole: 48K restorable
+
+    def exists(keys: tuple[str, ...]) -> list[bool]:
+        return [key in existing for key in keys]
+
+    alone = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0).run(exists)
+    known: dict[str, bool] = {}
+    first = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0, known=known)
+    second = LookupSearch(scheme, tuple(hashes), num_tokens + 1, 0, known=known)
+    keys = first.next_keys()
+    assert keys is not None
+    first.feed(keys, exists(keys))  # probes answered
+    # ``second`` lists its confirm round on the probe facts (entries undecided: rank keys unknown) ...
+    second_keys = second.next_keys()
+    assert second_keys is not None
+    # ... then ``first`` confirms, and the facts grow under ``second``
+    keys = first.next_keys()
+    assert keys is not None
+    first.feed(keys, exists(keys))
+    second.feed(second_keys, exists(second_keys))
+    for search in (first, second):
+        while (keys := search.next_keys()) is not None:
+            assert keys, "a round with no keys: an entry stayed undecided on facts that decide it"
+            search.feed(keys, exists(keys))
+        assert search.result == alone
+    assert alone.boundary == 48 * 1024
