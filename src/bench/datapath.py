@@ -20,7 +20,7 @@ Every case is set up (and warmed up once) first; then ``--repeats`` rounds each 
 case once, interleaved (each round starting a case at the next measure), so that a slow moment of the host or
 the bus lands on all configurations alike.
 GB/s are 1e9 bytes per second, the median of the rounds, with the spread (min-max); a ratio is the median
-of the rounds' paired ratios (ours / the contiguous copy timed right after it). On CUDA each batch size has
+of the rounds' paired ratios (ours / the contiguous copy timed in the same round). On CUDA each batch size has
 its own :class:`StagingContext` with a slab it fills, as a full PUT wave fills the worker's. The report
 (JSON, every round's GB/s included) lands in ``--out`` (a directory, or a path ending in ``.json``).
 """

@@ -1,6 +1,6 @@
 """One kernel launch moves a whole batch between paged CUDA KV caches and a pinned host slab.
 
-torch + Triton only (no vLLM, no numpy). Imported only when a :class:`~hybridkv.connector.datapath.StagingContext`
+torch + Triton only (no vLLM). Imported only when a :class:`~hybridkv.connector.datapath.StagingContext`
 routes a direction through the kernel (``cuda_copy``), so hosts without Triton never import it.
 
 The kernel reads (or writes) the pinned slab straight over PCIe: pinned host memory has one address that the
