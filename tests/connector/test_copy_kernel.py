@@ -14,7 +14,8 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("triton")
+# Triton 3.6's interpreter cannot run the kernel's unspecialized loop bounds (its CUDA path can); 3.9 can.
+pytest.importorskip("triton", minversion="3.9")
 
 _CHILD = textwrap.dedent(
     """

@@ -46,9 +46,19 @@ def _block_bytes(layers: list[Any], b: int) -> bytes:
     return b"".join(_page_bytes(t, b) for t in flatten_layers(layers))
 
 
-def _staging(device: str, *, slab: int = 64 << 10, slabs: int = 2, stage: int = 4096) -> StagingContext:
+def _staging(
+    device: str, *, slab: int = 64 << 10, slabs: int = 2, stage: int = 4096, kernel: bool = False
+) -> StagingContext:
     pool = PinnedPool(slab, slabs * slab, pin=device != "cpu")
-    return StagingContext(device, pool, stage_bytes=stage)
+    directions = frozenset({"save", "load"}) if kernel else frozenset()
+    return StagingContext(device, pool, stage_bytes=stage, kernel_directions=directions)
+
+
+def _copy_layers(device: str, copy: str) -> list[Any]:
+    """``_layers``; for the copy kernel, only the layers it moves (whole 8-byte words per page: attention, and
+    the Mamba SSM state, a view at an offset into its raw storage), as it declines a group with any other."""
+    layers = _layers(device)
+    return [layers[0], [layers[1][1]]] if copy == "kernel" else layers
 
 
 def _round_trip(layers: list[Any], mover: BlockMover, store_url: str) -> None:
@@ -194,10 +204,14 @@ def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
 
 
 @CUDA
-def test_cuda_gather_waits_for_the_fence() -> None:
+@pytest.mark.parametrize("copy", ["dma", "kernel"])
+def test_cuda_gather_waits_for_the_fence(copy: str) -> None:
     """Writes queued on the compute stream before the fence are what the gather reads."""
-    layers = _layers("cuda")
-    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20))
+    layers = _copy_layers("cuda", copy)
+    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20, kernel=copy == "kernel"))
+    assert mover.kernel_directions == ({"save", "load"} if copy == "kernel" else set()), (
+        mover.kernel_unsupported
+    )
     attn = layers[0]
     ids = [2, 30]
     compute = torch.cuda.Stream()
@@ -215,9 +229,13 @@ def test_cuda_gather_waits_for_the_fence() -> None:
 
 
 @CUDA
-def test_cuda_commit_is_complete_on_return_and_skips_failed_blocks() -> None:
-    layers = _layers("cuda")
-    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20, stage=512))
+@pytest.mark.parametrize("copy", ["dma", "kernel"])
+def test_cuda_commit_is_complete_on_return_and_skips_failed_blocks(copy: str) -> None:
+    layers = _copy_layers("cuda", copy)
+    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20, stage=512, kernel=copy == "kernel"))
+    assert mover.kernel_directions == ({"save", "load"} if copy == "kernel" else set()), (
+        mover.kernel_unsupported
+    )
     src = [4, 5, 6]
     want = [_block_bytes(layers, b) for b in src]
     before = _block_bytes(layers, 21)
