@@ -290,7 +290,7 @@ def _spread(values: Sequence[float]) -> str:
 
 def summarize(case: Case) -> dict[str, Any]:
     """A case's row: per measure the median GB/s and its spread; per ratio the median of the rounds'
-    paired ratios (ours / the contiguous copy timed next to it) and its spread."""
+    paired ratios (ours / the contiguous copy timed in the same round) and its spread."""
     row: dict[str, Any] = {
         "geometry": case.geometry,
         "blocks": case.batch,
