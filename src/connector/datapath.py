@@ -500,8 +500,12 @@ class BlockMover:
                     self.tensors, self._segments, self.page_nbytes, self.max_blocks
                 )
                 self.kernel_directions = staging.kernel_directions
-            except (ImportError, ValueError) as exc:
-                self.kernel_unsupported = str(exc)
+            except Exception as exc:  # noqa: BLE001 -- an optional fast path: any failure leaves DMA
+                # ImportError (no Triton), ValueError (pages it cannot move), or a compile error of this
+                # Triton/GPU in the warm-up: the engine must start anyway, on the DMA path.
+                self.kernel_unsupported = (
+                    str(exc) if isinstance(exc, (ImportError, ValueError)) else repr(exc)
+                )
         self._plans: dict[int, list[_Chunk]] = {}  # batch size -> its chunks
         self._views: dict[tuple[int, int], list[_ChunkViews]] = {}  # (batch size, staging address) -> ...
         self._slab_rows: dict[int, tuple[weakref.ref[torch.Tensor], list[list[np.ndarray]]]] = {}

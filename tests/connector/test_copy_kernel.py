@@ -104,3 +104,28 @@ def test_cuda_copy_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"\['cuda_copy'\]: 'kernel' needs Triton"):
         _kernel_directions("kernel")
     assert _kernel_directions("auto") == frozenset()
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton that cannot compile the kernel (or any other failure building it) must not stop the engine:
+    the group takes the DMA path and says why."""
+    import torch
+    from hybridkv.connector import copy_kernels
+    from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("compile failed: no such PTX version")
+
+    monkeypatch.setattr(copy_kernels, "KernelCopier", broken)
+    staging = StagingContext(
+        "cpu", PinnedPool(1 << 16, 1 << 16, pin=False), kernel_directions=frozenset({"save", "load"})
+    )
+    layer = torch.arange(8 * 64, dtype=torch.int64).view(8, 64)
+    mover = BlockMover([layer], staging=staging)
+    assert mover.kernel_directions == frozenset()
+    assert "compile failed" in (mover.kernel_unsupported or "")
+    sb = mover.gather([5, 1])
+    assert sb is not None
+    with sb:
+        assert bytes(sb.parts[0][0]) == layer[5].numpy().tobytes()
+        assert bytes(sb.parts[1][0]) == layer[1].numpy().tobytes()
