@@ -141,11 +141,6 @@ def _raw(page: torch.Tensor) -> torch.Tensor:
     return page.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _raw_fill(page: torch.Tensor) -> None:
-    """Zero a page (random source pages differ from it, so a round trip that moved nothing cannot pass)."""
-    page.zero_()
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
@@ -209,12 +204,13 @@ def make_case(
     src_ids, dst_ids = picks[:batch], picks[batch:]
     sink = buffers.sink[:nbytes]
 
-    # correctness first: per mover, scatter(gather(src)) into dst reproduces src (dst scrambled before)
+    # correctness first: per mover, scatter(gather(src)) into dst reproduces src (dst zeroed before: the
+    # random source pages differ from it, so a round trip that moved nothing cannot pass)
     verified = True
     for m in movers.values():
         for t in flat:
             for d in dst_ids:
-                _raw_fill(t[d])
+                t[d].zero_()
         sb = m.gather(src_ids, timeout=10)
         assert sb is not None
         with sb:

@@ -48,6 +48,11 @@ def target_row(target: str, value: float | None, op: str, limit: float) -> dict[
     return {"target": target, "value": value, "limit": f"{op} {limit:g}", "met": met}
 
 
+def format_targets(targets: Sequence[Mapping[str, Any]]) -> str:
+    """A bench's ``targets`` rows (:func:`target_row`) as the text block its command prints."""
+    return "targets:\n" + format_table(targets, TARGET_COLUMNS)
+
+
 def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:
     """Write ``payload`` as indented JSON, creating parent folders; returns the path written."""
     target = Path(path)

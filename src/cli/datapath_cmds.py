@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridkv.bench.report import TARGET_COLUMNS
+from hybridkv.bench.report import format_targets
 from hybridkv.cli.exit_codes import ExitCode
 
 
@@ -80,7 +80,6 @@ def handle_bench(args: argparse.Namespace) -> int:
     if report["beside_compute"]:
         print(datapath.format_table(report["beside_compute"], datapath.BESIDE_COLUMNS))
     if report["targets"]:
-        print("\ntargets:")
-        print(datapath.format_table(report["targets"], TARGET_COLUMNS))
+        print("\n" + format_targets(report["targets"]))
     print(f"report: {datapath.write_report(report, args.out)}")
     return ExitCode.OK

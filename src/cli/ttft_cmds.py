@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import TARGET_COLUMNS, format_cell, format_table, save_report
+from hybridkv.bench.report import format_cell, format_table, format_targets, save_report
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.testing.tiny_models import FAMILIES
@@ -203,8 +203,7 @@ def handle_ttft(args: argparse.Namespace) -> int:
     print(format_table([_with_spreads(row) for row in report["rows"]], TABLE_COLUMNS))
     print("\nwhere the hybridkv hit's time goes (ms, medians; sources in the report's profile_sources):")
     print(format_table(report["profiles"], PROFILE_COLUMNS))
-    print("\ntargets:")
-    print(format_table(report["targets"], TARGET_COLUMNS))
+    print("\n" + format_targets(report["targets"]))
     for line in report["not_measured"]:
         print(f"not measured: {line}")
     save_report(report, args.out, plot_report, no_plot=args.no_plot)
@@ -325,8 +324,7 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         f"{report['forward_ms']} ms between schedule() calls"
     )
     print(format_table(report["rows"], SCHEDULER_COLUMNS))
-    print("\ntargets:")
-    print(format_table(report["targets"], TARGET_COLUMNS))
+    print("\n" + format_targets(report["targets"]))
     save_report(report, args.out, lambda _report, _path: None, no_plot=True)
     status = EXIT_OK
     for row in report["rows"][1:]:

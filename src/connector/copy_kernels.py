@@ -143,21 +143,7 @@ class KernelCopier:
         took 0.6 s (Triton's disk cache warm) to 1.4 s (cold) on an H200 host, which on a load thread would
         be the first hit's wait."""
         for to_slab in (True, False):
-            pairs = self._pairs[to_slab]
-            _copy_pages[(1,)](
-                self._page_ptrs,
-                self._page_strides,
-                self._slab_offsets,
-                self._page_words,
-                pairs,
-                pairs,  # never touched: zero tiles
-                0,
-                self._tiles_per_page,
-                0,
-                TO_SLAB=to_slab,
-                TILE=TILE_WORDS,
-                num_warps=NUM_WARPS,
-            )
+            self._launch(to_slab, self._pairs[to_slab], num_pairs=0)  # zero tiles: the slab is never touched
         if self._page_ptrs.is_cuda:
             torch.cuda.synchronize(self._page_ptrs.device)
 
@@ -176,13 +162,17 @@ class KernelCopier:
         host[num_pairs : 2 * num_pairs] = block_ids
         if not interpreted():
             assert slab.is_pinned(), "the copy kernel reads and writes pinned host slabs only"
+        self._launch(to_slab, slab, num_pairs)
+
+    def _launch(self, to_slab: bool, slab: torch.Tensor, num_pairs: int) -> None:
+        """One launch over ``num_pairs`` pairs of ``to_slab``'s pair table (filled by the caller)."""
         num_tiles = self.num_tensors * num_pairs * self._tiles_per_page
-        _copy_pages[(min(NUM_PROGRAMS, num_tiles),)](
+        _copy_pages[(max(1, min(NUM_PROGRAMS, num_tiles)),)](
             self._page_ptrs,
             self._page_strides,
             self._slab_offsets,
             self._page_words,
-            pairs,
+            self._pairs[to_slab],
             slab.view(torch.int64),
             num_pairs,
             self._tiles_per_page,

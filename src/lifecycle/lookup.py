@@ -392,18 +392,12 @@ class LookupSearch:
 
         return _resolve(self._candidates, self._with_pauses(available_in_store))
 
-    def _tick_many(self, num_ticks: int) -> None:
-        """``num_ticks`` ticks of work done in one piece: ``pause`` once if they crossed a multiple of
+    def _tick(self, num_ticks: int = 1) -> None:
+        """``num_ticks`` keys or boundaries of work done: ``pause`` each time the count passes a multiple of
         ``PAUSE_EVERY``."""
         before = self._num_ticks
         self._num_ticks += num_ticks
         if self._num_ticks // PAUSE_EVERY != before // PAUSE_EVERY and self.pause is not None:
-            self.pause()
-
-    def _tick(self) -> None:
-        """One key or boundary of work: ``pause`` after every ``PAUSE_EVERY`` of them."""
-        self._num_ticks += 1
-        if self._num_ticks % PAUSE_EVERY == 0 and self.pause is not None:
             self.pause()
 
     def _with_pauses(self, available: AvailableFn) -> AvailableFn:
@@ -454,7 +448,7 @@ class LookupSearch:
                         prefix + hexes[b // hash_unit - 1] for b in boundaries[start : start + PAUSE_EVERY]
                     ]
                     probes.extend([key for key in keys if key not in known] if known else keys)
-                    self._tick_many(len(keys))
+                    self._tick(len(keys))
             self._probed = True  # fed next (or the search ends with its task): never listed again
             if probes:
                 return tuple(probes)
