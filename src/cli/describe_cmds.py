@@ -5,7 +5,10 @@ Given the connector's ``kv_connector_extra_config`` (or only a store URL) and op
 - the resolved geometry per store group (kind, vLLM block, span, DCP sharding, bytes per entry) with the
   hash unit, hit alignment, key fingerprint and namespace -- resolved by vLLM itself: an in-process engine
   (CPU build works) starts with the connector on a private ``memory://`` store, and
-  ``hybridkv.connector.vllm_geometry.resolve_geometry`` reads its ``kv_cache_config``;
+  ``hybridkv.connector.vllm_geometry.resolve_geometry`` reads its ``kv_cache_config``; with it, whether
+  that engine loads from the tier (off, with the reason, where vLLM disabled prefix caching or the attention
+  backend cannot use external KV: ``hybridkv.connector.capabilities``) and whether the model's weights were
+  found (an unresolved identity keys the model by its id and revision only);
 - the store's health: reachable, latency of an existence check on a random key under a deadline (the
   connector's ``lookup_budget_ms``), the state a lookup breaker would be in after those probes, and the
   backend's own breaker when it has one (Mooncake);
@@ -66,6 +69,11 @@ def register(
     )
     describe.add_argument("--dtype", default="bfloat16", help="engine dtype with --model (%(default)s)")
     describe.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        help="engine attention backend with --model, as vLLM's --attention-backend (default: vLLM picks)",
+    )
+    describe.add_argument(
         "--max-model-len", type=int, default=2048, help="engine max_model_len with --model (%(default)s)"
     )
     describe.add_argument("--probes", type=int, default=5, help="existence checks to time (%(default)s)")
@@ -87,7 +95,11 @@ def _describe(args: argparse.Namespace) -> int:
     if args.model is not None:
         try:
             report["geometry"] = describe_model_geometry(
-                args.model, extra, dtype=args.dtype, max_model_len=args.max_model_len
+                args.model,
+                extra,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                attention_backend=args.attention_backend,
             )
         except ValueError as error:
             print(f"hybridkv describe: {error}", file=sys.stderr)
@@ -139,12 +151,21 @@ def _connector_settings(
 
 
 def describe_model_geometry(
-    model: str, extra: dict[str, Any], *, dtype: str, max_model_len: int
+    model: str,
+    extra: dict[str, Any],
+    *,
+    dtype: str,
+    max_model_len: int,
+    attention_backend: str | None = None,
 ) -> dict[str, Any]:
     """Start an in-process engine on ``model`` with the connector on a private ``memory://`` store (so the
-    described store is never touched) and resolve the geometry from vLLM's own ``kv_cache_config``."""
+    described store is never touched) and resolve the geometry from vLLM's own ``kv_cache_config``; also
+    whether that engine's connector loads (``loads``, ``loads_off_reason``) and whether the model identity
+    found the weights (``weights``, ``weights_resolved``, ``weights_unresolved``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from hybridkv.connector.capabilities import load_disabled_reason
+    from hybridkv.connector.identity import UNRESOLVED_DETAIL
     from hybridkv.testing import vllm_harness
 
     engine_extra = {k: v for k, v in extra.items() if k != "audit_log"}
@@ -153,6 +174,8 @@ def describe_model_geometry(
     kwargs = vllm_harness.engine_kwargs(
         max_model_len=max_model_len, kv_cache_bytes=64 << 20, dtype=dtype, max_num_seqs=1
     )
+    if attention_backend is not None:
+        kwargs["attention_backend"] = attention_backend
     # vLLM logs to stdout; `describe --json | jq` must see only the JSON.
     with (
         _stdout_to_stderr(),
@@ -160,7 +183,10 @@ def describe_model_geometry(
     ):
         # The serving connector resolved the geometry from vLLM's own kv_cache_config at start.
         scheduler_connector, _ = vllm_harness.connector_halves(llm)
-        geo = scheduler_connector.scheduler_side.geo
+        side = scheduler_connector.scheduler_side
+        geo = side.geo
+        # The engine's config after vLLM's fix-ups: what the connector itself judged at start.
+        loads_off_reason = load_disabled_reason(llm.llm_engine.vllm_config)
         kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
         geometry = geo.geometry
         groups = []
@@ -189,6 +215,11 @@ def describe_model_geometry(
             "scheduler_block": geometry.scheduler_block_size,
             "tp": geometry.topology.tp_size,
             "dcp": geometry.topology.dcp_size,
+            "loads": side.can_load,
+            "loads_off_reason": None if side.can_load else loads_off_reason,
+            "weights": geo.identity.weights,
+            "weights_resolved": geo.identity.resolved,
+            "weights_unresolved": None if geo.identity.resolved else UNRESOLVED_DETAIL,
             "groups": groups,
         }
 
@@ -392,6 +423,8 @@ def render_text(report: dict[str, Any]) -> str:
                 f"hash unit {geometry['hash_unit']} tokens, hit alignment {geometry['hit_alignment']}, "
                 f"scheduler block {geometry['scheduler_block']}, TP {geometry['tp']}, DCP {geometry['dcp']}"
             ),
+            _loads_line(geometry),
+            _weights_line(geometry),
             "",
             "geometry",
             format_table(
@@ -450,6 +483,18 @@ def render_text(report: dict[str, Any]) -> str:
     elif usage is not None:
         lines += ["", "no hybridkv entries"]
     return "\n".join(lines)
+
+
+def _loads_line(geometry: dict[str, Any]) -> str:
+    if geometry.get("loads", True):
+        return "loads      on"
+    return f"loads      OFF: {geometry.get('loads_off_reason') or 'kv_role does not load'} (saves continue)"
+
+
+def _weights_line(geometry: dict[str, Any]) -> str:
+    if geometry.get("weights_resolved", True):
+        return f"weights    {geometry.get('weights', '-')}"
+    return f"weights    UNRESOLVED: {geometry.get('weights_unresolved')}"
 
 
 def _totals(rows: Iterable[dict[str, Any]]) -> list[tuple[str, int]]:

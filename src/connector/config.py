@@ -23,6 +23,12 @@ Keys (all optional):
                     every save by DMA from a packed staging buffer; ``"kernel"``: every batch by the
                     kernel; ``"dma"``: every batch by DMA. The kernel
                     needs Triton and contiguous pages (others fall back to DMA). Ignored for host caches.
+``weights_version`` a name for the weights this engine runs (1-64 characters of ``A-Za-z0-9._-``, or
+                    ``null``: the checkpoint's identity alone). It joins the key fingerprint, and a reset
+                    (``reset_prefix_cache(reset_connector=True)``, the step after an in-engine weight
+                    update) moves the keys to ``<weights_version>+reset<n>``: replicas declaring one
+                    version and updated in lockstep keep sharing. Without it a reset moves this engine to
+                    keys of its own until restart, so no engine on other weights reads its KV.
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -56,6 +62,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "verify_checksums",
     "load_mode",
     "cuda_copy",
+    "weights_version",
 )
 
 #: values of ``load_mode``
@@ -118,6 +125,7 @@ class ConnectorConfig:
     verify_checksums: bool
     load_mode: str = "async"
     cuda_copy: str = "auto"
+    weights_version: str = ""
 
     @property
     def layerwise(self) -> bool:
@@ -199,6 +207,15 @@ class ConnectorConfig:
                 f"got {cuda_copy!r}"
             )
 
+        weights_version = extra.get("weights_version", None)
+        if weights_version is not None and (
+            not isinstance(weights_version, str) or not NAMESPACE_RE.match(weights_version)
+        ):
+            raise ValueError(
+                "kv_connector_extra_config['weights_version']: expected null or 1-64 characters of "
+                f"[A-Za-z0-9._-] starting with a letter or digit, got {weights_version!r}"
+            )
+
         return cls(
             store=store,
             namespace=namespace,
@@ -208,4 +225,5 @@ class ConnectorConfig:
             verify_checksums=verify,
             load_mode=load_mode,
             cuda_copy=cuda_copy,
+            weights_version=weights_version or "",
         )

@@ -313,6 +313,12 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return done
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``load_mode: layerwise`` needs PIECEWISE CUDA graphs: a full graph replays the forward without
+        ``wait_for_layer_load``, so every layer would read its pages before the load wrote them."""
+        return (extra_config or {}).get("load_mode") == "layerwise"
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridStoreStats | None:
         return build_stats(data)
 

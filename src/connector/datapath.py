@@ -520,7 +520,7 @@ class BlockMover:
 
     # ------------------------------------------------------------------ public
     def gather(
-        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0
+        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0, private: bool = False
     ) -> StagedBlocks | None:
         """The bytes of ``block_ids`` as store parts, final on return (ready for ``Store.put``).
 
@@ -528,9 +528,19 @@ class BlockMover:
         blocks the calling thread until the copies are done, and returns None -- nothing read -- when no
         slab frees up within ``timeout`` seconds. At most ``max_blocks`` blocks. The caller must keep the
         source blocks unchanged until this returns, and release the result once the store has the bytes.
+
+        Direct path: the parts are the pages themselves, unless ``private``: then they are one private copy
+        of the batch, taken now (for a store call that may go on reading after it answered, so that it never
+        reads pages vLLM has reused). The staged path's slab is private already.
         """
         self._check(block_ids)
         if self.staging is None:
+            if private:
+                parts = self._private_parts(len(block_ids))
+                for row, b in zip(parts, block_ids, strict=True):
+                    for k, part in enumerate(row):
+                        part[:] = self._host_page(k, b)[0]
+                return StagedBlocks(self, block_ids, parts)
             parts = [[self._host_page(k, b)[0] for k in range(len(self.tensors))] for b in block_ids]
             return StagedBlocks(self, block_ids, parts)
         slab = self.staging.pool.acquire(timeout)
@@ -544,15 +554,21 @@ class BlockMover:
             raise
 
     def scatter_targets(
-        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0
+        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0, private: bool = False
     ) -> StagedBlocks | None:
         """Writable store destinations for ``block_ids``; :meth:`StagedBlocks.commit` moves them in.
 
         Direct path: contiguous pages are written in place by the store (commit only copies staged
-        strided pages). Staged path: parts are slab slices; commit copies them to the device after
+        strided pages); with ``private`` every part is a private buffer instead, and commit copies the kept
+        blocks into their pages (for a store call that may go on writing after it answered: its late
+        write then lands only in memory nobody else uses). Staged path: parts are slab slices; commit copies them to the device after
         ``after`` and waits for completion. None when no slab frees up within ``timeout`` seconds.
         """
         self._check(block_ids)
+        if self.staging is None and private:
+            private_parts = self._private_parts(len(block_ids))
+            to_copy = [list(enumerate(row)) for row in private_parts]
+            return StagedBlocks(self, block_ids, private_parts, staged_pages=to_copy)
         if self.staging is None:
             parts: list[list[np.ndarray]] = []
             staged: list[list[tuple[int, np.ndarray]]] = []
@@ -583,6 +599,19 @@ class BlockMover:
         return [np.array(self._host_page(k, block_id)[0], copy=True) for k in range(len(self.tensors))]
 
     # ------------------------------------------------------------------ direct path
+    def _private_parts(self, n: int) -> list[list[np.ndarray]]:
+        """Parts of ``n`` blocks in one fresh host buffer (block-major, each block's pages in part order)."""
+        buffer = np.empty(n * self.block_nbytes, dtype=np.uint8)
+        parts: list[list[np.ndarray]] = []
+        pos = 0
+        for _ in range(n):
+            row: list[np.ndarray] = []
+            for pb in self.page_nbytes:
+                row.append(buffer[pos : pos + pb])
+                pos += pb
+            parts.append(row)
+        return parts
+
     def _host_page(self, k: int, block_id: int) -> tuple[np.ndarray, bool]:
         """Block ``block_id``'s page of tensor ``k`` as uint8 numpy: a view if contiguous, else a copy."""
         rows = self._rows[k]

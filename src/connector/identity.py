@@ -9,6 +9,11 @@ layout, TP/DCP), what makes KV differ is **which weights** are loaded and **how 
   a model that is not a local folder or file is identified by its id and vLLM's ``revision``;
 - quantization, ``hf_overrides``, RoPE scaling, the model dtype and the weight ``load_format``.
 
+When the weights cannot be found without the network (not a local folder or file, not in the local Hugging
+Face cache: another hub, a custom loader), the identity falls back to the model id and ``revision``, with
+``weights="unresolved"``, and :func:`model_identity` logs ``ConnectorLogEvent.MODEL_IDENTITY_UNRESOLVED``
+naming the model: new weights published under the same id and revision would then share keys with the old.
+
 It is path-insensitive: the same files in two folders are the same model, two models in folders of one
 name are not. Stat calls and a few small reads: cheap at start. Not covered (each either changes vLLM's
 block hashes, hence the keys, or is documented in docs/keys.md): ``cache_salt``, LoRA adapters (their name
@@ -25,13 +30,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.keys import KEY_VERSION, KeyScheme
 from hybridkv.store import Status, Store
+
+log = structlog.get_logger(__name__)
 
 #: Files whose bytes are weights (their size and mtime enter the identity; they are never read).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
 #: Small files whose content enters the identity: the architecture and the weight index.
 _CONFIG_NAMES = ("config.json", "params.json")
+#: ``ModelIdentity.weights`` of a model whose weights were not found locally.
+UNRESOLVED = "unresolved"
+#: What an unresolved identity could not resolve, and what that costs (log lines, ``hybridkv describe``).
+UNRESOLVED_DETAIL = (
+    "weights: not a local folder or file and not in the local Hugging Face cache; new weights under the "
+    "same model id and revision are not told apart"
+)
 _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 #: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
 MANIFEST_BYTES = 4096
@@ -56,10 +72,15 @@ class ModelIdentity:
     rope_scaling: str
 
     @property
+    def resolved(self) -> bool:
+        """Whether the weights were found (their files identify the model, not only its id)."""
+        return self.weights != UNRESOLVED
+
+    @property
     def digest(self) -> str:
         """SHA-256 (hex, 16 digits) of every field but ``model`` for a local folder (path-insensitive)."""
         fields = asdict(self)
-        if self.weights != "unresolved":
+        if self.weights != UNRESOLVED:
             fields.pop("model")
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
@@ -112,13 +133,22 @@ def _local_model_path(model: str, revision: str | None) -> Path | None:
 
 
 def model_identity(vllm_config: Any) -> ModelIdentity:
-    """Resolve the identity of the model ``vllm_config`` serves (stat calls and small reads only)."""
+    """Resolve the identity of the model ``vllm_config`` serves (stat calls and small reads only).
+
+    Weights not found locally: ``weights="unresolved"`` and a ``MODEL_IDENTITY_UNRESOLVED`` warning."""
     mc = vllm_config.model_config
     model = str(mc.model)
     revision = getattr(mc, "revision", None)
     path = _local_model_path(model, revision)
     if path is None:
-        weights, num_files = "unresolved", 0
+        weights, num_files = UNRESOLVED, 0
+        # The keys still work, but weaker: an operator must know the weights do not enter them.
+        log.warning(
+            ConnectorLogEvent.MODEL_IDENTITY_UNRESOLVED,
+            model=model,
+            revision=revision,
+            unresolved=UNRESOLVED_DETAIL,
+        )
     else:
         weights, num_files = weights_identity(path)
     text_config = mc.hf_text_config if hasattr(mc, "hf_text_config") else None

@@ -24,6 +24,10 @@ class ConnectorLogEvent(enum.StrEnum):
     SCHEDULER_GEOMETRY = "hybridkv scheduler geometry"
     HIT_DECLINED = "hybridkv: hit declined; request recomputes"
     LOAD_FAILED = "hybridkv load failed; request recomputes"
+    LOADS_DISABLED = "hybridkv: loads disabled; this engine cannot use external KV (saves continue)"
+    MODEL_IDENTITY_UNRESOLVED = (
+        "hybridkv: model weights not found locally; keys identify the model by its name and revision only"
+    )
     MEMORY_STORE_IS_PROCESS_LOCAL = (
         "hybridkv: memory:// is process-local; with several worker processes use file:// or mooncake://"
     )
@@ -35,6 +39,9 @@ class ConnectorLogEvent(enum.StrEnum):
     INVALIDATION_FAILED = "hybridkv invalidation failed"
     RESET_CACHE = "hybridkv reset_cache"
     RESET_CACHE_FAILED = "hybridkv reset_cache failed; lookups miss until a reset succeeds"
+    WEIGHTS_TAG_ROTATED = (
+        "hybridkv keys rotated to a new weights tag (a reset: KV from now on may come from updated weights)"
+    )
     RESET_CACHE_STILL_RUNNING = "hybridkv reset_cache still running; lookups miss until it finishes"
     MANIFEST_NOT_WRITTEN = "hybridkv manifest not written"
     WORKER_GEOMETRY = "hybridkv worker geometry"

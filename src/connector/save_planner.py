@@ -157,6 +157,22 @@ class SavePlanner:
         jobs, self._unsent = self._unsent, []
         return jobs
 
+    def drop_unsent(self, reason: str) -> None:
+        """Drop the jobs not sent yet (a namespace reset: their KV predates it, and sent after it they
+        would be written under the new keys): their waves are ``DROPPED``, their pins freed."""
+        for job in self.take_unsent():
+            j = self._jobs.pop(job.job_id, None)
+            if j is None:
+                continue
+            if self._pool is not None and j.pinned:
+                self._pool.free_blocks(list(reversed(j.pinned)))
+            j.wave.drop(reason)
+
+    def rebind_scheme(self, geo: ConnectorGeometry) -> None:
+        """Plan with ``geo``'s key scheme from now on (a weights tag rotated at a reset)."""
+        self.geo = geo
+        self.scheme = geo.scheme
+
     def _positional_saves(self, saves: RequestSaves, done: int, bs: Any) -> list[SaveItem]:
         """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
         req = saves.request

@@ -39,8 +39,10 @@ Contracts (``DESIGN.md`` hard rules):
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -130,6 +132,10 @@ class SchedulerSide:
         self.geo: ConnectorGeometry = resolve_geometry(
             vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=True
         )
+        if cfg.weights_version:
+            self.geo = dataclasses.replace(
+                self.geo, scheme=self.geo.scheme.with_weights_tag(cfg.weights_version)
+            )
         self.scheme = self.geo.scheme
         self.store = open_connector_store(cfg)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
@@ -162,12 +168,21 @@ class SchedulerSide:
         #: until a reset succeeds
         self._reset_failed = False
         self.reset_wait_s = RESET_WAIT_S
+        #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
+        self._num_weight_tags = 0
+        self._engine_nonce = uuid.uuid4().hex[:16]
         # Off the scheduler thread: engine start never waits on the store.
         self._submit_maintenance(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
         # kv_role: a producer saves, a consumer loads, kv_both does both.
+        from hybridkv.connector.capabilities import load_disabled_reason
+
         tc = vllm_config.kv_transfer_config
         self.can_save = bool(tc.is_kv_producer)
-        self.can_load = bool(tc.is_kv_consumer)
+        # Never load into an engine that cannot use loaded KV (wrong tokens, not an error); saves go on.
+        loads_off = load_disabled_reason(vllm_config) if tc.is_kv_consumer else None
+        self.can_load = bool(tc.is_kv_consumer) and loads_off is None
+        if loads_off is not None:
+            log.warning(ConnectorLogEvent.LOADS_DISABLED, reason=loads_off, saves=self.can_save)
         log.info(
             ConnectorLogEvent.SCHEDULER_GEOMETRY,
             store=self.store.url,
@@ -243,8 +258,14 @@ class SchedulerSide:
         the first such answer, or at once while the store is unusable (circuit open, a call hung).
         """
         r = self._track(request)
-        if not self.can_load:
+        if not self.can_load or getattr(request, "skip_reading_prefix_cache", False):
+            # Prompt logprobs, pooling: vLLM reads no cached prefix for this request, so neither do we.
             return 0, False
+        if not r.lc.may_hit:
+            return 0, False  # REFUSED: this incarnation recomputes; no store call, no record
+        if r.lc.is_stale:
+            # A namespace reset since this request's lookup: nothing it learnt may answer now.
+            self._forget_facts(r, "namespace reset")
         if r.lc.current in (State.VERIFIED, State.LOADING):
             # VERIFIED: the request was preempted after its load and is back. LOADING: vLLM gave up on the
             # load before every rank reported (nothing to judge). Either way: a new incarnation.
@@ -271,7 +292,12 @@ class SchedulerSide:
             # vLLM asks every waiting request again every step: while its search is in flight the answer
             # is "ask again", given before any other work (``_answer`` reaches the same).
             return None, False
-        if r.memo is not None and r.memo[0] == memo_key and lc.current in (State.PARTIAL_HIT, State.MISS):
+        if (
+            r.memo is not None
+            and r.memo[0] == memo_key
+            and lc.current in (State.PARTIAL_HIT, State.MISS)
+            and not self.namespace_closed
+        ):
             boundary = r.memo[1]
         else:
             answer = self._answer(r, memo_key)
@@ -301,7 +327,7 @@ class SchedulerSide:
                 request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
             )
             if search is None:
-                return 0  # retries exhausted: MISS for the rest of this incarnation
+                return 0  # retries exhausted: REFUSED for the rest of this incarnation
             r.search, r.search_inputs, r.waiting_since = search, inputs, None
         search = r.search
         assert search is not None
@@ -367,6 +393,18 @@ class SchedulerSide:
             r.task.cancelled = True
         r.task, r.search, r.search_inputs, r.waiting_since = None, None, None, None
 
+    def _forget_facts(self, r: _Req, reason: str) -> None:
+        """Drop everything the request learnt about the store (a namespace reset): its search in flight,
+        its existence facts, its memo; a hit answered from them is revoked (``hit_revoked``) and a lookup
+        in flight ends as a miss, so nothing from before the reset is ever loaded after it."""
+        self._abandon_search(r)
+        r.known = {}  # an abandoned task may still write to the old facts
+        r.memo = None
+        if r.lc.current is State.PARTIAL_HIT:
+            r.lc.revoke(reason)
+        elif r.lc.current is State.LOOKUP:
+            r.lc.lookup_unavailable(reason)
+
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """``update_state_after_alloc``: bind the request's load plan to the blocks vLLM allocated.
@@ -398,10 +436,24 @@ class SchedulerSide:
             )
             return
         assert lc.lookup is not None and lc.lookup.plan is not None  # _bind_plan checked it
-        job = LoadJob(request.request_id, lc.lookup.plan.boundary, refs)
+        boundary = lc.lookup.plan.boundary
+        if not lc.start_load():  # the guard ``answer_current``: a reset since the lookup
+            self._decline_allocated(
+                request,
+                r,
+                "the hit was answered before a namespace reset",
+                self._external_block_ids(r, blocks, num_external_tokens),
+            )
+            return
+        job = LoadJob(request.request_id, boundary, refs)
         r.load, r.load_results, r.load_ranks = job, [], set()
         self._pending_loads.append(job)
-        lc.start_load()
+        if self.cfg.layerwise:
+            # vLLM cached these blocks when it allocated them (a synchronous load counts as computed): a
+            # request scheduled later in this step could take them as a local hit and, if this load then
+            # fails, attend over pages the recompute has not rewritten yet. Out of the prefix cache, no
+            # other request reads them before they are verified (they stay this request's own).
+            self._uncache(set(refs.block_ids))
         self.stats.add("hit_tokens", num_external_tokens)
         for g in self.geo.groups:
             self.stats.add(f"hit_tokens.g{g.sgid}", num_external_tokens)
@@ -469,11 +521,10 @@ class SchedulerSide:
         log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
         if r is None:
             return
-        r.memo = None
-        if r.lc.current is State.PARTIAL_HIT:
-            r.lc.decline(reason, final=True)
-        else:
-            r.lc.exhausted = True  # no transition leads from here: the log line above is the record
+        r.memo, r.load = None, None
+        self._abandon_search(r)
+        if r.lc.may_hit and r.lc.current is not State.EVICTED:
+            r.lc.refuse(reason)
 
     # ------------------------------------------------------------------ per step
     def take_unplanned_meta(self) -> HybridStoreMetadata:
@@ -683,7 +734,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lifetime
     def request_finished(self, request: Request) -> None:
         r = self._reqs.pop(request.request_id, None)
-        if r is not None and r.lc.current is not State.EVICTED:
+        if r is None:
+            return
+        self._abandon_search(r)  # a finished or aborted request's lookup stops (a queued one never runs)
+        if r.lc.current is not State.EVICTED:
             r.lc.evict("finished")
 
     def has_pending_push_work(self) -> bool:
@@ -723,9 +777,13 @@ class SchedulerSide:
         with self._lock:
             self._reset_epoch += 1
             self._resets_pending += 1
+        self.machine.begin_epoch()
         prefix = self.scheme.prefix
         for r in self._reqs.values():
-            r.known = {}  # what lookups learnt about the store predates the reset
+            self._forget_facts(r, "namespace reset")  # what lookups learnt about the store predates it
+        # Jobs planned before the reset but not sent yet would be written under the keys of after it.
+        self.saves.drop_unsent("namespace reset")
+        self._rotate_weights_tag()
 
         def remove_namespace() -> int:
             removed = self.store.remove_prefix(prefix)
@@ -761,6 +819,27 @@ class SchedulerSide:
             log.warning(ConnectorLogEvent.RESET_CACHE_STILL_RUNNING, prefix=prefix)
             return True
         return fut.exception() is None
+
+    def _rotate_weights_tag(self) -> None:
+        """Give this engine's keys a fingerprint no engine running other weights reads.
+
+        A reset is how an in-engine weight update is made visible (``docs/keys.md``): from now on the
+        KV this engine computes may come from weights other than the checkpoint's, so its keys carry a
+        weights tag of their own: ``<weights_version>+reset<n>`` when the operator declares the weights
+        (replicas updated in lockstep share it), else ``private-<engine nonce>+reset<n>``, which nothing
+        but this engine until its restart ever reads."""
+        self._num_weight_tags += 1
+        base = self.cfg.weights_version or f"private-{self._engine_nonce}"
+        scheme = self.scheme.with_weights_tag(f"{base}+reset{self._num_weight_tags}")
+        self.geo = dataclasses.replace(self.geo, scheme=scheme)
+        self.scheme = scheme
+        self.machine.scheme = scheme
+        self.saves.rebind_scheme(self.geo)
+        log.info(
+            ConnectorLogEvent.WEIGHTS_TAG_ROTATED,
+            weights_tag=scheme.weights_tag,
+            fingerprint=scheme.fingerprint,
+        )
 
     def shutdown(self) -> None:
         self.saves.release_all()

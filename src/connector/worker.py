@@ -27,14 +27,23 @@ Contracts:
   stays exhausted for ``_SAVE_STAGING_WAIT_S`` (counted as ``put_wave_drops``).
 - Loads (CUDA): store -> pinned slab -> device blocks, in batches of at most one slab; the host->device
   copies wait on a fence recorded in ``start_load_kv`` and have completed before the job is reported.
-- Buffer ownership: a KV page range or staging slab handed to a store call belongs to that call until it
-  has really returned. A call that answered ``TIMEOUT`` but goes on (``hybridkv.store.base.
-  collect_late_calls``) keeps its buffers quarantined: its slabs go back to the pool only when it returns,
-  and a job whose KV pages it may still touch is reported only then -- a load on the host path (the call
-  writes the pages themselves; vLLM keeps a request's blocks while it waits for its load, even when it is
-  aborted), and every save (the scheduler's pins on the source blocks hold until the report). A CUDA load
-  whose late call writes only its slab is reported failed at once. ``flush`` and ``suspend`` wait for late
-  calls too.
+- Buffer ownership: a KV page range, private host buffer or staging slab handed to a store call belongs to
+  that call until it has really returned, even when the call raised. A call that answered ``TIMEOUT`` but
+  goes on (``hybridkv.store.base.collect_late_calls``; a split read collects every share's, the raising
+  share's included) keeps its buffers quarantined: a slab goes back to the pool, a private buffer is
+  dropped, only when every call that touched it returned. So that a late call never owns KV memory, a
+  transfer whose store may answer late (:func:`_may_answer_late`: Mooncake with a deadline, ``faulty+``
+  with ``get_late`` / ``put_late``, any store the worker does not know) never hands it the pages: CUDA
+  goes through its slabs anyway; on the host path a load reads into a private buffer and copies the OK
+  blocks into the pages only once every call of the batch returned, and a save hands the store a private
+  copy taken before the call. The job is then reported at once (a load failed, a save with its outcomes),
+  so a late call that never returns holds no request, no pinned block and no in-flight budget; at most
+  ``_MAX_QUARANTINED_BATCHES`` host batches stay quarantined, beyond that a load fails at once
+  (``NOT_ATTEMPTED``) and a save wave is dropped rather than allocating more. Only where the store cannot
+  answer late (memory, file) does the host path hand the pages themselves to the call (zero copies); if
+  such a store answers late anyway, the job is reported only once the call returned (vLLM keeps a
+  request's blocks while it waits for its load; the scheduler's pins hold a save's source blocks), and
+  ``flush`` and ``suspend`` wait for that call, within their timeout.
 """
 
 from __future__ import annotations
@@ -45,10 +54,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import structlog
@@ -77,6 +86,8 @@ from hybridkv.store.base import Status, Value, collect_late_calls
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 _MAX_WAVES_IN_FLIGHT = 4
 #: Longest pause of one engine step waiting for an in-flight load (see ``WorkerSide.transfer_results``).
 _LOAD_YIELD_S = 0.005
@@ -95,6 +106,10 @@ _LOAD_STAGING_WAIT_S = 5.0
 _LOAD_READERS = 2
 #: A batch smaller than this is read by the load thread alone (the hand-off costs more than it saves).
 _SPLIT_READ_MIN_BYTES = 4 << 20
+#: Host path: private load/save batches a late store call may keep at once (see "Buffer ownership").
+_MAX_QUARANTINED_BATCHES = 8
+#: ``shutdown``: the least time given to closing the store, even once its budget is spent.
+_CLOSE_STORE_MIN_S = 1.0
 #: The phases of :attr:`WorkerSide.load_timings` (seconds, summed over load jobs), in time order.
 LOAD_PHASES = ("queue_s", "targets_s", "store_s", "commit_s", "report_s")
 #: The engine thread's side of :attr:`WorkerSide.load_timings` while loads are in flight.
@@ -103,15 +118,83 @@ ENGINE_PHASES = ("engine_steps", "engine_busy_s")
 
 @dataclass
 class _LateOwnership:
-    """What store calls that answered before returning still own: their completion handles and the staged
-    batches (slabs) they read or write. Nothing here is reused until every call in ``calls`` is done."""
+    """What store calls that answered before returning still own: their completion handles and the batches
+    (slabs, private buffers, or KV pages) they read or write. Nothing here is reused until every call in
+    ``calls`` is done. ``owns_kv_pages``: some batch is the KV pages themselves (a direct-path batch of a
+    store that was not expected to answer late), so the job may be reported only once the calls returned."""
 
     calls: list[Future[object]] = field(default_factory=list)
     batches: list[StagedBlocks] = field(default_factory=list)
+    owns_kv_pages: bool = False
 
-    def take(self, late: list[Future[object]], batches: list[StagedBlocks]) -> None:
+    def take(self, late: list[Future[object]], batches: list[StagedBlocks], *, kv_pages: bool) -> None:
         self.calls.extend(late)
         self.batches.extend(batches)
+        self.owns_kv_pages = self.owns_kv_pages or kv_pages
+
+
+class _Readers:
+    """The helper threads of split reads (``submit`` returns the call's future).
+
+    Daemon threads: a store call that never returns must not hold up shutdown or interpreter exit (a
+    ``ThreadPoolExecutor``'s workers are joined at exit)."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
+        ]
+        for th in self._threads:
+            th.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 -- delivered to the submitter, who re-raises it
+                    future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Ask the threads to exit after their current call (never waits)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _may_answer_late(store: object, op: str) -> bool:
+    """Whether a ``op`` call ("get" or "put") of ``store`` may answer ``TIMEOUT`` while it goes on using
+    its buffers (see "Buffer ownership").
+
+    Read from the settings of the backends this package ships (``open_store``'s ``FramedStore``): memory
+    and file calls always return before they answer; Mooncake's may when it runs them under a deadline
+    (``timeout_ms > 0``); ``faulty+`` adds ``get_late`` / ``put_late`` to its inner backend's. Any other
+    store (a wrapper, another backend) is assumed to answer late: it gets private buffers, never KV pages.
+    """
+    from hybridkv.store.faulty import FaultyBackend
+    from hybridkv.store.file import FileBackend
+    from hybridkv.store.framed import FramedStore
+    from hybridkv.store.memory import MemoryBackend
+    from hybridkv.store.mooncake import MooncakeBackend
+
+    assert op in ("get", "put"), f"_may_answer_late: unknown op {op!r}"
+    if not isinstance(store, FramedStore):
+        return True
+    backend: object = store.backend
+    while isinstance(backend, FaultyBackend):
+        if (backend.get_late if op == "get" else backend.put_late) > 0:
+            return True
+        backend = backend.inner
+    if isinstance(backend, (MemoryBackend, FileBackend)):
+        return False
+    if isinstance(backend, MooncakeBackend):
+        return backend.timeout_ms > 0
+    return True
 
 
 class _Outbox:
@@ -174,14 +257,46 @@ def _as_store_buffers(parts: list[list[np.ndarray]]) -> list[Value]:
     return cast("list[Value]", parts)
 
 
-def _ranks() -> tuple[int, int]:
-    from vllm.distributed.parallel_state import get_dcp_group, get_tensor_model_parallel_rank
+def _ranks(tp_size: int, dcp_size: int) -> tuple[int, int]:
+    """This worker's (TP rank, DCP rank) from vLLM's parallel state, for a deployment of ``tp_size`` x
+    ``dcp_size`` (from the vLLM config).
 
-    tp = int(get_tensor_model_parallel_rank())
+    No distributed environment at all (vLLM's world group not initialized): this process is not a worker
+    of a distributed engine -- a single-process engine, a tool, or a test harness that sets the ranks
+    itself -- so (0, 0). Every vLLM worker initializes the world group and the model-parallel groups before
+    it registers its KV caches; once it has, a rank that cannot be read (an API that changed, a group that
+    is missing, a group size that is not the configured one) raises RuntimeError naming what could not be
+    read: a wrong rank would load and save other ranks' entries.
+    """
     try:
-        dcp = int(get_dcp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 -- DCP group not initialized: no DCP
-        dcp = 0
+        from vllm.distributed import parallel_state
+    except ImportError as exc:
+        raise RuntimeError(
+            f"hybridkv: cannot import vllm.distributed.parallel_state to read the TP rank: {exc}"
+        ) from exc
+    if getattr(parallel_state, "_WORLD", None) is None:
+        return 0, 0
+    try:
+        tp_group = parallel_state.get_tp_group()
+        tp, tp_world = int(tp_group.rank_in_group), int(tp_group.world_size)
+    except Exception as exc:
+        raise RuntimeError(
+            f"hybridkv: cannot read this worker's tensor-parallel rank from vLLM's parallel state "
+            f"(vllm.distributed.parallel_state.get_tp_group().rank_in_group): {exc!r}"
+        ) from exc
+    if tp_world != tp_size:
+        raise RuntimeError(
+            f"hybridkv: vLLM's tensor-parallel group has {tp_world} ranks, the config says {tp_size}"
+        )
+    if dcp_size == 1:
+        return tp, 0
+    try:
+        dcp = int(parallel_state.get_dcp_group().rank_in_group)
+    except Exception as exc:
+        raise RuntimeError(
+            f"hybridkv: cannot read this worker's decode-context-parallel rank (dcp size {dcp_size}) from "
+            f"vLLM's parallel state (vllm.distributed.parallel_state.get_dcp_group().rank_in_group): {exc!r}"
+        ) from exc
     return tp, dcp
 
 
@@ -223,9 +338,13 @@ class WorkerSide:
         self._num_loads_in_flight = 0
         self._outbox = _Outbox()  # guarded by _lock
         self._inflight_bytes = 0
-        # Jobs waiting for late store calls (see "Buffer ownership"); signalled on the lock when one returns.
+        # Jobs whose report waits for late store calls that own KV pages, and batches (of any job) that late
+        # calls still own (see "Buffer ownership"); signalled on the lock when a late call returns.
         self._num_late_jobs = 0
+        self._num_quarantined_batches = 0
         self._late_returned = threading.Condition(self._lock)
+        #: host batches refused (load failed, save wave dropped) because too many were quarantined
+        self.num_quarantine_refusals = 0
         #: store calls that answered before returning and kept their buffers quarantined (tests, debugging)
         self.num_late_store_calls = 0
         #: open full-attention tails copied in ``wait_for_save`` (host path)
@@ -235,7 +354,7 @@ class WorkerSide:
         self._load_q: queue.Queue[tuple[KeyScheme, LoadJob, Fence, float] | threading.Event | None] = (
             queue.Queue()
         )
-        self._readers = ThreadPoolExecutor(max_workers=_LOAD_READERS - 1, thread_name_prefix="hybridkv-read")
+        self._readers = _Readers(_LOAD_READERS - 1, "hybridkv-read")
         #: Where async load jobs spend their time (seconds summed over jobs, guarded by ``_lock``; the bench's
         #: hit profile): ``jobs``; ``queue_s`` from ``start_load`` to the load thread taking the job;
         #: ``targets_s`` building the destinations; ``store_s`` inside the store's ``get_into`` (read +
@@ -267,6 +386,7 @@ class WorkerSide:
                 store=self.store,
                 stats=self.stats,
                 tp_rank=lambda: self.tp_rank,
+                # Layer-wise loads read into private buffers: a late call holds no report.
                 on_late_calls=lambda late, then: self._after_late_calls(_LateOwnership(calls=late), then),
             )
 
@@ -283,11 +403,9 @@ class WorkerSide:
         for host caches; None: CUDA caches get pinned slabs sized from ``put_wave_bytes``, host caches
         are read and written in place.
         """
-        try:
-            self.tp_rank, self.dcp_rank = _ranks()
-        except Exception:  # noqa: BLE001 -- parallel state not initialized (unit tests): rank 0
-            self.tp_rank, self.dcp_rank = 0, 0
-        dcp = self.geo.geometry.topology.dcp_size
+        topology = self.geo.geometry.topology
+        self.tp_rank, self.dcp_rank = _ranks(topology.tp_size, topology.dcp_size)
+        dcp = topology.dcp_size
         assert self.tp_rank % dcp == self.dcp_rank, (
             f"dcp rank {self.dcp_rank} != tp rank {self.tp_rank} % dcp {dcp}"
         )
@@ -477,20 +595,26 @@ class WorkerSide:
             self._add_load_timing("jobs", 1)
             if not owned.calls:
                 self._finish_load(job, ok, results)
-            elif self._staging is not None:
-                # The late call writes only its slab: the job is over for the KV pages, the slab is not.
-                self._finish_load(job, ok, results)
-                self._after_late_calls(owned, lambda: None)
-            else:
+            elif owned.owns_kv_pages:
                 # The late call writes the request's KV pages: report only once it returned, so vLLM cannot
                 # free (and reuse) them before.
                 self._after_late_calls(owned, functools.partial(self._finish_load, job, ok, results))
+            else:
+                # The late call writes only its slab or private buffer: the job is over for the KV pages,
+                # its buffers are not.
+                self._finish_load(job, ok, results)
+                self._after_late_calls(owned, lambda: None)
 
     def _after_late_calls(self, owned: _LateOwnership, then: Callable[[], None]) -> None:
-        """Once every call in ``owned`` really returned: release its batches, then run ``then``."""
+        """Once every call in ``owned`` really returned: release its batches, then run ``then``.
+
+        Until then the batches count as quarantined, and a job that ``owns_kv_pages`` as waiting (see
+        ``flush``)."""
         with self._lock:
             self.num_late_store_calls += len(owned.calls)
-            self._num_late_jobs += 1
+            self._num_quarantined_batches += len(owned.batches)
+            if owned.owns_kv_pages:
+                self._num_late_jobs += 1
         num_left = [len(owned.calls)]
         count_lock = threading.Lock()
 
@@ -505,16 +629,34 @@ class WorkerSide:
                 then()
             finally:
                 with self._lock:
-                    self._num_late_jobs -= 1
+                    self._num_quarantined_batches -= len(owned.batches)
+                    if owned.owns_kv_pages:
+                        self._num_late_jobs -= 1
                     self._late_returned.notify_all()
 
         for call in owned.calls:
             call.add_done_callback(returned)
 
-    def _wait_late_calls(self, timeout: float) -> bool:
-        """Wait until no job waits for a late store call; False after ``timeout`` seconds."""
+    def _wait_kv_late_calls(self, timeout: float) -> bool:
+        """Wait until no job waits for a late store call that owns KV pages; False after ``timeout``."""
         with self._lock:
             return self._late_returned.wait_for(lambda: self._num_late_jobs == 0, timeout)
+
+    def wait_late_calls(self, timeout: float) -> bool:
+        """Wait until every late store call has returned and its quarantined buffers are released (tests,
+        shutdown); False after ``timeout`` seconds."""
+        with self._lock:
+            return self._late_returned.wait_for(
+                lambda: self._num_late_jobs == 0 and self._num_quarantined_batches == 0, timeout
+            )
+
+    def _quarantine_full(self) -> bool:
+        """Host path: whether a new private batch must be refused (too many held by late calls)."""
+        with self._lock:
+            full = self._num_quarantined_batches >= _MAX_QUARANTINED_BATCHES
+            if full:
+                self.num_quarantine_refusals += 1
+            return full
 
     def _load_job(
         self, scheme: KeyScheme, job: LoadJob, fence: Fence, owned: _LateOwnership
@@ -523,17 +665,25 @@ class WorkerSide:
         keys = [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
         if not refs:
             return False, []  # a hit the scheduler declined after vLLM allocated it: report it failed
-        # None: never attempted (staging stayed exhausted); reported NOT_ATTEMPTED, which keeps the entry.
+        # None: never attempted (staging stayed exhausted, or too many host batches quarantined); reported
+        # NOT_ATTEMPTED, which keeps the entry.
         statuses: list[Status | None] = [None] * len(refs)
         nbytes = 0
+        # Host path: a store call that may answer late writes a private buffer, never the pages.
+        private = self._staging is None and _may_answer_late(self.store, "get")
         for batches in self._batches(refs, range(len(refs))):
+            if private and self._quarantine_full():
+                continue  # fail fast rather than allocate without bound
             held: list[tuple[StagedBlocks, list[int]]] = []
             try:
                 started = time.perf_counter()
                 for idxs in batches:
                     mover = self._movers[refs[idxs[0]].sgid]
                     sb = mover.scatter_targets(
-                        [refs[i].block_id for i in idxs], after=fence, timeout=_LOAD_STAGING_WAIT_S
+                        [refs[i].block_id for i in idxs],
+                        after=fence,
+                        timeout=_LOAD_STAGING_WAIT_S,
+                        private=private,
                     )
                     if sb is not None:  # else staging stayed exhausted: these blocks stay TRANSFER_FAILED
                         held.append((sb, idxs))
@@ -542,19 +692,26 @@ class WorkerSide:
                     continue
                 destinations = _as_store_buffers([p for sb, _ in held for p in sb.parts])
                 read_started = time.perf_counter()
-                got, late = self._read_into(
-                    [keys[i] for i in order],
-                    destinations,
-                    sum(self.block_nbytes(refs[i].sgid) for i in order),
-                )
+                late: list[Future[object]] = []
+                try:
+                    got = self._read_into(
+                        [keys[i] for i in order],
+                        destinations,
+                        sum(self.block_nbytes(refs[i].sgid) for i in order),
+                        late,
+                    )
+                finally:
+                    # Also when a share raised: the late calls still write these destinations.
+                    if late:
+                        kv_pages = self._staging is None and not private
+                        owned.take(late, [sb for sb, _ in held], kv_pages=kv_pages)
+                        held = []
                 read_ended = time.perf_counter()
                 self._add_load_timing("targets_s", read_started - started)
                 self._add_load_timing("store_s", read_ended - read_started)
                 for i, st in zip(order, got, strict=True):
                     statuses[i] = st
-                if late:  # the call still writes these destinations: never commit nor release them here
-                    owned.take(late, [sb for sb, _ in held])
-                    held = []
+                if late:  # the calls still write these destinations (now owned): never commit them
                     continue
                 for sb, idxs in held:
                     flags = [statuses[i] is Status.OK for i in idxs]
@@ -575,41 +732,50 @@ class WorkerSide:
         return all(st is Status.OK for st in statuses), results
 
     def _read_into(
-        self, keys: list[str], destinations: list[Value], nbytes: int
-    ) -> tuple[list[Status], list[Future[object]]]:
-        """``store.get_into(keys, destinations)``: the statuses in key order and the calls that answered while
-        still writing their destinations (see "Buffer ownership").
+        self, keys: list[str], destinations: list[Value], nbytes: int, late: list[Future[object]]
+    ) -> list[Status]:
+        """``store.get_into(keys, destinations)``: the statuses in key order. Appends to ``late`` the calls
+        that answered while still writing their destinations (see "Buffer ownership") -- every share's,
+        also when some share raised.
 
         A batch of at least ``_SPLIT_READ_MIN_BYTES`` is split into ``_LOAD_READERS`` contiguous shares of
         keys: this thread reads the first, the helper readers the others, at once (each share's checksum
-        runs right after its own reads, while the bytes are in cache). Returns only once every share's call
-        has returned; an exception of any share propagates (the job fails, the request recomputes).
+        runs right after its own reads, while the bytes are in cache). Returns or raises only once every
+        share's call has returned; an exception of any share propagates (the job fails, the request
+        recomputes), after ``late`` has every share's late calls.
         """
         num_shares = min(_LOAD_READERS, len(keys)) if nbytes >= _SPLIT_READ_MIN_BYTES else 1
         bounds = [len(keys) * share // num_shares for share in range(num_shares + 1)]
+        shares_late: list[list[Future[object]]] = [[] for _ in range(num_shares)]
         helpers = [
-            self._readers.submit(self._read_share, keys[a:b], destinations[a:b])
-            for a, b in itertools.pairwise(bounds[1:])
+            self._readers.submit(
+                functools.partial(self._read_share, keys[a:b], destinations[a:b], shares_late[share])
+            )
+            for share, (a, b) in enumerate(itertools.pairwise(bounds[1:]), start=1)
         ]
         try:
-            statuses, late = self._read_share(keys[: bounds[1]], destinations[: bounds[1]])
+            statuses = self._read_share(keys[: bounds[1]], destinations[: bounds[1]], shares_late[0])
         finally:
-            # Never hand the destinations back while a helper may still write them.
+            # Never hand the destinations back while a helper may still write them; then every share's
+            # late calls are the caller's to keep, whatever raised.
             futures_wait(helpers)
+            for share_late in shares_late:
+                late.extend(share_late)
         for helper in helpers:
-            share_statuses, share_late = helper.result()
-            statuses.extend(share_statuses)
-            late.extend(share_late)
+            statuses.extend(helper.result())
         assert len(statuses) == len(keys), f"store answered {len(statuses)} statuses for {len(keys)} keys"
-        return statuses, late
+        return statuses
 
     def _read_share(
-        self, keys: list[str], destinations: list[Value]
-    ) -> tuple[list[Status], list[Future[object]]]:
-        """One thread's ``get_into`` with the late calls it left (``collect_late_calls`` is per thread)."""
-        with collect_late_calls() as late:
-            statuses = self.store.get_into(keys, destinations)
-        return list(statuses), late
+        self, keys: list[str], destinations: list[Value], late: list[Future[object]]
+    ) -> list[Status]:
+        """One thread's ``get_into``; appends the late calls it left to ``late``, also when it raises
+        (``collect_late_calls`` is per thread)."""
+        with collect_late_calls() as share_late:
+            try:
+                return list(self.store.get_into(keys, destinations))
+            finally:
+                late.extend(share_late)
 
     def _add_load_timing(self, phase: str, seconds: float) -> None:
         with self._lock:
@@ -701,12 +867,15 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 -- a store failure must never reach the engine
                 log.warning(ConnectorLogEvent.SAVE_RAISED, request_id=job.req_id, error=repr(exc))
                 results = self._save_results(job, SaveOutcome.TRANSPORT_ERROR)
-            if owned.calls:
-                # A late put still reads the source pages (host) or its slab (CUDA): the job's pins, slabs
-                # and in-flight bytes are released only once it returned.
+            if owned.owns_kv_pages:
+                # A late put still reads the source pages: the job's pins and in-flight bytes are released
+                # only once it returned.
                 self._after_late_calls(owned, functools.partial(self._end_save, job, nbytes, results))
             else:
+                # A late put reads only its slab or private copy, which stay quarantined until it returned.
                 self._end_save(job, nbytes, results)
+                if owned.calls:
+                    self._after_late_calls(owned, lambda: None)
 
     def _end_save(self, job: SaveJob, nbytes: int, results: list[SaveResult]) -> None:
         with self._lock:
@@ -730,6 +899,8 @@ class WorkerSide:
                 self.stats.add("save_skipped_keys")
         todo = [i for i in range(len(keys)) if i not in status]
         staged = self._staging is not None
+        # Host path: a put that may answer late reads a private copy, never the live pages.
+        private = not staged and _may_answer_late(self.store, "put")
         wave: list[int] = []
         wave_bytes = 0
         for i in todo:
@@ -740,15 +911,15 @@ class WorkerSide:
                 and staged
                 and (sgid != job.blocks[wave[0]].sgid or len(wave) >= self._movers[sgid].max_blocks)
             ):
-                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots, private)
                 wave, wave_bytes = [], 0
             wave.append(i)
             wave_bytes += self.block_nbytes(sgid)
             if wave_bytes >= self.cfg.put_wave_bytes:
-                self._put_wave(job, keys, wave, status, fence, owned, snapshots)
+                self._put_wave(job, keys, wave, status, fence, owned, snapshots, private)
                 wave, wave_bytes = [], 0
         if wave:
-            self._put_wave(job, keys, wave, status, fence, owned, snapshots)
+            self._put_wave(job, keys, wave, status, fence, owned, snapshots, private)
         # A block absent from ``status`` was never sent (its staging stayed exhausted).
         return [
             SaveResult(ref.entry(self.tp_rank), status.get(i, SaveOutcome.DROPPED))
@@ -764,14 +935,22 @@ class WorkerSide:
         fence: Fence,
         owned: _LateOwnership,
         snapshots: dict[int, list[np.ndarray]],
+        private: bool,
     ) -> None:
+        """Put the blocks at positions ``wave``; ``private``: from a private copy (see "Buffer ownership")."""
         for batches in self._batches(job.blocks, wave):
+            if private and self._quarantine_full():  # drop rather than copy without bound
+                self.stats.add("put_wave_drops")
+                continue
             held: list[tuple[StagedBlocks, list[int]]] = []
             try:
                 for idxs in batches:
                     mover = self._movers[job.blocks[idxs[0]].sgid]
                     sb = mover.gather(
-                        [job.blocks[i].block_id for i in idxs], after=fence, timeout=_SAVE_STAGING_WAIT_S
+                        [job.blocks[i].block_id for i in idxs],
+                        after=fence,
+                        timeout=_SAVE_STAGING_WAIT_S,
+                        private=private,
                     )
                     if sb is None:  # staging stayed exhausted: drop these blocks (never stall)
                         self.stats.add("put_wave_drops")
@@ -784,10 +963,14 @@ class WorkerSide:
                     [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
                 )
                 with collect_late_calls() as late:
-                    statuses = self.store.put([keys[i] for i in order], values)
-                if late:  # the call still reads these values: keep their slabs out of the pool
-                    owned.take(late, [sb for sb, _ in held])
-                    held = []
+                    try:
+                        statuses = self.store.put([keys[i] for i in order], values)
+                    finally:
+                        # Also when it raised: the call still reads these values; keep them out of use.
+                        if late:
+                            kv_pages = self._staging is None and not private
+                            owned.take(late, [sb for sb, _ in held], kv_pages=kv_pages)
+                            held = []
             finally:
                 for sb, _ in held:
                     sb.release()
@@ -808,22 +991,36 @@ class WorkerSide:
             return self._outbox.take_metadata(self.tp_rank)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every save queued so far is written and every late store call (load or save) has
-        returned (shutdown; sleep; tests). False on timeout."""
+        """Wait until every save queued so far is written and reported, and no late store call owns KV
+        pages (shutdown; sleep; ``reset_prefix_cache``; tests). False on timeout.
+
+        Late calls that own only quarantined buffers (slabs, private copies) are not waited for: they hold
+        no job, and they may never return (``wait_late_calls`` waits for them)."""
         deadline = time.monotonic() + timeout
         marker = threading.Event()
         self._save_q.put(marker)
-        return marker.wait(timeout) and self._wait_late_calls(max(0.0, deadline - time.monotonic()))
+        return marker.wait(timeout) and self._wait_kv_late_calls(max(0.0, deadline - time.monotonic()))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Write the queued saves, stop the threads and close the store, in at most about ``timeout`` seconds
+        (plus ``_CLOSE_STORE_MIN_S``) even when a store call never returns: every thread is a daemon, and
+        what is still running then is left behind."""
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._layerwise is not None:
             self._layerwise.close()
-        self.flush()
+        self.flush(left())
         self._load_q.put(None)
         self._save_q.put(None)
         for th in self._threads:
-            th.join(timeout=10)
-        self._readers.shutdown(wait=True)
-        self.store.close()
+            th.join(left())
+        self._readers.shutdown()
+        self.wait_late_calls(left())  # close the store under no late call, when they return in time
+        closer = threading.Thread(target=self.store.close, name="hybridkv-close-store", daemon=True)
+        closer.start()
+        closer.join(max(left(), _CLOSE_STORE_MIN_S))
         if self._staging is not None:
             self._staging.close()

@@ -578,7 +578,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
                         f"retry #{lifecycle.num_retries} (max {MAX_LOAD_RETRIES})",
                     )
                 )
-        elif trigger == "give_up":
+        elif trigger in ("give_up", "refuse"):
             lifecycle.gave_up = True
         elif trigger == "start_load" and lifecycle.gave_up:
             report.violations.append(

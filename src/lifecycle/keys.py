@@ -8,6 +8,7 @@ persistent format: changing them is a ``KEY_VERSION`` change.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -109,6 +110,10 @@ class KeyScheme:
     kv_cache_layout: str = ""
     hash_algorithm: str = "sha256"
     model_identity: str = ""
+    #: Which weights computed the KV beyond the checkpoint's identity: the operator's ``weights_version``,
+    #: and a per-reset suffix once an engine may run updated weights (``with_weights_tag``). Empty: the
+    #: checkpoint's own weights (not in the fingerprint, so such keys stay as they always were).
+    weights_tag: str = ""
 
     def __post_init__(self) -> None:
         assert NAMESPACE_RE.match(self.namespace), (
@@ -125,8 +130,14 @@ class KeyScheme:
             "hash_algorithm": self.hash_algorithm,
             "geometry": self.geometry.describe(),
         }
+        if self.weights_tag:
+            payload["weights"] = self.weights_tag
         canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    def with_weights_tag(self, weights_tag: str) -> KeyScheme:
+        """This scheme for KV computed by weights ``weights_tag`` (another fingerprint, same namespace)."""
+        return dataclasses.replace(self, weights_tag=weights_tag)
 
     @cached_property
     def prefix(self) -> str:

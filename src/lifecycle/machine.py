@@ -3,10 +3,14 @@
 Load side (one per request incarnation; a preempted request that comes back starts again at ``NEW``)::
 
     NEW -> LOOKUP -> MISS | PARTIAL_HIT -> LOADING -> VERIFIED | TRUNCATED -(one retry)-> LOOKUP ... -> EVICTED
+                                PARTIAL_HIT -> MISS (declined by vLLM, or revoked by a namespace reset)
+                         any live state -> REFUSED (the connector refused what vLLM allocated; no later hit)
 
 A truncation records a retry cap (``LoadResolution.retry_cap``: the largest boundary no failed entry
 stands in the way of); the retry is an ordinary lookup bounded by it, which may hit and load an earlier
-boundary; a second truncation ends in ``MISS``.
+boundary; a second truncation ends in ``REFUSED``. Every fact a lookup answers from carries the reset
+epoch it was learnt in (``RequestLifecycle.epoch``): a hit answered before a namespace reset is revoked,
+never loaded after it.
 
 Save side (one per request and save wave)::
 
@@ -72,6 +76,7 @@ class State(enum.Enum):
     LOADING = "LOADING"
     VERIFIED = "VERIFIED"
     TRUNCATED = "TRUNCATED"
+    REFUSED = "REFUSED"
     EVICTED = "EVICTED"
     QUEUED = "QUEUED"
     PUTTING = "PUTTING"
@@ -109,21 +114,26 @@ LOAD_INITIAL = State.NEW
 SAVE_INITIAL = State.QUEUED
 LOAD_TERMINAL = frozenset({State.EVICTED})
 SAVE_TERMINAL = frozenset({State.STORED, State.FAILED, State.DROPPED})
-_LOAD_LIVE = (_S.NEW, _S.LOOKUP, _S.MISS, _S.PARTIAL_HIT, _S.LOADING, _S.VERIFIED, _S.TRUNCATED)
+_LOAD_LIVE = (_S.NEW, _S.LOOKUP, _S.MISS, _S.PARTIAL_HIT, _S.LOADING, _S.VERIFIED, _S.TRUNCATED, _S.REFUSED)
+#: States a refusal can come from: every live one but ``REFUSED`` itself.
+_REFUSABLE = tuple(s for s in _LOAD_LIVE if s is not _S.REFUSED)
 
 # fmt: off
 TRANSITIONS: tuple[TransitionSpec, ...] = (
     # -- load side ---------------------------------------------------------------------------------
     TransitionSpec("start_lookup",  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
-    TransitionSpec("start_lookup",  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted", ("lookups_allowed",)),
+    TransitionSpec("start_lookup",  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted"),
+    TransitionSpec("reask",         (_S.LOOKUP,),                 _S.LOOKUP,      "lookup_reasked"),
     TransitionSpec("lookup_hit",    (_S.LOOKUP,),                 _S.PARTIAL_HIT, "hit_found"),
     TransitionSpec("lookup_miss",   (_S.LOOKUP,),                 _S.MISS,        "miss_reported"),
-    TransitionSpec("start_load",    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started"),
+    TransitionSpec("revoke",        (_S.PARTIAL_HIT,),            _S.MISS,        "hit_revoked"),
+    TransitionSpec("start_load",    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started", ("answer_current",)),
     TransitionSpec("decline",       (_S.PARTIAL_HIT,),            _S.MISS,        "hit_declined"),
+    TransitionSpec("refuse",        _REFUSABLE,                   _S.REFUSED,     "hit_refused"),
     TransitionSpec("load_verified", (_S.LOADING,),                _S.VERIFIED,    "load_verified"),
     TransitionSpec("load_failed",   (_S.LOADING,),                _S.TRUNCATED,   "load_truncated"),
     TransitionSpec("retry",         (_S.TRUNCATED,),              _S.LOOKUP,      "retry_started", ("has_retry_budget",)),
-    TransitionSpec("give_up",       (_S.TRUNCATED,),              _S.MISS,        "retries_exhausted"),
+    TransitionSpec("give_up",       (_S.TRUNCATED,),              _S.REFUSED,     "retries_exhausted", ("retries_spent",)),
     TransitionSpec("evict",         _LOAD_LIVE,                   _S.EVICTED,     "request_evicted"),
     # -- save side (per wave) ----------------------------------------------------------------------
     TransitionSpec("start_put",     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
@@ -138,8 +148,11 @@ TRANSITIONS: tuple[TransitionSpec, ...] = (
 #: detail is optional, e.g. a ``decline`` without a reason) none; triggers not listed carry none. ``fire``
 #: refuses anything else, so this table is the whole ``detail`` vocabulary.
 DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "reask": ("num_tokens", "num_computed_tokens"),
     "lookup_miss": ("reason",),
+    "revoke": ("reason", "epoch"),
     "decline": ("reason",),
+    "refuse": ("reason",),
     "load_failed": (
         "planned_boundary",
         "retry_cap",
@@ -229,6 +242,8 @@ class LifecycleMachine:
         # Dispatch through the machine's own Event objects: no per-model trigger binding.
         self._events = self._machine.events
         self.num_transitions = 0
+        #: namespace resets so far: a lookup's answer carries the epoch it was learnt in
+        self.epoch = 0
 
     # -- models ------------------------------------------------------------------------------------
 
@@ -243,9 +258,19 @@ class LifecycleMachine:
     # -- dispatch ----------------------------------------------------------------------------------
 
     def fire(self, model: _Model, trigger: str, **detail: Any) -> None:
-        """Run ``trigger`` on ``model`` through the transitions machine; raise if it did not happen."""
+        """Run ``trigger`` on ``model`` through the transitions machine; raise if it did not happen
+        (``IllegalTransition`` from a state the table does not allow, ``GuardRejected`` when a condition
+        of its row refused)."""
+        if not self.try_fire(model, trigger, **detail):
+            spec = _INDEX[(trigger, State[model.state])]
+            raise GuardRejected(model.request_id, trigger, model.state, spec.dest.name, spec.conditions)
+
+    def try_fire(self, model: _Model, trigger: str, **detail: Any) -> bool:
+        """Run ``trigger`` on ``model``: True when the transition happened, False when a condition of its
+        row refused it (the guards are the only check: callers ask the table, never the model's fields).
+        A trigger illegal in the current state raises ``IllegalTransition``."""
         src = model.state
-        spec = _INDEX.get((trigger, State[src]))
+        spec = _INDEX.get((trigger, _STATE_OF_NAME[src]))
         if spec is None:
             raise IllegalTransition(model.request_id, trigger, src, _TRIGGER_TO_DESTS.get(trigger, ()))
         assert not detail or detail.keys() == _DETAIL_FIELD_SETS.get(trigger), (
@@ -253,9 +278,16 @@ class LifecycleMachine:
             f"DETAIL_FIELDS declares {DETAIL_FIELDS.get(trigger, ())}"
         )
         model.detail = detail or None
+        # A self-loop (``reask``) leaves the state as it was: count transitions instead of comparing states.
+        before = self.num_transitions
         self._events[trigger].trigger(model)
-        if model.state == src:
-            raise GuardRejected(model.request_id, trigger, src, spec.dest.name, spec.conditions)
+        return self.num_transitions != before
+
+    def begin_epoch(self) -> int:
+        """A namespace reset: answers learnt before it are stale from now on (``answer_current`` refuses
+        their loads). Returns the new epoch."""
+        self.epoch += 1
+        return self.epoch
 
     def _finalize(self, event_data: EventData) -> None:
         # The single audit choke point: runs after every trigger, successful or not.
@@ -318,15 +350,19 @@ class RequestLifecycle(_Model):
     """The load side of one request incarnation. Methods map onto the connector's scheduler hooks:
 
     - ``get_num_new_matched_tokens``: ``start_search`` (a few batched ``store.exists`` rounds, run off
-      the scheduler thread while the state is ``LOOKUP``), then ``finish_search`` (or
-      ``lookup_unavailable`` when the store is down or too slow). ``start_lookup`` / ``finish_lookup``
-      are the full scan (every candidate key in one call): the reference the search is tested against.
-    - ``update_state_after_alloc``: ``start_load`` when vLLM took the external tokens, else ``decline``.
+      the scheduler thread while the state is ``LOOKUP``; asked again with other inputs meanwhile:
+      ``lookup_reasked``), then ``finish_search`` (or ``lookup_unavailable`` when the store is down or
+      too slow). ``start_lookup`` / ``finish_lookup`` are the full scan (every candidate key in one
+      call): the reference the search is tested against. ``may_hit`` is False once this incarnation
+      is ``REFUSED``: every later ask answers 0 without the store.
+    - ``update_state_after_alloc``: ``start_load`` when vLLM took the external tokens, else ``decline``;
+      ``refuse`` when the connector cannot load what vLLM allocated (final for the incarnation).
+    - a namespace reset: ``revoke`` (a ``PARTIAL_HIT`` answered before it never loads after it).
     - ``update_connector_output`` (all ranks reported): ``finish_load``.
     - request finished / aborted / preempted: ``evict``.
     """
 
-    __slots__ = ("candidates", "exhausted", "lookup", "max_boundary", "num_retries", "resolution")
+    __slots__ = ("candidates", "epoch", "lookup", "max_boundary", "num_retries", "resolution")
 
     def __init__(self, machine: LifecycleMachine, request_id: str) -> None:
         super().__init__(machine, request_id, None, LOAD_INITIAL)
@@ -336,37 +372,51 @@ class RequestLifecycle(_Model):
         self.num_retries = 0
         #: After a truncation: the retry cap, the most a later lookup of this incarnation may return.
         self.max_boundary: int | None = None
-        self.exhausted = False
+        #: The reset epoch the current lookup started in (its facts and answer belong to it).
+        self.epoch = machine.epoch
 
     # Guards named in TRANSITIONS.
-    def lookups_allowed(self, _event: EventData) -> bool:
-        return not self.exhausted
-
     def has_retry_budget(self, _event: EventData) -> bool:
         return self.num_retries < self._machine.max_load_retries
 
+    def retries_spent(self, _event: EventData) -> bool:
+        return not self.has_retry_budget(_event)
+
+    def answer_current(self, _event: EventData) -> bool:
+        """The hit was answered in the current reset epoch (no namespace reset since its lookup)."""
+        return self.epoch == self._machine.epoch
+
+    @property
+    def may_hit(self) -> bool:
+        """Whether a later lookup of this incarnation may still report external tokens."""
+        return self.current is not State.REFUSED
+
+    @property
+    def is_stale(self) -> bool:
+        """The lookup's answer (or the search in flight) predates the latest namespace reset."""
+        return self.epoch != self._machine.epoch
+
     # -- scheduler hooks ---------------------------------------------------------------------------
 
-    def _begin_lookup(self, num_computed_tokens: int) -> bool:
-        """Enter ``LOOKUP`` (or stay there: asked again while the existence check is in flight).
+    def _begin_lookup(self, num_tokens: int, num_computed_tokens: int) -> bool:
+        """Enter ``LOOKUP`` (asked again with other inputs while a lookup is in flight: ``reask``).
 
-        False when this incarnation may not hit any more (retries exhausted: the state is ``MISS``)."""
+        False when this incarnation may not hit any more (``REFUSED``: retries exhausted, or refused)."""
         state = self.current
         if state is State.TRUNCATED:
-            if self.num_retries < self._machine.max_load_retries:
-                self._machine.fire(self, "retry", max_boundary=self.max_boundary)
+            if self._machine.try_fire(self, "retry", max_boundary=self.max_boundary):
                 self.num_retries += 1
             else:
-                self.exhausted = True
                 self._machine.fire(self, "give_up")
                 return False
-        elif state in (State.MISS, State.PARTIAL_HIT):
-            if self.exhausted:
-                return False
-            self._machine.fire(self, "start_lookup")
-        elif state is not State.LOOKUP:
+        elif state is State.REFUSED:
+            return False
+        elif state is State.LOOKUP:
+            self._machine.fire(self, "reask", num_tokens=num_tokens, num_computed_tokens=num_computed_tokens)
+        else:
             self._machine.fire(self, "start_lookup")
         self.num_computed_tokens = num_computed_tokens
+        self.epoch = self._machine.epoch
         return True
 
     def start_lookup(
@@ -375,7 +425,7 @@ class RequestLifecycle(_Model):
         """Enter ``LOOKUP`` and list every key to check (the full scan: one ``exists`` of all of them),
         or return None when this incarnation may not hit any more (retries exhausted: the state is
         ``MISS`` and the answer is 0 tokens)."""
-        if not self._begin_lookup(num_computed_tokens):
+        if not self._begin_lookup(num_tokens, num_computed_tokens):
             return None
         self.candidates = plan_lookup(
             self._machine.scheme,
@@ -399,7 +449,7 @@ class RequestLifecycle(_Model):
         of the full scan's one call with every key), capped like ``start_lookup``; None when retries
         are exhausted. ``known``: existence facts of earlier searches of this request to build on.
         Finish with ``finish_search(search.result)``."""
-        if not self._begin_lookup(num_computed_tokens):
+        if not self._begin_lookup(num_tokens, num_computed_tokens):
             return None
         self.candidates = None
         return LookupSearch(
@@ -436,26 +486,42 @@ class RequestLifecycle(_Model):
         return result
 
     def lookup_unavailable(self, reason: str) -> None:
-        """The store could not answer in time (circuit open, timeout): ``MISS``."""
+        """The store could not answer in time (circuit open, timeout, a namespace reset unfinished):
+        ``MISS``."""
         if self.current is not State.LOOKUP:
             self._machine.fire(self, "start_lookup")
+            self.epoch = self._machine.epoch
         self.boundary = 0
         self._machine.fire(self, "lookup_miss", reason=reason)
 
-    def start_load(self) -> None:
-        """vLLM allocated the external tokens: the async load is in flight on every rank."""
-        self._machine.fire(self, "start_load")
+    def start_load(self) -> bool:
+        """vLLM allocated the external tokens: the async load is in flight on every rank. False (no
+        transition) when the guard ``answer_current`` refused: the hit was answered before a namespace
+        reset, so the caller must refuse it instead."""
+        return self._machine.try_fire(self, "start_load")
 
-    def decline(self, reason: str | None = None, *, final: bool = False) -> None:
-        """The hit is not loaded: vLLM did not take the external tokens (e.g. its local hit won), or
-        the connector refused what vLLM allocated (``reason`` says why; the audit record carries it).
-        ``final``: no later lookup of this incarnation may hit (the request recomputes instead)."""
-        if final:
-            self.exhausted = True
+    def decline(self, reason: str | None = None) -> None:
+        """vLLM did not take the hit's external tokens (e.g. its local hit won): ``MISS``; a later ask
+        with other inputs may look up again."""
         if reason is None:
             self._machine.fire(self, "decline")
         else:
             self._machine.fire(self, "decline", reason=reason)
+
+    def refuse(self, reason: str) -> None:
+        """The connector refuses what vLLM allocated (no plan, a plan that does not match, an answer
+        from before a reset): ``REFUSED``, final for this incarnation (the request recomputes). The
+        audit record carries ``reason``."""
+        self._machine.fire(self, "refuse", reason=reason)
+        self.lookup = None
+        self.candidates = None
+
+    def revoke(self, reason: str) -> None:
+        """A ``PARTIAL_HIT`` whose answer went stale (a namespace reset since its lookup): ``MISS``; the
+        next ask looks up again in the new epoch."""
+        self._machine.fire(self, "revoke", reason=reason, epoch=self.epoch)
+        self.lookup = None
+        self.boundary = 0
 
     def finish_load(self, outcomes: Mapping[EntryId, LoadOutcome]) -> LoadResolution:
         """Every rank reported: ``VERIFIED`` or ``TRUNCATED`` (with the retry cap and keys to remove).

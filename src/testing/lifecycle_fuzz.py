@@ -39,6 +39,17 @@ from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
 from hybridkv.lifecycle.load import LoadOutcome, LoadPlan
 from hybridkv.lifecycle.lookup import plan_lookup
 from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
+
+#: Load states the connector may refuse from (every live one but REFUSED).
+_REFUSABLE = (
+    State.NEW,
+    State.LOOKUP,
+    State.MISS,
+    State.PARTIAL_HIT,
+    State.LOADING,
+    State.VERIFIED,
+    State.TRUNCATED,
+)
 from hybridkv.lifecycle.save import plan_save
 from hypothesis import event, note
 from hypothesis import strategies as st
@@ -257,11 +268,17 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def _live(self, *states: State) -> list[str]:
         return sorted(r for r, req in self.requests.items() if req.lifecycle.current in states)
 
-    @precondition(lambda self: bool(self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED)))
+    @precondition(
+        lambda self: bool(
+            self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED, State.REFUSED)
+        )
+    )
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
         request_id = data.draw(
-            st.sampled_from(self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED))
+            st.sampled_from(
+                self._live(State.NEW, State.MISS, State.PARTIAL_HIT, State.TRUNCATED, State.REFUSED)
+            )
         )
         req = self.requests[request_id]
         block = self.geometry.scheduler_block_size
@@ -271,6 +288,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def _lookup(self, data: st.DataObject, req: _Req, local: int, *, may_be_unavailable: bool) -> None:
         req.num_computed_tokens = local
         was_truncated = req.lifecycle.current is State.TRUNCATED
+        was_refused = req.lifecycle.current is State.REFUSED
         # The connector's probing search (a few batched rounds), or the full scan; the search must
         # answer exactly what the full scan answers over the same store, holes included.
         probing = data.draw(st.booleans(), label="probing search")
@@ -280,8 +298,8 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         else:
             candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
         if search is None and candidates is None:
-            assert was_truncated or req.lifecycle.exhausted, "a lookup was refused without a reason"
-            assert req.lifecycle.current is State.MISS
+            assert was_truncated or was_refused, "a lookup was refused without a reason"
+            assert req.lifecycle.current is State.REFUSED and not req.lifecycle.may_hit
             return
         if may_be_unavailable and data.draw(st.integers(0, 9)) == 0:
             req.lifecycle.lookup_unavailable("timeout")
@@ -365,11 +383,37 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 5)) == 0:
             req.lifecycle.decline()
             return
-        req.lifecycle.start_load()
+        stale = req.lifecycle.is_stale
+        started = req.lifecycle.start_load()
+        assert started == (not stale), f"{request_id}: a load of a hit answered before a reset started"
+        if not started:
+            req.lifecycle.refuse("the hit was answered before a namespace reset")
+            return
         req.num_loads += 1
         assert req.num_loads <= 1 + MAX_LOAD_RETRIES, (
             f"{request_id}: load #{req.num_loads}: retries unbounded"
         )
+
+    @precondition(lambda self: bool(self._live(*_REFUSABLE)))
+    @rule(data=st.data())
+    def connector_refuses(self, data: st.DataObject) -> None:
+        """The connector refuses what vLLM allocated (no plan, a mismatch): final for the incarnation."""
+        request_id = data.draw(st.sampled_from(self._live(*_REFUSABLE)))
+        req = self.requests[request_id]
+        req.lifecycle.refuse("allocation does not match the plan")
+        assert not req.lifecycle.may_hit and req.lifecycle.num_external_tokens == 0
+
+    @rule(data=st.data())
+    def namespace_reset(self, data: st.DataObject) -> None:
+        """A namespace reset: the store is emptied; hits answered before it are stale. The connector
+        revokes them at once (or, drawn, leaves one for the ``answer_current`` guard to refuse)."""
+        self.machine.begin_epoch()
+        self.store.clear()
+        self.events_published.clear()  # the reset's AllBlocksCleared
+        for req in self.requests.values():
+            if req.lifecycle.current is State.PARTIAL_HIT and data.draw(st.booleans(), label="revoke now"):
+                req.lifecycle.revoke("namespace reset")
+                assert req.lifecycle.num_external_tokens == 0
 
     @precondition(lambda self: bool(self._live(State.LOADING)))
     @rule(data=st.data())

@@ -16,6 +16,9 @@ Families and the KV-cache groups vLLM makes of them (facts from ``docs/vllm-cpu-
 - ``gemma3``      -- 2 groups, sliding window (64) + full attention.
 - ``qwen3_next``  -- 2 groups, GDN linear attention (Mamba spec) + full attention, block 128.
 - ``lfm2``        -- 2 groups, short convolution (Mamba spec) + full attention, block 128.
+- ``deepseek_v3`` -- 1 group, MLA (latent 512 + rope 64 = head size 576, the only one vLLM's CPU MLA
+  backends take), MoE. Not in ``FAMILIES`` (the demo, bench and serve families): vLLM keeps prefix
+  caching on for it only with the ``AMX_MLA`` backend; with ``CPU_MLA`` it turns prefix caching off.
 
 Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers) and ``size="bench"`` (hidden 1024, 8 layers, 4 KV
 heads x 128, long context): big enough that prefill compute dominates a 4000-token request on CPU, for
@@ -43,6 +46,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 #: Per hybrid family: the two layer types its layers alternate (``None``: every layer full attention).
@@ -51,6 +55,7 @@ _LAYER_PATTERN: dict[str, tuple[str, str] | None] = {
     "gemma3": ("sliding_attention", "full_attention"),
     "qwen3_next": ("linear_attention", "full_attention"),
     "lfm2": ("conv", "full_attention"),
+    "deepseek_v3": None,
 }
 
 #: Bump when the builder changes the produced files for an unchanged config.
@@ -83,7 +88,7 @@ _BENCH_COMMON: dict[str, Any] = {
 
 def _check_family(family: str) -> None:
     if family not in _CLASSES:
-        raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {tuple(_CLASSES)}")
 
 
 def _layer_types(family: str, num_layers: int) -> list[str]:
@@ -155,6 +160,31 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "shared_expert_intermediate_size": 64,
             "decoder_sparse_step": 1,
         }
+    elif family == "deepseek_v3":
+        kw = {
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 4,
+            # MLA: vLLM's CPU MLA backends take only head size 576 = kv_lora_rank 512 + qk_rope_head_dim 64.
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "q_lora_rank": None,
+            # Layer 0 dense, layer 1 MoE (4 routed experts, 2 active, 1 shared).
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "n_group": 1,
+            "topk_group": 1,
+            # Without these vLLM cannot load the gate's ``e_score_correction_bias``.
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "num_nextn_predict_layers": 0,
+            # With the default 0.02 the random model repeats one token; 0.2 gives varied tokens.
+            "initializer_range": 0.2,
+        }
     else:  # lfm2
         kw = {
             "num_hidden_layers": 4,
@@ -206,7 +236,8 @@ def build_tiny_model(
         # save_pretrained may drop keys transformers does not know; vLLM needs them.
         cfg_path = tmp / "config.json"
         cfg = json.loads(cfg_path.read_text())
-        for key in ("conv_dim", "block_dim"):
+        # (DeepSeek-V3's routing keys too: HF's config may not write them back.)
+        for key in ("conv_dim", "block_dim", "topk_method", "scoring_func"):
             if key in kwargs:
                 cfg[key] = kwargs[key]
         cfg["torch_dtype"] = "bfloat16"

@@ -74,6 +74,10 @@ def test_full_config(tmp_path: Path) -> None:
         ("cuda_copy", "cuda"),
         ("cuda_copy", None),
         ("cuda_copy", True),
+        ("weights_version", "v1/step 7"),
+        ("weights_version", ""),
+        ("weights_version", 7),
+        ("weights_version", "x" * 65),
     ],
 )
 def test_bad_key_or_value_names_both(key: str, value: object) -> None:

@@ -214,12 +214,12 @@ def test_a_failed_retry_is_the_last_one(vllm_objs: dict[str, Any]) -> None:
     assert lc.state == "TRUNCATED" and lc.max_boundary == 32 and side.stats.totals["truncations"] == 2
     assert side.wait_maintenance(10)
     assert not store.exists([side.scheme.key(1, 1, hashes[64 // HASH - 1])])[0].is_ok
-    # Retries exhausted: a MISS (no store call), the prompt recomputes from 0, and no loop.
+    # Retries exhausted: REFUSED (no store call), the prompt recomputes from 0, and no loop.
     out = sched.schedule()
     assert out.kv_connector_metadata.loads == []
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("e", 0)]
-    assert lc.state == "MISS" and lc.num_retries == 1
-    assert _trail(sink, "e")[-2:] == [("LOADING", "TRUNCATED"), ("TRUNCATED", "MISS")]
+    assert lc.state == "REFUSED" and lc.num_retries == 1
+    assert _trail(sink, "e")[-2:] == [("LOADING", "TRUNCATED"), ("TRUNCATED", "REFUSED")]
 
 
 def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(

@@ -171,7 +171,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     assert (job.req_id, job.boundary, job.blocks) == ("m1", 0, ())  # nothing is written into vLLM's blocks
     assert "m1" not in out.num_scheduled_tokens  # vLLM waits for the (declined) load
     assert side.stats.totals["hit_declined"] == 1 and side.stats.totals.get("hit_tokens", 0) == 0
-    declined = [r for r in sink.records if r["event"] == "hit_declined"]
+    declined = [r for r in sink.records if r["event"] == "hit_refused"]
     assert (
         len(declined) == 1
         and "allocated 64 external tokens, the plan has 96" in declined[0]["detail"]["reason"]
@@ -190,7 +190,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("m1", 0)]
     assert out.kv_connector_metadata.loads == []  # no second hit for this incarnation
-    assert side.lifecycle("m1").state == "MISS"
+    assert side.lifecycle("m1").state == "REFUSED"
 
 
 def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]) -> None:
@@ -214,7 +214,7 @@ def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]
     out = sched.schedule()
     (job,) = out.kv_connector_metadata.loads
     assert (job.req_id, job.boundary, tuple(job.blocks)) == ("n1", 0, ())
-    declined = [r for r in sink.records if r["event"] == "hit_declined"]
+    declined = [r for r in sink.records if r["event"] == "hit_refused"]
     assert len(declined) == 1 and "block 1 is not allocated (null block)" in declined[0]["detail"]["reason"]
 
 

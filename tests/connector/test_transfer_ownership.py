@@ -2,16 +2,22 @@
 
 ``faulty+memory://...?get_late=1`` / ``put_late=1`` answer ``TIMEOUT`` at once and complete the operation
 ``late_ms`` later, as an abandoned Mooncake call does; a late get then scribbles its destinations. These
-tests watch the real KV tensors of a ``WorkerSide`` around that late completion.
+tests watch the real KV tensors of a ``WorkerSide`` around that late completion (a ``late_ms`` far beyond
+the test: a late call that never returns).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from connector_helpers import kv_cache_config
@@ -26,14 +32,18 @@ from hybridkv.connector.metadata import (
     SaveResult,
 )
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker import _MAX_QUARANTINED_BATCHES, WorkerSide
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
+from hybridkv.store.base import Status, register_late_call
 
 pytestmark = pytest.mark.vllm
 
 H1 = b"\x01" * 32
+H2 = b"\x02" * 32
 LATE_MS = 400
+#: A late call that does not return while the test runs.
+NEVER_MS = 600_000
 
 
 def _worker(
@@ -65,27 +75,56 @@ def _wait_report(ws: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[s
     raise AssertionError("the load was never reported")
 
 
-def test_late_load_never_writes_kv_pages_after_its_report(vllm_objs: dict[str, Any]) -> None:
+def _load_of(scheme: Any, req_id: str, block_id: int = 7) -> HybridStoreMetadata:
+    return HybridStoreMetadata(
+        scheme=scheme, loads=[LoadJob(req_id, 32, (BlockRef(0, 0, 0, block_id, H1, 32),))]
+    )
+
+
+def _shutdown_returns(ws: WorkerSide, timeout: float) -> bool:
+    """Whether ``ws.shutdown(timeout)`` returned (a 30 s hang guard, never a timing claim)."""
+    closer = threading.Thread(target=ws.shutdown, args=(timeout,), daemon=True)
+    closer.start()
+    closer.join(30)
+    return not closer.is_alive()
+
+
+def test_late_load_that_never_returns_holds_nothing_on_the_host_path(vllm_objs: dict[str, Any]) -> None:
+    """Host KV, a get that answers TIMEOUT and goes on for good: it was given a private buffer, never the
+    pages, so the request is failed at once, sleep and flush are not held up, and shutdown returns."""
     name = f"late-{uuid.uuid4().hex[:8]}"
-    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}")
-    try:
-        _stored_block(scheme, name, caches)
-        ws.start_load(
-            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
-        )
-        t0 = time.monotonic()
-        assert _wait_report(ws) == ({"r"}, {"r"})
-        reported_after_s = time.monotonic() - t0
-        page_at_report = caches["attn.0"][7].clone()
-        time.sleep(LATE_MS / 1000 + 0.3)  # well past the late write
-        # vLLM frees (and reuses) a failed request's blocks at the report: nothing may change them after.
-        assert torch.equal(caches["attn.0"][7], page_at_report), "a late get wrote a reported page"
-        assert reported_after_s >= LATE_MS / 1000 * 0.9
-        assert ws.num_late_store_calls == 1
-        wm = ws.worker_meta()
-        assert wm is not None and [res.outcome for res in wm.loads["r"]] == [LoadOutcome.TIMEOUT]
-    finally:
-        ws.shutdown()
+    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={NEVER_MS}")
+    _stored_block(scheme, name, caches)
+    page_before = caches["attn.0"][7].clone()
+    ws.start_load(_load_of(scheme, "r"))
+    assert _wait_report(ws) == ({"r"}, {"r"})
+    assert ws.store.backend.num_late_pending == 1  # type: ignore[attr-defined]  # reported under a late call
+    assert ws.num_late_store_calls == 1
+    wm = ws.worker_meta()
+    assert wm is not None and [res.outcome for res in wm.loads["r"]] == [LoadOutcome.TIMEOUT]
+    assert torch.equal(caches["attn.0"][7], page_before), "the late get's buffer was committed"
+    assert ws.flush(5.0), "flush waited for a late call that owns no KV memory"
+    assert ws.suspend(timeout=5.0), "sleep refused for a late call that owns no KV memory"
+    ws.resume()
+    assert not ws.wait_late_calls(0.05)  # ... but its buffer is still quarantined
+    assert _shutdown_returns(ws, 1.0), "shutdown hung on a late call"
+
+
+def test_host_loads_fail_fast_once_too_many_batches_are_quarantined(vllm_objs: dict[str, Any]) -> None:
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={NEVER_MS}")
+    _stored_block(scheme, name, caches)
+    for n in range(_MAX_QUARANTINED_BATCHES):
+        ws.start_load(_load_of(scheme, f"r{n}"))
+        assert _wait_report(ws) == ({f"r{n}"}, {f"r{n}"})
+    assert ws.num_late_store_calls == _MAX_QUARANTINED_BATCHES
+    ws.start_load(_load_of(scheme, "over"))
+    assert _wait_report(ws) == ({"over"}, {"over"})
+    wm = ws.worker_meta()
+    assert wm is not None and [res.outcome for res in wm.loads["over"]] == [LoadOutcome.NOT_ATTEMPTED]
+    assert ws.num_late_store_calls == _MAX_QUARANTINED_BATCHES, "a quarantined buffer too many was read into"
+    assert ws.num_quarantine_refusals == 1
+    assert _shutdown_returns(ws, 1.0)
 
 
 def test_late_load_keeps_its_staging_slab_until_the_call_returns(vllm_objs: dict[str, Any]) -> None:
@@ -103,22 +142,24 @@ def test_late_load_keeps_its_staging_slab_until_the_call_returns(vllm_objs: dict
         )
         assert _wait_report(ws) == ({"r"}, {"r"})
         assert staging.pool.in_use == 1, "a slab a late get still writes went back to the pool"
-        assert ws.flush(5.0)
+        assert ws.wait_late_calls(5.0)
         assert staging.pool.in_use == 0
         assert torch.equal(caches["attn.0"][7], page_before)  # the scribbled slab was never committed
     finally:
         ws.shutdown()
 
 
-def test_late_put_keeps_the_save_job_and_its_pins_until_it_returned(vllm_objs: dict[str, Any]) -> None:
+def test_late_put_reads_a_private_copy_so_the_job_is_reported_at_once(vllm_objs: dict[str, Any]) -> None:
+    """Host KV: a put that may answer late is given a copy of the pages. The job is reported (its pins
+    released) while the put still runs, vLLM may then overwrite the page, and the late put stores the
+    bytes the page had at the save."""
     name = f"late-{uuid.uuid4().hex[:8]}"
-    ws, _, scheme = _worker(vllm_objs, f"faulty+memory://{name}?put_late=1&late_ms={LATE_MS}")
+    late_ms = 5000
+    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?put_late=1&late_ms={late_ms}")
     try:
+        page_at_save = caches["attn.0"][3].clone()
         save = SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),))
         ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
-        time.sleep(LATE_MS / 1000 / 2)  # the put has answered TIMEOUT but still reads the page
-        wm = ws.worker_meta()
-        assert wm is None or 1 not in wm.saves_done, "the job was reported (pins released) under a late put"
         assert ws.flush(5.0)
         wm = ws.worker_meta()
         assert (
@@ -126,8 +167,96 @@ def test_late_put_keeps_the_save_job_and_its_pins_until_it_returned(vllm_objs: d
             and wm.saves_done == {1: [0]}
             and wm.saves[1] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.TIMEOUT)]
         )
-        assert open_store(f"memory://{name}").exists([scheme.key(0, 0, H1)])[0].is_ok  # it did land, late
+        assert ws.store.backend.num_late_pending == 1  # type: ignore[attr-defined]  # reported under the put
+        caches["attn.0"][3].zero_()  # vLLM reuses the unpinned block
+        assert ws.wait_late_calls(30.0)
+        got = torch.empty_like(page_at_save)
+        store = open_store(f"memory://{name}")
+        assert store.get_into([scheme.key(0, 0, H1)], [got.view(torch.uint8).reshape(-1).numpy()]) == [
+            Status.OK
+        ], "the late put did not land"
+        assert torch.equal(got, page_at_save), "the late put read the page after the report"
     finally:
+        ws.shutdown()
+
+
+def test_late_put_that_never_returns_holds_no_job_nor_budget(vllm_objs: dict[str, Any]) -> None:
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    ws, _, scheme = _worker(vllm_objs, f"faulty+memory://{name}?put_late=1&late_ms={NEVER_MS}")
+    for job_id in range(1, 4):  # more than one wave's budget, one after the other
+        ws.enqueue_saves(_save_of(scheme, job_id, bytes([job_id]) * 32))
+        assert ws.flush(5.0)
+        wm = ws.worker_meta()
+        assert wm is not None and wm.saves_done == {job_id: [0]}
+        assert wm.saves[job_id] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.TIMEOUT)], "dropped"
+    assert _shutdown_returns(ws, 1.0)
+
+
+class _SplitReadFaults:
+    """A store view for split reads: the share read on ``raising`` ("load" or "helper" thread) raises; the
+    other answers ``TIMEOUT`` and goes on -- once ``release`` is set it scribbles its destinations."""
+
+    def __init__(self, inner: Any, raising: str) -> None:
+        self.inner = inner
+        self.raising = raising
+        self.release = threading.Event()
+        self.late_calls: list[Future[object]] = []
+
+    def get_into(self, keys: Sequence[str], destinations: Sequence[Any]) -> list[Status]:
+        on_helper = threading.current_thread().name.startswith("hybridkv-read")
+        if on_helper == (self.raising == "helper"):
+            raise RuntimeError("injected: this share's store call failed")
+        done: Future[object] = Future()
+        done.set_running_or_notify_cancel()
+
+        def go_on() -> None:
+            assert self.release.wait(30), "never released"
+            for destination in destinations:
+                for part in destination:
+                    np.asarray(part)[:] = 0xA5
+            done.set_result(None)
+
+        threading.Thread(target=go_on, daemon=True).start()
+        register_late_call(done)
+        self.late_calls.append(done)
+        return [Status.TIMEOUT] * len(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize(
+    ("raising", "staged"), [("helper", False), ("load", False), ("helper", True), ("load", True)]
+)
+def test_split_read_keeps_a_late_share_when_the_other_raises(
+    vllm_objs: dict[str, Any], monkeypatch: pytest.MonkeyPatch, raising: str, staged: bool
+) -> None:
+    """A batch read in two shares: one raises, the other's call answered TIMEOUT and goes on. The job fails
+    at once, but the late call never writes a page of the reported job, and (staged) its slab stays out
+    of the pool until it returned."""
+    from hybridkv.connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_SPLIT_READ_MIN_BYTES", 0)
+    staging = StagingContext("cpu", PinnedPool(1 << 20, 3 << 20, pin=False)) if staged else None
+    ws, caches, scheme = _worker(vllm_objs, f"memory://late-{uuid.uuid4().hex[:8]}", staging=staging)
+    faults = _SplitReadFaults(ws.store, raising)
+    ws.store = faults
+    try:
+        pages_before = caches["attn.0"][7:9].clone()
+        load = LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32), BlockRef(0, 0, 1, 8, H2, 64)))
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+        assert _wait_report(ws) == ({"r"}, {"r"})
+        if staging is not None:
+            assert staging.pool.in_use == 1, "the slab went back to the pool under a late call"
+        faults.release.set()
+        futures_wait(faults.late_calls, timeout=30)
+        assert len(faults.late_calls) == 1 and all(call.done() for call in faults.late_calls)
+        assert torch.equal(caches["attn.0"][7:9], pages_before), "a late call wrote pages of a reported job"
+        assert ws.wait_late_calls(30.0)
+        assert staging is None or staging.pool.in_use == 0
+        assert ws.num_late_store_calls == 1
+    finally:
+        faults.release.set()
         ws.shutdown()
 
 
@@ -138,16 +267,14 @@ def _save_of(scheme: Any, job_id: int, block_hash: bytes) -> HybridStoreMetadata
     )
 
 
-def test_suspend_refuses_while_a_late_call_owns_kv_memory(vllm_objs: dict[str, Any]) -> None:
-    name = f"late-{uuid.uuid4().hex[:8]}"
-    ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}")
+def test_suspend_refuses_while_a_transfer_owns_kv_memory(vllm_objs: dict[str, Any]) -> None:
+    """A save still reading the live pages (``delay_ms``: a slow store that cannot answer late, so it was
+    given the pages themselves) keeps the worker awake."""
+    name = f"slow-{uuid.uuid4().hex[:8]}"
+    ws, _, scheme = _worker(vllm_objs, f"faulty+memory://{name}?delay_ms={LATE_MS}")
     try:
-        _stored_block(scheme, name, caches)
-        ws.start_load(
-            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
-        )
-        time.sleep(0.05)  # the get has answered TIMEOUT; its write is still to come
-        assert not ws.suspend(timeout=0.05), "sleep allowed while a late get may still write KV memory"
+        ws.enqueue_saves(_save_of(scheme, 9, b"\x09" * 32))
+        assert not ws.suspend(timeout=0.05), "sleep allowed while a put may still read KV memory"
         # Refused: the worker stays awake and keeps serving (a save is admitted and written) ...
         ws.enqueue_saves(_save_of(scheme, 1, b"\x02" * 32))
         assert ws.suspend(timeout=5.0)
@@ -174,11 +301,11 @@ def test_connector_refuses_sleep_while_transfers_own_kv_memory(
     from hybridkv.connector.connector import HybridStoreConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    name = f"late-{uuid.uuid4().hex[:8]}"
+    name = f"slow-{uuid.uuid4().hex[:8]}"
     vc = vllm_objs["vc"]
     tc = dataclasses.replace(
         vc.kv_transfer_config,
-        kv_connector_extra_config={"store": f"faulty+memory://{name}?get_late=1&late_ms={LATE_MS}"},
+        kv_connector_extra_config={"store": f"faulty+memory://{name}?delay_ms={LATE_MS}"},
     )
     monkeypatch.setattr(vc, "kv_transfer_config", tc)
     monkeypatch.setattr(connector_module, "SUSPEND_TIMEOUT_S", 0.05)
@@ -191,11 +318,7 @@ def test_connector_refuses_sleep_while_transfers_own_kv_memory(
         }
         conn.register_kv_caches(caches)
         scheme = resolve_geometry(vc, kv_cache_config(), "ns", check_vllm_sizes=True).scheme
-        _stored_block(scheme, name, caches)
-        ws.start_load(
-            HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
-        )
-        time.sleep(0.05)
+        ws.enqueue_saves(_save_of(scheme, 1, H1))  # the put reads the live page for LATE_MS
         with pytest.raises(RuntimeError, match="refusing to release it for sleep"):
             conn.unregister_kv_caches()
     finally:

@@ -257,3 +257,34 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
         assert backend.read_timings["keys"] == 10 and backend.read_timings["read_s"] > 0
     finally:
         ws.shutdown()
+
+
+def test_a_worker_that_cannot_read_its_tp_rank_fails_at_start(
+    vllm_objs: dict[str, Any], tmp_path: Any
+) -> None:
+    """Inside a distributed environment a worker must read its TP rank: vLLM's world group is up but no
+    tensor-parallel group (a rank it cannot read) fails ``register_kv_caches`` naming what it could not
+    read, instead of loading and saving rank 0's entries; so does a group of another size than the
+    config's. With no distributed environment at all (every other test here) it is rank 0."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    assert parallel_state._WORLD is None, "another test left vLLM's distributed environment up"
+    with set_current_vllm_config(vllm_objs["vc"]):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{tmp_path}/init",
+            local_rank=0,
+            backend="gloo",
+        )
+        try:
+            with pytest.raises(RuntimeError, match=r"cannot read this worker's tensor-parallel rank"):
+                _worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
+            # The groups up, but not the deployment the config describes (TP 2): a rank of the wrong group.
+            parallel_state.initialize_model_parallel(1, 1, backend="gloo")
+            with pytest.raises(RuntimeError, match=r"tensor-parallel group has 1 ranks, the config says 2"):
+                _worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()

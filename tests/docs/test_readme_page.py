@@ -26,6 +26,8 @@ def test_readme_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_p
             assert actual == Path(model).name and "folder name" in cell, cell
         elif key == "audit_log":
             assert actual is None and shown == "none", cell
+        elif key == "weights_version":
+            assert actual == "" and shown == "none", cell
         elif key == "put_wave_bytes":
             assert parse_size(key, shown) == actual, cell
         elif key == "verify_checksums":

@@ -178,13 +178,13 @@ def test_the_retry_fails_too_then_miss_without_a_loop() -> None:
     assert world.lookup(lc) == 256
     second = world.load(lc, lambda e: e.group_index == MAMBA)
     assert second.retry_cap == 128 and lc.max_boundary == 128 and lc.current is State.TRUNCATED
-    # Retries exhausted: MISS without asking the store, and every later lookup too.
-    assert lc.start_lookup(world.hashes, NUM_TOKENS, 0) is None and lc.current is State.MISS
+    # Retries exhausted: REFUSED without asking the store, and every later lookup too.
+    assert lc.start_lookup(world.hashes, NUM_TOKENS, 0) is None and lc.current is State.REFUSED
     assert lc.start_lookup(world.hashes, NUM_TOKENS, 0) is None
     assert world.trail("r")[-3:] == [
         ("PARTIAL_HIT", "LOADING"),
         ("LOADING", "TRUNCATED"),
-        ("TRUNCATED", "MISS"),
+        ("TRUNCATED", "REFUSED"),
     ]
 
 
