@@ -1,17 +1,25 @@
-"""The scheduler half of ``HybridStoreConnector``: lookups, load plans, load verdicts, store maintenance.
+"""The scheduler half of ``HybridStoreConnector``: vLLM's scheduler hooks over the request lifecycle.
 
-The save path (which blocks to save when, save jobs, pins, ``BlockStored``) is
-:class:`~hybridkv.connector.save_planner.SavePlanner`, owned by this half.
+This half keeps vLLM's hooks and the per-request state (:class:`~hybridkv.connector.request_state.
+RequestState`: the lifecycle plus what the connector holds for it); the work lives in small modules:
+
+- lookup answering (``get_num_new_matched_tokens``): :mod:`hybridkv.connector.lookup_answers`;
+- the namespace gate and reset epochs: :mod:`hybridkv.connector.namespace_gate`;
+- store maintenance (invalidation removes, resets, the manifest): :mod:`hybridkv.connector.maintenance`;
+- the save path (which blocks to save when, save jobs, pins, ``BlockStored``):
+  :class:`~hybridkv.connector.save_planner.SavePlanner`.
 
 The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, retry cap,
 invalid keys, the state machine and its audit); this half drives it from vLLM's hooks and moves the
 results between vLLM, the store and the workers.
 
-Contracts (``DESIGN.md`` hard rules):
+Contracts:
 
 - ``lookup`` reports only tokens every prefix-cacheable group can restore from entries present on every
-  TP/DCP rank, found by ONE batched ``exists`` bounded by ``lookup_budget_ms``; a slow or failing store is
-  a miss and opens a short circuit breaker. Repeated asks with unchanged inputs reuse the answer.
+  TP/DCP rank, found by a few batched ``exists`` rounds off the scheduler thread, bounded by
+  ``lookup_budget_ms``; a slow or failing store is a miss and opens a short circuit breaker. Repeated asks
+  with unchanged inputs reuse the answer, within one reset epoch: nothing learnt before a namespace reset
+  is loaded after it (``hit_revoked``, and the table's ``answer_current`` guard on ``start_load``).
 - Loads are async (``(n, True)``), or with ``load_mode: layerwise`` synchronous to the step that uses
   them (``(n, False)``, one attention group only; see :mod:`hybridkv.connector.layerwise`); the
   per-group plan is bound to the request's real block table in ``update_state_after_alloc``.
@@ -29,8 +37,9 @@ Contracts (``DESIGN.md`` hard rules):
   invalidation removes run on a maintenance thread (bounded queue: when full, the removal is dropped and
   counted); ``reset_cache`` waits at most ``reset_wait_s`` for its ``remove_prefix`` (see there).
 - Never an assert on vLLM's numbers: external tokens vLLM allocated that do not match the plan (or a plan
-  block on the null block, or a lifecycle in the wrong state) decline the hit (``hit_declined``, audited
-  with the reason): an empty load job that every worker reports failed, so vLLM recomputes the request.
+  block on the null block, a lifecycle in the wrong state, an answer from before a reset) refuse the hit
+  (``hit_refused``, audited with the reason; ``REFUSED``): an empty load job that every worker reports
+  failed, so vLLM recomputes the request.
 - KV events follow the store: ``BlockStored`` only for waves every rank stored (token range: the block's
   first token up to the key boundary), ``BlockRemoved`` once an invalidation removal returned,
   ``AllBlocksCleared`` once a namespace reset's removal returned.
@@ -41,30 +50,30 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.lookups import LookupService, LookupTask
+from hybridkv.connector.lookup_answers import LookupAnswers
+from hybridkv.connector.lookups import LookupService
+from hybridkv.connector.maintenance import Maintenance
 from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
-    LoadResult,
     PlannedRefs,
 )
+from hybridkv.connector.namespace_gate import NamespaceGate
+from hybridkv.connector.request_state import RequestState
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
-from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
 
@@ -80,48 +89,11 @@ log = structlog.get_logger(__name__)
 #: slow round (a GC pause, a store failover) does not make the cache cold; a store that keeps failing is
 #: not hammered, and is probed again after a second.
 _BREAKER_FAILURES = 3
-#: A lookup is a miss once the store took ``lookup_budget_ms`` to answer its rounds, or a call of the
-#: store is hung past it; the search's own CPU work and its queueing behind other searches (a busy host)
-#: count only against this many budgets of wall time since the request's first ask, and never less than
-#: ``_MIN_WAIT_S``: a lookup queued behind a busy host's own CPU work is not the store's fault, and waiting
-#: costs only this request (other requests are scheduled meanwhile).
-_MAX_WAIT_BUDGETS = 20
-_MIN_WAIT_S = 5.0
 #: Longest wait of an engine step that scheduled nothing for a lookup in flight to finish.
 _IDLE_STEP_LOOKUP_WAIT_S = 0.002
 _BREAKER_OPEN_S = 1.0
-#: Store maintenance calls (invalidation removes, namespace resets) queued or running at most.
-_MAINTENANCE_QUEUE = 64
 #: The longest ``reset_cache`` waits for the namespace removal before answering (the engine core waits).
 RESET_WAIT_S = 1.0
-
-
-@dataclass
-class _Req:
-    request: Request
-    lc: RequestLifecycle
-    saves: RequestSaves
-    #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
-    memo: tuple[tuple[int, int, int | None], int] | None = None
-    #: existence facts (key -> present) gathered by this incarnation's searches
-    known: dict[str, bool] = field(default_factory=dict)
-    #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
-    search: LookupSearch | None = None
-    search_inputs: tuple[int, int, int | None] | None = None
-    #: the search in flight on the lookup worker (the prefetch, or ``search``)
-    task: LookupTask | None = None
-    #: the request's block hashes in hex (key suffixes), shared by its searches
-    block_hex: list[str] | None = None
-    #: when vLLM first asked for the current lookup and got "ask again"
-    waiting_since: float | None = None
-    load: LoadJob | None = None
-    load_results: list[LoadResult] = field(default_factory=list)
-    load_ranks: set[int] = field(default_factory=set)
-
-    @property
-    def loading_boundary(self) -> int:
-        """The boundary of the load in flight (0: none)."""
-        return self.load.boundary if self.load is not None else 0
 
 
 class SchedulerSide:
@@ -141,7 +113,7 @@ class SchedulerSide:
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
         self._events: list[Any] = []
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
@@ -152,21 +124,15 @@ class SchedulerSide:
         self.lookups = LookupService(
             self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
         )
+        #: resets and the gate they close (lookups miss, nothing is saved, while a removal runs)
+        self.gate = NamespaceGate()
+        self.answers = LookupAnswers(cfg, self.machine, self.lookups, self.lookup_breaker, self.gate, self.stats)
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
-        self._maintenance = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="hybridkv-maintenance"
-        )
-        self._maintenance_slots = threading.BoundedSemaphore(_MAINTENANCE_QUEUE)
-        #: guards what maintenance callbacks share with the scheduler thread (events, reset state, pending)
+        self._maintenance = Maintenance()
+        #: guards what maintenance callbacks share with the scheduler thread (events, removals pending)
         self._lock = threading.Lock()
         #: (sgid, block hash) of blocks whose invalidation removal has not returned yet
         self._removals_pending: set[tuple[int, bytes]] = set()
-        #: resets requested; saves created before the latest one never publish ``BlockStored``
-        self._reset_epoch = 0
-        self._resets_pending = 0
-        #: the last namespace removal raised: entries from before the reset may remain, so lookups miss
-        #: until a reset succeeds
-        self._reset_failed = False
         self.reset_wait_s = RESET_WAIT_S
         #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
         self._num_weight_tags = 0
@@ -214,18 +180,13 @@ class SchedulerSide:
         """Start following a request (``on_new_request``): its prompt blocks may be saved, and its lookup
         starts now, in the background, so the answer is usually in when vLLM first asks."""
         r = self._track(request)
-        if self.can_load and r.task is None and r.lc.current is State.NEW and self._store_usable():
-            # The local hit is not known yet: search from 0 (its facts serve any local hit).
-            search = LookupSearch(
-                self.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
-            )
-            r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
-            self.lookups.submit(r.task)
+        if self.can_load:
+            self.answers.prefetch(r)
 
-    def _track(self, request: Request) -> _Req:
+    def _track(self, request: Request) -> RequestState:
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = _Req(
+            r = RequestState(
                 request=request, lc=self.machine.new_request(request.request_id), saves=RequestSaves(request)
             )
             self._reqs[request.request_id] = r
@@ -241,169 +202,14 @@ class SchedulerSide:
     def namespace_closed(self) -> bool:
         """Whether a namespace reset is unfinished (or failed): lookups miss and nothing is saved, so no
         entry from before the reset is ever served."""
-        return self._resets_pending > 0 or self._reset_failed
-
-    def _store_usable(self) -> bool:
-        return (
-            self.lookup_breaker.state is not BreakerState.OPEN
-            and not self.lookups.stalled()
-            and not self.namespace_closed
-        )
+        return self.gate.closed
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """``get_num_new_matched_tokens``: never waits on the store.
-
-        Answers ``(None, False)`` ("ask again": vLLM keeps the request waiting and schedules the others)
-        while the request's search is in flight, and "miss" once it has waited ``lookup_budget_ms`` since
-        the first such answer, or at once while the store is unusable (circuit open, a call hung).
-        """
+        """``get_num_new_matched_tokens``: never waits on the store (see :mod:`.lookup_answers`)."""
         r = self._track(request)
-        if not self.can_load or getattr(request, "skip_reading_prefix_cache", False):
-            # Prompt logprobs, pooling: vLLM reads no cached prefix for this request, so neither do we.
+        if not self.can_load:
             return 0, False
-        if not r.lc.may_hit:
-            return 0, False  # REFUSED: this incarnation recomputes; no store call, no record
-        if r.lc.is_stale:
-            # A namespace reset since this request's lookup: nothing it learnt may answer now.
-            self._forget_facts(r, "namespace reset")
-        if r.lc.current in (State.VERIFIED, State.LOADING):
-            # VERIFIED: the request was preempted after its load and is back. LOADING: vLLM gave up on the
-            # load before every rank reported (nothing to judge). Either way: a new incarnation.
-            if r.lc.current is State.LOADING:
-                log.warning(ConnectorLogEvent.LOOKUP_WHILE_LOADING, request_id=request.request_id)
-            r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
-            r.lc = self.machine.new_request(request.request_id)
-            r.memo, r.load = None, None
-            # Its facts stay: the new incarnation answers from them without a round trip when they
-            # suffice (confirmed entries are as good as a fresh check: every load is verified anyway).
-            self._abandon_search(r)
-        lc = r.lc
-        memo_key = (request.num_tokens, num_computed_tokens, lc.max_boundary)
-        task = r.task
-        if (
-            task is not None
-            and not task.done
-            and r.search_inputs == memo_key
-            and r.waiting_since is not None  # the first ask starts the wait (``_answer``)
-            and lc.current is State.LOOKUP
-            and not self.namespace_closed
-            and not self._lookup_expired(r, task, time.monotonic())
-        ):
-            # vLLM asks every waiting request again every step: while its search is in flight the answer
-            # is "ask again", given before any other work (``_answer`` reaches the same).
-            return None, False
-        if (
-            r.memo is not None
-            and r.memo[0] == memo_key
-            and lc.current in (State.PARTIAL_HIT, State.MISS)
-            and not self.namespace_closed
-        ):
-            boundary = r.memo[1]
-        else:
-            answer = self._answer(r, memo_key)
-            if answer is None:
-                return None, False
-            boundary = answer
-            self.stats.add("lookups")
-            r.memo = (memo_key, boundary)
-            if lc.current is State.PARTIAL_HIT:
-                self.stats.add("lookup_hits")
-        ext = boundary - num_computed_tokens
-        if ext <= 0 or lc.current is not State.PARTIAL_HIT:
-            return 0, False
-        return ext, not self.cfg.layerwise
-
-    def _answer(self, r: _Req, inputs: tuple[int, int, int | None]) -> int | None:
-        """The agreed boundary for ``inputs``, or None while the search is in flight."""
-        lc = r.lc
-        request = r.request
-        now = time.monotonic()
-        if lc.current is not State.LOOKUP or r.search_inputs != inputs:
-            if lc.current is State.TRUNCATED and lc.resolution is not None:
-                # The truncation removed these from the store; the rest of the facts still stand.
-                r.known.update(dict.fromkeys(lc.resolution.invalid_keys, False))
-            r.search = None
-            search = lc.start_search(
-                request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
-            )
-            if search is None:
-                return 0  # retries exhausted: REFUSED for the rest of this incarnation
-            r.search, r.search_inputs, r.waiting_since = search, inputs, None
-        search = r.search
-        assert search is not None
-        if self.namespace_closed:
-            # Facts learnt before the reset may name removed entries: no answer until it has finished.
-            return self._unavailable(r, "namespace reset in progress")
-        task = r.task
-        if task is not None and task.done:
-            r.task = None
-            r.block_hex = r.block_hex or task.search.block_hex  # made on the lookup thread; shared
-            if task.error is not None and task.search is search:
-                self.stats.add("lookup_errors")
-                log.warning(ConnectorLogEvent.LOOKUP_FAILED, request_id=request.request_id, error=task.error)
-                return self._unavailable(r, task.error)
-            if task.error is None and task.inputs == inputs and task.search.result is not None:
-                # The prefetch answered exactly this ask: nothing to compute on the scheduler thread.
-                return lc.finish_search(task.search.result).boundary
-            task = None
-        if task is None:
-            # No store call in flight for this request: its facts may already answer (the prefetch). With
-            # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
-            if r.known and search.next_keys() is None:
-                assert search.result is not None
-                return lc.finish_search(search.result).boundary
-            if not self._store_usable():
-                return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
-            r.task = task = LookupTask(request.request_id, search, inputs)
-            self.lookups.submit(task)
-        if r.waiting_since is None:
-            r.waiting_since = now
-        elif self._lookup_expired(r, task, now):
-            self.stats.add("lookup_errors")
-            log.warning(
-                ConnectorLogEvent.LOOKUP_OVER_BUDGET,
-                request_id=request.request_id,
-                budget_ms=self.cfg.lookup_budget_ms,
-                store_ms=round(task.store_s * 1000.0, 1),
-                waited_ms=round((now - r.waiting_since) * 1000.0, 1),
-                store_call_hung=self.lookups.stalled(now),
-            )
-            return self._unavailable(r, "over lookup budget")
-        return None
-
-    def _lookup_expired(self, r: _Req, task: LookupTask, now: float) -> bool:
-        """Whether a search in flight must end as a miss: its store time is over ``lookup_budget_ms``, a
-        store call hangs, or the request has waited (since ``r.waiting_since``) longer than any request may."""
-        assert r.waiting_since is not None, f"request {r.request.request_id}: its wait has not started"
-        budget_s = self.cfg.lookup_budget_ms / 1000.0
-        return (
-            task.store_s > budget_s
-            or self.lookups.stalled(now)
-            or now - r.waiting_since > max(_MAX_WAIT_BUDGETS * budget_s, _MIN_WAIT_S)
-        )
-
-    def _unavailable(self, r: _Req, reason: str) -> int:
-        self._abandon_search(r)
-        r.known = {}  # an abandoned task may still write to the old facts
-        r.lc.lookup_unavailable(reason)
-        return 0
-
-    def _abandon_search(self, r: _Req) -> None:
-        if r.task is not None:
-            r.task.cancelled = True
-        r.task, r.search, r.search_inputs, r.waiting_since = None, None, None, None
-
-    def _forget_facts(self, r: _Req, reason: str) -> None:
-        """Drop everything the request learnt about the store (a namespace reset): its search in flight,
-        its existence facts, its memo; a hit answered from them is revoked (``hit_revoked``) and a lookup
-        in flight ends as a miss, so nothing from before the reset is ever loaded after it."""
-        self._abandon_search(r)
-        r.known = {}  # an abandoned task may still write to the old facts
-        r.memo = None
-        if r.lc.current is State.PARTIAL_HIT:
-            r.lc.revoke(reason)
-        elif r.lc.current is State.LOOKUP:
-            r.lc.lookup_unavailable(reason)
+        return self.answers.answer(r, num_computed_tokens)
 
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -446,7 +252,7 @@ class SchedulerSide:
             )
             return
         job = LoadJob(request.request_id, boundary, refs)
-        r.load, r.load_results, r.load_ranks = job, [], set()
+        r.begin_load(job)
         self._pending_loads.append(job)
         if self.cfg.layerwise:
             # vLLM cached these blocks when it allocated them (a synchronous load counts as computed): a
@@ -493,7 +299,7 @@ class SchedulerSide:
         return PlannedRefs(plan.loads, block_ids, self.geo.gid_of_sgid), None
 
     def _external_block_ids(
-        self, r: _Req | None, blocks: KVCacheBlocks, num_external_tokens: int
+        self, r: RequestState | None, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> tuple[int, ...]:
         """Layer-wise mode: the block ids vLLM allocated for a hit's external tokens (its one group), from the
         local hit the lookup was asked with (0 when unknown: then the local blocks too, which only costs
@@ -507,7 +313,7 @@ class SchedulerSide:
         return tuple(bid for bid in row[first:end] if bid != 0)
 
     def _decline_allocated(
-        self, request: Request, r: _Req | None, reason: str, declined_block_ids: tuple[int, ...] = ()
+        self, request: Request, r: RequestState | None, reason: str, declined_block_ids: tuple[int, ...] = ()
     ) -> None:
         """Refuse a hit vLLM already allocated. Async mode: vLLM waits for the load to finish, so an empty
         load job goes to the workers, which report it failed at once (``finished_recving`` +
@@ -522,7 +328,7 @@ class SchedulerSide:
         if r is None:
             return
         r.memo, r.load = None, None
-        self._abandon_search(r)
+        r.abandon_search()
         if r.lc.may_hit and r.lc.current is not State.EVICTED:
             r.lc.refuse(reason)
 
@@ -600,22 +406,15 @@ class SchedulerSide:
         ranks = self._all_ranks
         for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
-            if r is None or r.load is None:
-                continue
-            r.load_results.extend(load_results)
-            r.load_ranks.update(res.entry.tp_rank for res in load_results)
-            if r.load_ranks >= ranks:
+            if r is not None and r.load is not None and r.collect(load_results, ranks):
                 self._judge_load(r)
         self.saves.on_results(wm)
 
-    def _judge_load(self, r: _Req) -> None:
-        job = r.load
-        assert job is not None
+    def _judge_load(self, r: RequestState) -> None:
         outcomes = {res.entry: res.outcome for res in r.load_results}
         self.stats.add("load_calls")
         resolution = r.lc.finish_load(outcomes)
-        r.load = None
-        r.memo = None
+        job = r.end_load()
         if resolution.verified:
             r.saves.loaded_boundary = job.boundary
             return
@@ -648,25 +447,10 @@ class SchedulerSide:
     def _submit_maintenance(
         self, fn: Callable[[], Any], on_done: Callable[[concurrent.futures.Future[Any]], None]
     ) -> concurrent.futures.Future[Any] | None:
-        """Run ``fn`` on the maintenance thread, then ``on_done`` (there, with its future); None (and
-        counted) when the queue is full: a stuck store never grows it without bound."""
-        if not self._maintenance_slots.acquire(blocking=False):
+        """``Maintenance.submit``, counting a call the full queue refused (``maintenance_dropped``)."""
+        fut = self._maintenance.submit(fn, on_done)
+        if fut is None:
             self.stats.add("maintenance_dropped")
-            return None
-
-        def done(fut: concurrent.futures.Future[Any]) -> None:
-            try:
-                if not fut.cancelled():  # cancelled at shutdown: nothing happened, nothing to report
-                    on_done(fut)
-            finally:
-                self._maintenance_slots.release()
-
-        try:
-            fut = self._maintenance.submit(fn)
-        except RuntimeError:  # shut down
-            self._maintenance_slots.release()
-            return None
-        fut.add_done_callback(done)
         return fut
 
     def _invalidate(self, keys: list[str], blocks: list[tuple[int, bytes]]) -> None:
@@ -695,11 +479,7 @@ class SchedulerSide:
 
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
-        try:
-            self._maintenance.submit(lambda: None).result(timeout=timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            return False
-        return True
+        return self._maintenance.wait(timeout)
 
     def _removed_event(self, sgid: int, block_hash: bytes) -> Any:
         from vllm.distributed.kv_events import BlockRemoved
@@ -709,7 +489,7 @@ class SchedulerSide:
     @property
     def reset_epoch(self) -> int:
         """Namespace resets requested so far (a save job remembers the epoch it was created in)."""
-        return self._reset_epoch
+        return self.gate.epoch
 
     def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
         """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``.
@@ -717,9 +497,9 @@ class SchedulerSide:
         A reset since the job was created, or an invalidation removal still pending for a block, may
         remove what was just stored: then nothing (or not that block) is published rather than something
         untrue."""
+        if not self.gate.is_current(epoch):
+            return
         with self._lock:
-            if epoch != self._reset_epoch or self.namespace_closed:
-                return
             self._events.extend(
                 event
                 for sgid, block_hash, event in stored
@@ -736,7 +516,7 @@ class SchedulerSide:
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return
-        self._abandon_search(r)  # a finished or aborted request's lookup stops (a queued one never runs)
+        r.abandon_search()  # a finished or aborted request's lookup stops (a queued one never runs)
         if r.lc.current is not State.EVICTED:
             r.lc.evict("finished")
 
@@ -774,13 +554,11 @@ class SchedulerSide:
         maintenance queue is full): vLLM's ``reset_prefix_cache`` then reports failure, and lookups keep
         missing until a later reset succeeds.
         """
-        with self._lock:
-            self._reset_epoch += 1
-            self._resets_pending += 1
+        self.gate.begin_reset()
         self.machine.begin_epoch()
         prefix = self.scheme.prefix
         for r in self._reqs.values():
-            self._forget_facts(r, "namespace reset")  # what lookups learnt about the store predates it
+            r.forget_facts("namespace reset")  # what lookups learnt about the store predates it
         # Jobs planned before the reset but not sent yet would be written under the keys of after it.
         self.saves.drop_unsent("namespace reset")
         self._rotate_weights_tag()
@@ -796,8 +574,7 @@ class SchedulerSide:
 
             exc = fut.exception()
             with self._lock:
-                self._resets_pending -= 1
-                self._reset_failed = exc is not None
+                self.gate.end_reset(ok=exc is None)
                 if exc is None:
                     self._events.append(AllBlocksCleared())
             if exc is None:
@@ -807,9 +584,7 @@ class SchedulerSide:
 
         fut = self._submit_maintenance(remove_namespace, cleared)
         if fut is None:
-            with self._lock:
-                self._resets_pending -= 1
-                self._reset_failed = True
+            self.gate.end_reset(ok=False)
             log.warning(ConnectorLogEvent.RESET_CACHE_DROPPED)
             return False
         try:
@@ -843,7 +618,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.saves.release_all()
-        self._maintenance.shutdown(wait=False, cancel_futures=True)
+        self._maintenance.shutdown()
         self.lookups.close()
         if self.audit is not None:
             self.audit.close()

@@ -1,0 +1,102 @@
+"""One request's state on the scheduler side: its lifecycle and what the connector holds for it.
+
+The lifecycle (``RequestLifecycle``) is the request's state; every other field belongs to exactly one of
+its states and is cleared when the lifecycle leaves it:
+
+==========================  =====================================================================
+field                       meaningful while the lifecycle is
+==========================  =====================================================================
+``task``                    ``NEW`` (the prefetch) or ``LOOKUP`` (the search in flight)
+``search``, ``search_inputs``, ``waiting_since``  ``LOOKUP`` (the ask it answers; vLLM was told to ask again)
+``memo``                    ``PARTIAL_HIT`` / ``MISS`` (the answer repeated asks reuse), of the current
+                            reset epoch only
+``load``, ``load_results``, ``load_ranks``        ``LOADING`` (waiting for every rank's report)
+``known``, ``block_hex``    any live state: existence facts of this incarnation's searches, of the
+                            current reset epoch only (a reset drops them: ``forget_facts``)
+==========================  =====================================================================
+
+Nothing here changes the lifecycle's state except through its methods (the table's triggers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridkv.connector.lookups import LookupTask
+from hybridkv.connector.metadata import LoadJob, LoadResult
+from hybridkv.connector.save_planner import RequestSaves
+from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.lifecycle.machine import RequestLifecycle, State
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["LookupInputs", "RequestState"]
+
+#: What an answer depends on: (num_tokens, num_computed_tokens, retry cap)
+LookupInputs = tuple[int, int, int | None]
+
+
+@dataclass
+class RequestState:
+    request: Request
+    lc: RequestLifecycle
+    saves: RequestSaves
+    #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
+    memo: tuple[LookupInputs, int] | None = None
+    #: existence facts (key -> present) gathered by this incarnation's searches
+    known: dict[str, bool] = field(default_factory=dict)
+    #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
+    search: LookupSearch | None = None
+    search_inputs: LookupInputs | None = None
+    #: the search in flight on the lookup worker (the prefetch, or ``search``)
+    task: LookupTask | None = None
+    #: the request's block hashes in hex (key suffixes), shared by its searches
+    block_hex: list[str] | None = None
+    #: when vLLM first asked for the current lookup and got "ask again"
+    waiting_since: float | None = None
+    load: LoadJob | None = None
+    load_results: list[LoadResult] = field(default_factory=list)
+    load_ranks: set[int] = field(default_factory=set)
+
+    @property
+    def loading_boundary(self) -> int:
+        """The boundary of the load in flight (0: none)."""
+        return self.load.boundary if self.load is not None else 0
+
+    def abandon_search(self) -> None:
+        """Stop the search in flight (a queued one never runs; a running one's answer is ignored)."""
+        if self.task is not None:
+            self.task.cancelled = True
+        self.task, self.search, self.search_inputs, self.waiting_since = None, None, None, None
+
+    def forget_facts(self, reason: str) -> None:
+        """Drop everything the request learnt about the store (a namespace reset): its search in flight,
+        its existence facts, its memo; a hit answered from them is revoked (``hit_revoked``) and a lookup
+        in flight ends as a miss, so nothing from before the reset is ever loaded after it."""
+        self.abandon_search()
+        self.known = {}  # an abandoned task may still write to the old facts
+        self.memo = None
+        if self.lc.current is State.PARTIAL_HIT:
+            self.lc.revoke(reason)
+        elif self.lc.current is State.LOOKUP:
+            self.lc.lookup_unavailable(reason)
+
+    def begin_load(self, job: LoadJob) -> None:
+        """The lifecycle entered ``LOADING`` for ``job``: collect every rank's results from now on."""
+        self.load, self.load_results, self.load_ranks = job, [], set()
+
+    def collect(self, results: list[LoadResult], all_ranks: frozenset[int]) -> bool:
+        """Take one step's load results; True once every rank of ``all_ranks`` reported."""
+        assert self.load is not None, f"request {self.request.request_id}: load results without a load"
+        self.load_results.extend(results)
+        self.load_ranks.update(res.entry.tp_rank for res in results)
+        return self.load_ranks >= all_ranks
+
+    def end_load(self) -> LoadJob:
+        """The load was judged (or abandoned): nothing more is collected for it."""
+        job = self.load
+        assert job is not None, f"request {self.request.request_id}: end_load without a load"
+        self.load, self.memo = None, None
+        return job
