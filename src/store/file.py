@@ -19,8 +19,11 @@ the copy itself; overwriting a file whose pages are already there runs about twi
 a removed or evicted file of ``_RECYCLE_MIN_SIZE`` or more is renamed into ``spare/SIZE/`` instead of being
 unlinked (while the spares stay within ``_SPARE_FRACTION`` of capacity; they count toward capacity), and a
 put of a frame of the same page-rounded size claims one by renaming it into ``tmp/`` (atomic across
-processes), overwrites it in place and publishes it with link(2) like a new file. A reader that opened the
-file under its old name must never see the new bytes, so for recyclable files:
+processes), overwrites it in place and publishes it with link(2) like a new file. The claimer touches the
+spare just before that rename: a spare keeps its mtime from its previous life, and an old mtime in ``tmp/``
+is how eviction scans recognize a crashed writer's temp file, so without the touch another process's scan
+could delete a claimed spare mid-put. A reader that opened the file under its old name must never see the
+new bytes, so for recyclable files:
 
 - the writer holds ``flock(LOCK_EX)`` on the inode while it overwrites it, and gives up the spare (writing
   a new file instead) if it cannot get the lock at once;
@@ -79,7 +82,9 @@ _SUFFIX = ".kv"
 _LOW_WATERMARK = 0.9
 #: Reads refresh a file's mtime only when it is older than this (seconds): LRU resolution vs. syscalls.
 _TOUCH_INTERVAL_S = 1.0
-#: Temporary files older than this (seconds) belong to a crashed writer and are removed by eviction scans.
+#: Temporary files unmodified for this long (seconds) belong to a crashed writer and are removed by eviction
+#: scans. A put modifies its temp file when it creates it or claims it (a claimed spare is touched before it
+#: enters tmp/) and on every write, so a live put's file is never this old unless the put stalls this long.
 _STALE_TMP_S = 600.0
 _IOV_MAX = 1024
 _PAGE = mmap.PAGESIZE
@@ -265,6 +270,11 @@ class FileBackend:
                 spare = candidates.pop()
                 temp = self._temp_path()
                 try:
+                    # Touch first, rename second: the file appears in tmp/ already fresh, so no process's
+                    # sweep (which deletes temp files unmodified for _STALE_TMP_S) can take it for a crashed
+                    # writer's, however long it sat in spare/. Touching after the rename would leave a window
+                    # in which a sweep sees the old mtime and unlinks the file mid-put.
+                    os.utime(spare)
                     os.rename(spare, temp)  # atomic: of several claimers exactly one succeeds
                     spare_size = os.stat(temp).st_size
                 except FileNotFoundError:

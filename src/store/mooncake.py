@@ -10,7 +10,9 @@ One backend = one Mooncake client that mounts ``segment`` bytes of this process'
 - ``HOST:PORT``: that segment (e.g. a storage node's hostname, as its ``ready`` line prints it).
 
 Frames travel as scatter-gather lists (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``):
-the small header part and the caller's payload buffers, without joining them.
+the small header part and the caller's payload buffers, without joining them. Over TCP only: none of those
+buffers is registered with the transfer engine (``register_buffer``), which RDMA needs, so ``open_store``
+refuses ``protocol=rdma``.
 
 Every call runs through a ``CircuitBreaker`` and, when ``timeout_ms > 0``, a ``DeadlineRunner``: a dead
 master (each call ~4.3 s, then -900) or a hung one (each call blocks until ``MC_RPC_TIMEOUT_MS``) costs at

@@ -7,7 +7,8 @@ URL                                                    parameters (all optional)
 ``file:///ABS/DIR``                                    ``capacity`` (default 4GiB)
 ``mooncake://HOST:PORT``                               ``metadata`` (``P2PHANDSHAKE``), ``local_hostname``
                                                        (127.0.0.1), ``segment`` (1GiB), ``local_buffer``
-                                                       (64MiB), ``protocol`` (tcp), ``device`` (""),
+                                                       (64MiB), ``protocol`` (tcp; rdma is refused),
+                                                       ``device`` (""),
                                                        ``timeout_ms`` (2000; 0 = no deadline thread),
                                                        ``breaker_failures`` (1), ``breaker_reset_s`` (5),
                                                        ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
@@ -127,6 +128,24 @@ def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
     return FileBackend(parsed.url, Path(parsed.path), capacity_bytes=capacity)
 
 
+def _mooncake_protocol(params: Params) -> str:
+    """The ``protocol`` parameter of a mooncake:// URL: only ``tcp``; ``rdma`` is refused by name.
+
+    RDMA needs every buffer a transfer reads or writes registered with Mooncake's transfer engine
+    (``register_buffer``), and this backend hands Mooncake the caller's buffers unregistered (see
+    ``hybridkv.store.mooncake``). An ``rdma`` URL would open and then fail its transfers, so it is refused
+    here, when the engine opens its store."""
+    protocol = params.choice("protocol", "tcp", ("tcp", "rdma"))
+    if protocol == "rdma":
+        raise params.fail(
+            "protocol",
+            protocol,
+            "mooncake:// protocol=rdma is not supported: this backend registers no buffers with Mooncake's "
+            "transfer engine, which RDMA transfers need; use protocol=tcp",
+        )
+    return protocol
+
+
 def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
     host, _, port_text = parsed.netloc.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -142,7 +161,7 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
         local_hostname=params.text("local_hostname", "127.0.0.1"),
         segment_bytes=params.size("segment", 1 << 30),
         local_buffer_bytes=params.size("local_buffer", 64 << 20),
-        protocol=params.choice("protocol", "tcp", ("tcp", "rdma")),
+        protocol=_mooncake_protocol(params),
         device=params.text("device", ""),
         timeout_ms=params.integer("timeout_ms", 2000),
         breaker_failures=params.integer("breaker_failures", 1, minimum=1),

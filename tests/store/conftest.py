@@ -7,6 +7,7 @@ a clear message instead of skipping.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,23 @@ from mooncake_fixture import (  # noqa: F401 -- re-exported for the store tests
     network_interfaces,
 )
 from mooncake_fixture import new_master as _new_master
+
+
+def freeze_until_stopped(master: MooncakeMaster) -> None:
+    """Freeze ``master`` (SIGSTOP) and return only once none of its threads can run until ``master.thaw()``.
+
+    ``master.freeze()`` alone is not enough: kill(2) returns before the group stop is complete (each thread
+    stops only when it next runs in the kernel), so under load a master thread can still answer a request
+    sent after ``freeze()`` returned. On a loaded 2-core box most SIGSTOPs had threads still running right
+    after kill(2), and a get after ``freeze()`` once answered ``OK``. ``waitpid(WUNTRACED)`` reports the
+    child stopped only when the whole group stop is complete.
+    """
+    master.freeze()
+    assert master.process is not None, "mooncake_master was never started"
+    _pid, status = os.waitpid(master.process.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), (
+        f"mooncake_master did not stop (wait status {status:#x}); see {master.log_path}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hybridkv.store import Status
+from hybridkv.store import file as file_module
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import default_checksum
 from hybridkv.store.framed import FramedStore
@@ -96,6 +98,46 @@ def test_a_file_held_by_a_reader_is_not_recycled(tmp_path: Path) -> None:
     assert not list((tmp_path / "tmp").iterdir()), "the unusable spare must not be left in tmp/"
     destination = bytearray(_SIZE)
     assert writer.get_into(["b"], [destination]) == [Status.OK] and destination == _value(2)
+
+
+def test_another_processs_sweep_never_deletes_a_claimed_spare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare keeps its mtime from its previous life, and an old file in tmp/ is what eviction scans delete
+    as a crashed writer's. A spare older than that, claimed by a put, must survive another process's scan
+    running while the put holds it, and the put must store the right bytes in the recycled inode."""
+    writer = _open(tmp_path)
+    sweeper = _backend(_open(tmp_path))  # another handle on the directory, as another process would have
+    assert writer.put(["a"], [_value(1)]) == [Status.OK]
+    old_inode = os.stat(_backend(writer).path_of("a")).st_ino
+    assert writer.remove(["a"]) == [Status.OK]
+    [spare] = [path for path in (tmp_path / "spare").rglob("*") if path.is_file()]
+    long_ago = time.time() - 2 * file_module._STALE_TMP_S
+    os.utime(spare, (long_ago, long_ago))  # it waited in spare/ longer than a crashed writer's temp file
+    crashed = tmp_path / "tmp" / "crashed-writer.tmp"
+    crashed.write_bytes(b"left behind")
+    os.utime(crashed, (long_ago, long_ago))
+    backend = _backend(writer)
+    real_open_spare = backend._open_spare
+    swept_while_claimed: list[bool] = []
+
+    def sweep_then_open(temp: str, size: int) -> int | None:
+        # The spare is claimed (in tmp/ under the writer's name) and not yet written: the other process's
+        # eviction pass, which also sweeps tmp/, runs now.
+        assert os.path.exists(temp), "the scenario did not claim the spare"
+        assert sweeper._make_room(0), "the other process's eviction pass did not run"
+        swept_while_claimed.append(True)
+        return real_open_spare(temp, size)
+
+    monkeypatch.setattr(backend, "_open_spare", sweep_then_open)
+    assert writer.put(["b"], [_value(2)]) == [Status.OK]
+    monkeypatch.undo()
+    assert swept_while_claimed == [True], "the sweep did not run while the spare was claimed"
+    assert not crashed.exists(), "the sweep must still delete a crashed writer's temp file"
+    assert os.stat(backend.path_of("b")).st_ino == old_inode, "the claimed spare was not the file published"
+    destination = bytearray(_SIZE)
+    assert writer.get_into(["b"], [destination]) == [Status.OK] and destination == _value(2)
+    assert not list((tmp_path / "tmp").iterdir()), "temp files must not outlive a put"
 
 
 def test_a_damaged_recycled_value_reads_back_corrupt_into_layer_parts(tmp_path: Path) -> None:

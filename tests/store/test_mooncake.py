@@ -11,7 +11,7 @@ from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import MooncakeBackend, status_of_code
 
-from .conftest import RPC_TIMEOUT_MS, MooncakeMaster
+from .conftest import RPC_TIMEOUT_MS, MooncakeMaster, freeze_until_stopped
 
 pytestmark = pytest.mark.mooncake
 
@@ -115,7 +115,7 @@ def test_breaker_bounds_a_hung_master(private_mooncake_master: MooncakeMaster) -
     store = open_store(master.url(breaker_failures=1, breaker_reset_s=1.5))
     try:
         assert store.put(["mc/k"], [b"v"]) == [Status.OK]
-        master.freeze()
+        freeze_until_stopped(master)
         statuses, first_s = _timed(lambda: store.exists(["mc/k"]))
         assert statuses == [Status.TIMEOUT], statuses
         assert first_s < RPC_TIMEOUT_MS / 1000 + 0.5, f"first call to a hung master took {first_s:.2f} s"
@@ -145,7 +145,7 @@ def test_a_timed_out_get_hands_back_the_handle_of_the_call_still_running(
     store = open_store(master.url(timeout_ms=RPC_TIMEOUT_MS // 4, breaker_failures=5))
     try:
         assert store.put(["mc/k"], [b"v"]) == [Status.OK]
-        master.freeze()
+        freeze_until_stopped(master)
         with collect_late_calls() as late:
             statuses = store.get_into(["mc/k"], [bytearray(1)])
         assert statuses == [Status.TIMEOUT], statuses

@@ -45,6 +45,17 @@ def test_bad_urls_raise_one_error_naming_the_culprit(url: str, culprit: str) -> 
     assert culprit in str(error.value), f"error for {url!r} does not name {culprit!r}: {error.value}"
 
 
+def test_mooncake_rdma_is_refused_at_open_naming_the_parameter_and_the_way_out() -> None:
+    """The Mooncake backend registers no buffer with the transfer engine, which RDMA transfers need: an
+    ``rdma`` URL must fail when the store opens (engine start), saying why and what to use instead, not open
+    and fail its transfers later. Refused before any connection: no master listens on port 1."""
+    with pytest.raises(StoreError) as error:
+        open_store("mooncake://127.0.0.1:1?protocol=rdma")
+    message = str(error.value)
+    assert "protocol='rdma'" in message and "not supported" in message, message
+    assert "use protocol=tcp" in message, message
+
+
 @pytest.mark.parametrize(
     ("text", "num_bytes"),
     [
