@@ -204,6 +204,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         replaces, and only on the manager vLLM bound it to.
         """
         super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
         reset = kv_cache_manager.reset_prefix_cache
 
         def reset_prefix_cache() -> bool:

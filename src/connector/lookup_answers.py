@@ -65,7 +65,9 @@ class LookupAnswers:
     def store_usable(self) -> bool:
         """Lookups may ask the store: circuit closed, no call hung, namespace gate open."""
         return (
-            self.breaker.state is not BreakerState.OPEN and not self.lookups.stalled() and not self.gate.closed
+            self.breaker.state is not BreakerState.OPEN
+            and not self.lookups.stalled()
+            and not self.gate.closed
         )
 
     def prefetch(self, r: RequestState) -> None:
@@ -211,4 +213,3 @@ class LookupAnswers:
         r.known = {}  # an abandoned task may still write to the old facts
         r.lc.lookup_unavailable(reason)
         return 0
-

@@ -120,13 +120,16 @@ class SchedulerSide:
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
         self._block_pool: Any = None  # vLLM's block pool (``bind_block_pool``)
+        self._kv_cache_manager: Any = None  # vLLM's KV cache manager (``bind_kv_cache_manager``)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
             self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
         )
         #: resets and the gate they close (lookups miss, nothing is saved, while a removal runs)
         self.gate = NamespaceGate()
-        self.answers = LookupAnswers(cfg, self.machine, self.lookups, self.lookup_breaker, self.gate, self.stats)
+        self.answers = LookupAnswers(
+            cfg, self.machine, self.lookups, self.lookup_breaker, self.gate, self.stats
+        )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
         self._maintenance = Maintenance()
         #: guards what maintenance callbacks share with the scheduler thread (events, removals pending)
@@ -165,6 +168,36 @@ class SchedulerSide:
     def bind_block_pool(self, pool: Any) -> None:
         self._block_pool = pool
         self.saves.bind_block_pool(pool)
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def _cache_after_verdict(self, request: Request, block_ids: set[int], first_block: int) -> None:
+        """Layer-wise mode: keep a load's blocks out of vLLM's prefix cache until its verdict is in.
+
+        vLLM caches a synchronous load's blocks when it allocates them (the external tokens count as
+        computed), so a request scheduled later in the same step could take them as a local hit and, if the
+        load then fails and its recompute spans steps, attend over pages not yet rewritten. Their hashes go
+        now, and the request's cached-block count of the attention group goes back to ``first_block`` (its
+        local hit): vLLM caches them again at the request's next allocation, which comes after the step's
+        verdict (layer-wise needs async scheduling off) -- once verified, or as the recompute rewrites them.
+        Where vLLM's manager does not have that count, the blocks simply stay uncached (correct, fewer local
+        hits)."""
+        managers = getattr(getattr(self._kv_cache_manager, "coordinator", None), "single_type_managers", ())
+        gid = self.geo.groups[0].gid
+        manager = managers[gid] if gid < len(managers) else None
+        counts = getattr(manager, "num_cached_block", None)
+        rows = getattr(manager, "req_to_blocks", None)
+        rid = request.request_id
+        if isinstance(counts, dict) and isinstance(rows, dict) and rid in counts and rid in rows:
+            # Every block this allocation cached past the local hit (the loaded ones and those this step
+            # computes), so that vLLM's next caching pass starts from the local hit with none still hashed.
+            num_cached = counts[rid]
+            block_ids = block_ids | {
+                blk.block_id for blk in rows[rid][first_block:num_cached] if not blk.is_null
+            }
+            counts[rid] = min(num_cached, first_block)
+        self._uncache(block_ids)
 
     def _uncache(self, block_ids: set[int]) -> None:
         """Layer-wise mode: take blocks whose load failed out of vLLM's prefix cache.
@@ -255,11 +288,10 @@ class SchedulerSide:
         r.begin_load(job)
         self._pending_loads.append(job)
         if self.cfg.layerwise:
-            # vLLM cached these blocks when it allocated them (a synchronous load counts as computed): a
-            # request scheduled later in this step could take them as a local hit and, if this load then
-            # fails, attend over pages the recompute has not rewritten yet. Out of the prefix cache, no
-            # other request reads them before they are verified (they stay this request's own).
-            self._uncache(set(refs.block_ids))
+            # No other request may take these blocks as a local hit before the load's verdict.
+            self._cache_after_verdict(
+                request, set(refs.block_ids), lc.lookup.plan.num_computed_tokens // self.geo.groups[0].span
+            )
         self.stats.add("hit_tokens", num_external_tokens)
         for g in self.geo.groups:
             self.stats.add(f"hit_tokens.g{g.sgid}", num_external_tokens)

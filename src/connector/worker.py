@@ -32,18 +32,18 @@ Contracts:
   goes on (``hybridkv.store.base.collect_late_calls``; a split read collects every share's, the raising
   share's included) keeps its buffers quarantined: a slab goes back to the pool, a private buffer is
   dropped, only when every call that touched it returned. So that a late call never owns KV memory, a
-  transfer whose store may answer late (:func:`_may_answer_late`: Mooncake with a deadline, ``faulty+``
-  with ``get_late`` / ``put_late``, any store the worker does not know) never hands it the pages: CUDA
-  goes through its slabs anyway; on the host path a load reads into a private buffer and copies the OK
-  blocks into the pages only once every call of the batch returned, and a save hands the store a private
-  copy taken before the call. The job is then reported at once (a load failed, a save with its outcomes),
-  so a late call that never returns holds no request, no pinned block and no in-flight budget; at most
-  ``_MAX_QUARANTINED_BATCHES`` host batches stay quarantined, beyond that a load fails at once
-  (``NOT_ATTEMPTED``) and a save wave is dropped rather than allocating more. Only where the store cannot
-  answer late (memory, file) does the host path hand the pages themselves to the call (zero copies); if
-  such a store answers late anyway, the job is reported only once the call returned (vLLM keeps a
-  request's blocks while it waits for its load; the scheduler's pins hold a save's source blocks), and
-  ``flush`` and ``suspend`` wait for that call, within their timeout.
+  transfer whose store may answer late (:func:`_may_answer_late`: Mooncake, ``file://`` on a network or
+  FUSE file system, ``faulty+`` with ``get_late`` / ``put_late``, any store the worker does not know) never
+  hands it the pages: CUDA goes through its slabs anyway; on the host path a load reads into a private
+  buffer and copies the OK blocks into the pages only once every call of the batch returned, and a save
+  hands the store a private copy taken before the call. The job is then reported at once (a load failed, a
+  save with its outcomes), so a late call that never returns holds no request, no pinned block and no
+  in-flight budget; at most ``_MAX_QUARANTINED_BATCHES`` host batches stay quarantined, beyond that a load
+  fails at once (``NOT_ATTEMPTED``) and a save wave is dropped rather than allocating more. Only where the
+  store cannot answer late (memory, file on a local file system) does the host path hand the pages
+  themselves to the call (zero copies); if such a store answers late anyway, the job is reported only once
+  the call returned (vLLM keeps a request's blocks while it waits for its load; the scheduler's pins hold
+  a save's source blocks), and ``flush`` and ``suspend`` wait for that call, within their timeout.
 """
 
 from __future__ import annotations
@@ -171,30 +171,17 @@ def _may_answer_late(store: object, op: str) -> bool:
     """Whether a ``op`` call ("get" or "put") of ``store`` may answer ``TIMEOUT`` while it goes on using
     its buffers (see "Buffer ownership").
 
-    Read from the settings of the backends this package ships (``open_store``'s ``FramedStore``): memory
-    and file calls always return before they answer; Mooncake's may when it runs them under a deadline
-    (``timeout_ms > 0``); ``faulty+`` adds ``get_late`` / ``put_late`` to its inner backend's. Any other
-    store (a wrapper, another backend) is assumed to answer late: it gets private buffers, never KV pages.
+    The store says (``answers_late``, which every backend of ``open_store`` declares: memory never; file
+    where its directory is on a file system that may hang, or with ``timeout_ms``; Mooncake always;
+    ``faulty+`` with ``get_late`` / ``put_late`` or where its inner backend does). Any other store object is
+    assumed to answer late: it gets private buffers, never KV pages.
     """
-    from hybridkv.store.faulty import FaultyBackend
-    from hybridkv.store.file import FileBackend
-    from hybridkv.store.framed import FramedStore
-    from hybridkv.store.memory import MemoryBackend
-    from hybridkv.store.mooncake import MooncakeBackend
-
     assert op in ("get", "put"), f"_may_answer_late: unknown op {op!r}"
-    if not isinstance(store, FramedStore):
+    # Looked up on the class, not the instance: a wrapper that forwards unknown attributes to a store
+    # (``__getattr__``) would otherwise answer for that store, while its own calls may answer late.
+    if not callable(getattr(type(store), "answers_late", None)):
         return True
-    backend: object = store.backend
-    while isinstance(backend, FaultyBackend):
-        if (backend.get_late if op == "get" else backend.put_late) > 0:
-            return True
-        backend = backend.inner
-    if isinstance(backend, (MemoryBackend, FileBackend)):
-        return False
-    if isinstance(backend, MooncakeBackend):
-        return backend.timeout_ms > 0
-    return True
+    return bool(store.answers_late(op))  # type: ignore[attr-defined]
 
 
 class _Outbox:

@@ -21,7 +21,9 @@ Contract (all backends, checked by ``hybridkv.testing.store_fuzz``):
   answers ``TIMEOUT`` while its work goes on (a deadline runner abandoned it: it may still read a value's
   parts or write a destination) registers a completion handle with :func:`register_late_call`; a caller
   that reuses or frees buffers collects those handles with :func:`collect_late_calls` and keeps the
-  buffers out of use until every handle is done.
+  buffers out of use until every handle is done. ``answers_late(op)`` says whether a store's ``get_into``
+  (``op="get"``) or ``put`` (``op="put"``) may do that; a store that says ``False`` returns from every such
+  call before it answers.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class StoreLogEvent(enum.StrEnum):
     FILE_SIZE_MISMATCH = "store.file.size_mismatch"
     FILE_UNREADABLE_HEADER = "store.file.unreadable_header"
     FILE_IO_ERROR = "store.file.io_error"
+    #: a file-store call ran past its deadline (a hung network file system): ``TIMEOUT``, left running
+    FILE_DEADLINE = "store.file.deadline"
     MOONCAKE_RPC_TIMEOUT_ENV_DIFFERS = "store.mooncake.rpc_timeout_env_differs"
     MOONCAKE_DEADLINE = "store.mooncake.deadline"
     MOONCAKE_MASTER_DOWN = "store.mooncake.master_down"
@@ -149,6 +153,11 @@ class Store(Protocol):
 
     def get_into(self, keys: Sequence[str], destinations: Sequence[Destination]) -> list[Status]:
         """Copy each stored payload into its destination; its total size must equal the payload length."""
+        ...
+
+    def answers_late(self, op: str) -> bool:
+        """Whether a ``get_into`` (``op="get"``) or ``put`` (``op="put"``) may answer ``TIMEOUT`` while it
+        goes on using the caller's buffers (see "Buffer ownership"); ``False``: it always returns first."""
         ...
 
     def remove(self, keys: Sequence[str]) -> list[Status]:

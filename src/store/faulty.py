@@ -176,6 +176,12 @@ class FaultyBackend:
         assert all(status is not None for status in results), "faulty: a key got no result"
         return [status for status in results if status is not None]
 
+    def answers_late(self, op: str) -> bool:
+        """With ``get_late`` / ``put_late`` for that op, or when the inner backend may (``delay_ms`` only
+        slows a call down: it still returns before answering)."""
+        late = self.get_late if op == "get" else self.put_late
+        return late > 0 or self.inner.answers_late(op)
+
     def exists(self, keys: Sequence[str]) -> list[Status]:
         self._delay()
         if self.exists_fail <= 0.0:  # nothing to inject per key: no per-key Python work (lookups are big)

@@ -40,6 +40,17 @@ objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usa
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 
+Hung file systems: on a network or FUSE file system (NFS, CIFS, 9p, Ceph, sshfs, ...; anything
+``hybridkv.store.mounts`` does not know as local) a read or write blocks as long as the server or daemon
+does not answer, with a ``hard`` NFS mount forever -- and ``$XDG_CACHE_HOME``, where the default store lives,
+is often on NFS. There every data call (``exists``, put, get, ``remove``) runs on a ``DeadlineRunner`` and
+waits at most ``timeout_ms`` (default ``DEFAULT_HANG_TIMEOUT_MS``; ``?timeout_ms=N`` sets it, also on a local
+file system). A call past it answers ``TIMEOUT`` for all its keys and goes on in the runner's thread, exactly
+like an abandoned Mooncake call: it registers its completion handle
+(``hybridkv.store.base.register_late_call``) and ``answers_late`` is ``True``, so the worker never hands such
+a call KV pages. On a local file system there is no deadline thread (a call returns; zero copies) and
+``answers_late`` is ``False``. Opening the store (creating its directories) is not bounded.
+
 Speed (``hybridkv bench store``, /dev/shm): values move with one ``pwritev``/``readv`` straight from/to the
 caller's buffers. A put writes the payload first, seals the frame (computes its checksum) right after, while
 the payload is still in cache, and writes the header last; a get verifies each frame right after reading it
@@ -71,9 +82,11 @@ from pathlib import Path
 from typing import overload
 
 import structlog
-from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats, register_late_call
+from hybridkv.store.breaker import DeadlineExceeded, DeadlineRunner
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
+from hybridkv.store.mounts import directory_fstype, may_hang
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +106,9 @@ _RECYCLE_MIN_SIZE = 256 << 10
 #: Spare files are kept while they hold at most this fraction of capacity (the eviction hysteresis band).
 _SPARE_FRACTION = 1.0 - _LOW_WATERMARK
 _temp_counter = itertools.count()
+#: The deadline (ms) of each data call on a file system that may hang, when the URL names none: far beyond
+#: any healthy NFS round trip, and a bound of hybridkv's own on how long a request waits for this tier.
+DEFAULT_HANG_TIMEOUT_MS = 30_000
 #: The keys of :attr:`FileBackend.read_timings`.
 READ_PHASES = ("keys", "open_s", "read_s", "verify_s", "close_s")
 
@@ -107,10 +123,22 @@ class FileBackend:
     """Frames as files under one directory. Thread- and process-safe."""
 
     def __init__(
-        self, url: str, directory: Path, *, capacity_bytes: int, recycle_min_size: int = _RECYCLE_MIN_SIZE
+        self,
+        url: str,
+        directory: Path,
+        *,
+        capacity_bytes: int,
+        recycle_min_size: int = _RECYCLE_MIN_SIZE,
+        timeout_ms: int | None = None,
+        fstype: str | None = None,
     ) -> None:
-        """``recycle_min_size`` is for tests (recycling small files); every process sharing ``directory``
+        """``timeout_ms``: the deadline of each data call (see "Hung file systems"); ``None``:
+        ``DEFAULT_HANG_TIMEOUT_MS`` where ``directory``'s file system may hang, none on a local one.
+        ``fstype``: the file system type to assume instead of detecting it (tests).
+
+        ``recycle_min_size`` is for tests (recycling small files); every process sharing ``directory``
         must use the same value, because readers lock exactly the files writers may recycle."""
+        assert timeout_ms is None or timeout_ms > 0, f"file timeout_ms must be > 0, got {timeout_ms}"
         self.url = url
         self.directory = directory
         self.capacity_bytes = capacity_bytes
@@ -136,6 +164,17 @@ class FileBackend:
             raise StoreError(
                 f"file store {url!r}: cannot use directory {str(directory)!r}: {error}"
             ) from None
+        #: The type of the file system holding ``directory`` (``hybridkv.store.mounts``), detected after the
+        #: directory exists so that an automount has mounted it.
+        self.fstype = directory_fstype(str(directory)) if fstype is None else fstype
+        if timeout_ms is None and may_hang(self.fstype):
+            timeout_ms = DEFAULT_HANG_TIMEOUT_MS
+        #: The deadline of each data call in ms, or ``None``: calls run on the caller's thread.
+        self.timeout_ms = timeout_ms
+        self._runner = None if timeout_ms is None else DeadlineRunner(name="hybridkv-file")
+        #: Calls handed to the runner that have not returned yet, queued ones included (see ``close``).
+        self._num_runner_calls = 0
+        self._runner_lock = threading.Lock()
         # flock is per open file description, so threads of this process also need a lock of their own.
         self._usage_lock = threading.Lock()
         self._closed = False
@@ -357,9 +396,50 @@ class FileBackend:
                 except FileNotFoundError:
                     pass
 
+    # -- deadline --------------------------------------------------------------------------------------
+
+    def _guarded(self, op: str, num_keys: int, call: Callable[[], list[Status]]) -> list[Status]:
+        """``call()``, under the deadline when there is one: past it, ``TIMEOUT`` for every key, and the
+        call (still running, still using the caller's buffers) registered as late."""
+        runner, timeout_ms = self._runner, self.timeout_ms
+        if runner is None or timeout_ms is None:
+            return call()
+
+        def counted() -> list[Status]:
+            try:
+                return call()
+            finally:
+                with self._runner_lock:
+                    self._num_runner_calls -= 1
+
+        with self._runner_lock:
+            self._num_runner_calls += 1
+        try:
+            return runner.run(counted, timeout_ms / 1000.0)
+        except DeadlineExceeded as late:
+            register_late_call(late.done)  # the call still owns the caller's buffers until it returns
+            log.warning(
+                StoreLogEvent.FILE_DEADLINE,
+                url=self.url,
+                op=op,
+                num_keys=num_keys,
+                timeout_ms=timeout_ms,
+                fstype=self.fstype,
+            )
+            return [Status.TIMEOUT] * num_keys
+
     # -- Backend -----------------------------------------------------------------------------------------
 
+    def answers_late(self, op: str) -> bool:
+        """Where calls run under a deadline (a file system that may hang, or ``timeout_ms`` given): a call
+        past it answers ``TIMEOUT`` and goes on. Otherwise never: a local file system's call returns."""
+        return self._runner is not None
+
     def exists(self, keys: Sequence[str]) -> list[Status]:
+        key_list = list(keys)  # the call may outlive this frame: it must not see the caller change them
+        return self._guarded("exists", len(key_list), lambda: self._exists(key_list))
+
+    def _exists(self, keys: Sequence[str]) -> list[Status]:
         results: list[Status] = []
         now = time.time()
         for key in keys:
@@ -383,6 +463,14 @@ class FileBackend:
         self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook | None
     ) -> list[Status]:
         """``put_frames``, sealing each frame (computing its checksum) right before writing it."""
+        key_list, frame_list = list(keys), list(frames)
+        return self._guarded(
+            "put", len(key_list), lambda: self._put_frames_sealed(key_list, frame_list, seal)
+        )
+
+    def _put_frames_sealed(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook | None
+    ) -> list[Status]:
         results: list[Status] = []
         paths: list[str | None] = []
         sizes = [sum(part.nbytes for part in frame) for frame in frames]
@@ -532,6 +620,14 @@ class FileBackend:
         self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook | None
     ) -> list[Status]:
         """``get_frames_into``, verifying each frame right after reading it (while its bytes are cached)."""
+        key_list, frame_list = list(keys), list(frames)
+        return self._guarded(
+            "get", len(key_list), lambda: self._get_frames_verified(key_list, frame_list, verify)
+        )
+
+    def _get_frames_verified(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], verify: VerifyHook | None
+    ) -> list[Status]:
         results: list[Status] = []
         now = time.time()
         clock = time.perf_counter
@@ -586,6 +682,10 @@ class FileBackend:
         return results
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
+        key_list = list(keys)
+        return self._guarded("remove", len(key_list), lambda: self._remove(key_list))
+
+    def _remove(self, keys: Sequence[str]) -> list[Status]:
         results: list[Status] = []
         for key in keys:
             path = self.path_of(key)
@@ -677,13 +777,25 @@ class FileBackend:
                 "spare_estimate_bytes": spare_estimate,
                 "num_evicted_by_this_process": self.num_evicted,
                 "num_recycled_by_this_process": self.num_recycled,
+                "fstype": self.fstype,
+                "timeout_ms": self.timeout_ms,
+                "num_abandoned_calls": 0 if self._runner is None else self._runner.num_abandoned,
             },
         )
 
     def close(self) -> None:
+        """Close the descriptors -- unless a call on the deadline runner has not returned (one past its
+        deadline, on a hung file system): it may still lock and write them, and once closed the kernel hands
+        their numbers to the next files opened, which it would then write. They are then left open (the
+        process's exit closes them)."""
         if self._closed:
             return
         self._closed = True
+        if self._runner is not None:
+            self._runner.shutdown()
+        with self._runner_lock:
+            if self._num_runner_calls:
+                return
         os.close(self._usage_fd)
         os.close(self._evict_fd)
 

@@ -31,9 +31,15 @@ class Backend(Protocol):
     - ``get_frames_into`` fills the parts of each destination in order; it returns ``OK`` only when the
       stored frame is exactly as long as the destination parts together, ``CORRUPT`` when the lengths
       differ, ``NOT_FOUND`` when absent. It does not look inside the frame.
+    - ``answers_late(op)``: whether a get (``op="get"``) or put (``op="put"``) may answer ``TIMEOUT``
+      while its work goes on with the caller's buffers (it then registers the call with
+      ``hybridkv.store.base.register_late_call``). A backend that answers ``False`` returns from every such
+      call before answering -- however long that takes, so only one whose calls cannot hang may say so.
     """
 
     url: str
+
+    def answers_late(self, op: str) -> bool: ...
 
     def exists(self, keys: Sequence[str]) -> list[Status]: ...
 
@@ -150,6 +156,10 @@ class FramedStore:
     @property
     def checksum(self) -> ChecksumAlgo:
         return self._checksum
+
+    def answers_late(self, op: str) -> bool:
+        """The backend's answer (see ``Backend``): framing adds no call that could go on after answering."""
+        return self._backend.answers_late(op)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -140,6 +140,10 @@ class MemoryBackend:
         inspection. Touch it only under its ``lock``."""
         return self._table
 
+    def answers_late(self, op: str) -> bool:
+        """Never: every call copies under the table's lock and returns."""
+        return False
+
     def exists(self, keys: Sequence[str]) -> list[Status]:
         # C-level maps, not a Python loop: a lookup checks thousands of keys, and a loop here held the GIL
         # (and the table lock) for milliseconds at a 128K-token prompt, stalling the engine's other threads.

@@ -14,7 +14,8 @@ the small header part and the caller's payload buffers, without joining them. Ov
 buffers is registered with the transfer engine (``register_buffer``), which RDMA needs, so ``open_store``
 refuses ``protocol=rdma``.
 
-Every call runs through a ``CircuitBreaker`` and, when ``timeout_ms > 0``, a ``DeadlineRunner``: a dead
+Every call runs through a ``CircuitBreaker`` and a ``DeadlineRunner`` (``timeout_ms`` must be > 0: without
+a deadline a hung master would hold a request, and the worker thread loading it, forever): a dead
 master (each call ~4.3 s, then -900) or a hung one (each call blocks until ``MC_RPC_TIMEOUT_MS``) costs at
 most ``timeout_ms`` once; then calls fail fast with ``TRANSFER_FAILED`` without touching Mooncake until
 ``breaker_reset_s`` has passed, when one probe call (preceded by the instant ``health_check``) may close it.
@@ -134,15 +135,16 @@ class MooncakeBackend:
         breaker_reset_s: float,
         preferred_segment: str,
     ) -> None:
+        assert timeout_ms > 0, f"mooncake timeout_ms must be > 0 (open_store refuses it), got {timeout_ms}"
         self.url = url
         self.master_address = master_address
         self.timeout_ms = timeout_ms
         with _env_lock:
             # Mooncake reads MC_RPC_TIMEOUT_MS once per process; the first store opened sets it.
             current = os.environ.get("MC_RPC_TIMEOUT_MS")
-            if current is None and timeout_ms > 0:
+            if current is None:
                 os.environ["MC_RPC_TIMEOUT_MS"] = str(timeout_ms)
-            elif current is not None and timeout_ms > 0 and current != str(timeout_ms):
+            elif current != str(timeout_ms):
                 log.warning(
                     StoreLogEvent.MOONCAKE_RPC_TIMEOUT_ENV_DIFFERS, env=current, timeout_ms=timeout_ms
                 )
@@ -192,10 +194,7 @@ class MooncakeBackend:
             self._breaker.on_failure()
             return [Status.TRANSFER_FAILED] * num_keys
         try:
-            if self.timeout_ms > 0:
-                codes = self._runner.run(call, self.timeout_ms / 1000.0)
-            else:
-                codes = call()
+            codes = self._runner.run(call, self.timeout_ms / 1000.0)
         except DeadlineExceeded as late:
             register_late_call(late.done)  # the call still owns the caller's buffers until it returns
             self._breaker.on_failure()
@@ -215,6 +214,11 @@ class MooncakeBackend:
         else:
             self._breaker.on_success()
         return codes
+
+    def answers_late(self, op: str) -> bool:
+        """Always: every call runs under the deadline, and one past it answers ``TIMEOUT`` while it goes on
+        inside Mooncake."""
+        return True
 
     def _log_unexpected(self, op: str, key: str, code: int) -> None:
         if code not in (-704, -703, -200) and code not in _MASTER_DOWN_CODES:

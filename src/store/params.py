@@ -180,6 +180,14 @@ class Params:
             f"must be >= {minimum}",
         )
 
+    def optional_integer(self, name: str, *, minimum: int = 0) -> int | None:
+        """``integer`` without a default: ``None`` when the URL does not name ``name`` (for parameters whose
+        default depends on something else)."""
+        if name not in self._params:
+            self._known.append(name)
+            return None
+        return self.integer(name, 0, minimum=minimum)
+
     def number(self, name: str, default: float, *, minimum: float = 0.0) -> float:
         # ``number >= minimum`` is also False for NaN, which is rejected.
         return self._converted(

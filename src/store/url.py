@@ -4,12 +4,14 @@
 URL                                                    parameters (all optional)
 =====================================================  =======================================================
 ``memory://NAME``                                      ``capacity`` (LRU bound; default unbounded)
-``file:///ABS/DIR``                                    ``capacity`` (default 4GiB)
+``file:///ABS/DIR``                                    ``capacity`` (default 4GiB), ``timeout_ms`` (deadline
+                                                       of each call; default 30000 where DIR is on a network
+                                                       or FUSE file system, none on a local one; > 0)
 ``mooncake://HOST:PORT``                               ``metadata`` (``P2PHANDSHAKE``), ``local_hostname``
                                                        (127.0.0.1), ``segment`` (1GiB), ``local_buffer``
                                                        (64MiB), ``protocol`` (tcp; rdma is refused),
                                                        ``device`` (""),
-                                                       ``timeout_ms`` (2000; 0 = no deadline thread),
+                                                       ``timeout_ms`` (2000; > 0: every call has a deadline),
                                                        ``breaker_failures`` (1), ``breaker_reset_s`` (5),
                                                        ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
 ``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``,
@@ -32,7 +34,7 @@ from urllib.parse import urlencode
 
 from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
-from hybridkv.store.file import FileBackend
+from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.memory import MemoryBackend
@@ -124,8 +126,17 @@ def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
     capacity = params.size("capacity", DEFAULT_FILE_CAPACITY)
     if capacity <= 0:
         raise StoreError(f"store URL {parsed.url!r}: parameter capacity must be > 0")
+    # None: the backend picks (a deadline where the directory's file system may hang, none on a local one).
+    timeout_ms = params.optional_integer("timeout_ms", minimum=-(1 << 63))
+    if timeout_ms is not None and timeout_ms <= 0:
+        raise params.fail(
+            "timeout_ms",
+            str(timeout_ms),
+            "the deadline of each call must be > 0 ms (leave it out for the default: "
+            f"{DEFAULT_HANG_TIMEOUT_MS} on a network or FUSE file system, none on a local one)",
+        )
     params.finish()
-    return FileBackend(parsed.url, Path(parsed.path), capacity_bytes=capacity)
+    return FileBackend(parsed.url, Path(parsed.path), capacity_bytes=capacity, timeout_ms=timeout_ms)
 
 
 def _mooncake_protocol(params: Params) -> str:
@@ -146,6 +157,24 @@ def _mooncake_protocol(params: Params) -> str:
     return protocol
 
 
+def _mooncake_timeout_ms(params: Params) -> int:
+    """The ``timeout_ms`` parameter of a mooncake:// URL (default 2000): the deadline of every call, > 0.
+
+    ``0`` used to mean "no deadline": a call then ran on the caller's thread until Mooncake answered, and a
+    hung master (its RPC timeout can be set to never fire) held the worker's load thread and the request
+    waiting for it forever. Refused by name rather than mapped to some default, so that no deployment
+    believes it runs without one."""
+    timeout_ms = params.integer("timeout_ms", 2000, minimum=-(1 << 63))
+    if timeout_ms <= 0:
+        raise params.fail(
+            "timeout_ms",
+            str(timeout_ms),
+            "every Mooncake call needs a deadline: a hung master would hold a request forever; "
+            "use timeout_ms > 0",
+        )
+    return timeout_ms
+
+
 def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
     host, _, port_text = parsed.netloc.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -163,7 +192,7 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
         local_buffer_bytes=params.size("local_buffer", 64 << 20),
         protocol=_mooncake_protocol(params),
         device=params.text("device", ""),
-        timeout_ms=params.integer("timeout_ms", 2000),
+        timeout_ms=_mooncake_timeout_ms(params),
         breaker_failures=params.integer("breaker_failures", 1, minimum=1),
         breaker_reset_s=params.number("breaker_reset_s", 5.0),
         preferred_segment=params.text("preferred_segment", "local"),

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,9 @@ from hybridkv.connector.metadata import (
     SaveResult,
 )
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import _MAX_QUARANTINED_BATCHES, WorkerSide
+from hybridkv.connector.worker import _MAX_QUARANTINED_BATCHES, WorkerSide, _may_answer_late
 from hybridkv.lifecycle import EntryId, LoadOutcome
+from hybridkv.store import file as file_module
 from hybridkv.store import open_store
 from hybridkv.store.base import Status, register_late_call
 
@@ -64,6 +66,16 @@ def _stored_block(scheme: Any, name: str, caches: dict[str, torch.Tensor]) -> No
     """Save block 3 of group 0 under H1 into ``memory://name`` (through a plain worker)."""
     store = open_store(f"memory://{name}")
     store.put([scheme.key(0, 0, H1)], [caches["attn.0"][3].view(torch.uint8).reshape(-1).numpy()])
+
+
+def _stored_file_block(scheme: Any, url: str, caches: dict[str, torch.Tensor]) -> None:
+    """Save block 3 of group 0 under H1 into the file store ``url``."""
+    store = open_store(url)
+    try:
+        page = caches["attn.0"][3].view(torch.uint8).reshape(-1).numpy()
+        assert store.put([scheme.key(0, 0, H1)], [page]) == [Status.OK]
+    finally:
+        store.close()
 
 
 def _wait_report(ws: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str]]:
@@ -108,6 +120,72 @@ def test_late_load_that_never_returns_holds_nothing_on_the_host_path(vllm_objs: 
     ws.resume()
     assert not ws.wait_late_calls(0.05)  # ... but its buffer is still quarantined
     assert _shutdown_returns(ws, 1.0), "shutdown hung on a late call"
+
+
+def test_hung_file_store_read_fails_the_load_within_its_deadline_and_holds_nothing(
+    vllm_objs: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A ``file://`` read that hangs and never answers (a hung network file system; here the raw read
+    blocks) under the store's own deadline (``timeout_ms``): the request is reported failed, its pages
+    untouched, later loads still run, and shutdown returns while the read still hangs."""
+    url = f"file://{tmp_path}/store?timeout_ms=200"
+    ws, caches, scheme = _worker(vllm_objs, url)
+    _stored_file_block(scheme, url, caches)
+    release = threading.Event()
+    real_read_all = file_module._read_all
+
+    def hung_read_all(fd: int, parts: Sequence[memoryview]) -> int:
+        assert release.wait(30), "never released"
+        return real_read_all(fd, parts)
+
+    monkeypatch.setattr(file_module, "_read_all", hung_read_all)
+    try:
+        page_before = caches["attn.0"][7].clone()
+        ws.start_load(_load_of(scheme, "hung"))
+        assert _wait_report(ws) == ({"hung"}, {"hung"}), "the load waited for the hung read"
+        wm = ws.worker_meta()
+        assert wm is not None and [res.outcome for res in wm.loads["hung"]] == [LoadOutcome.TIMEOUT]
+        assert torch.equal(caches["attn.0"][7], page_before), "the hung read was handed the KV pages"
+        assert ws.flush(5.0) and ws.suspend(timeout=5.0), "a hung read that owns no KV memory held sleep"
+        ws.resume()
+        monkeypatch.setattr(file_module, "_read_all", real_read_all)  # the file system answers again
+        ws.start_load(_load_of(scheme, "next", block_id=8))
+        assert _wait_report(ws) == ({"next"}, set()), "a later load did not run"
+        assert torch.equal(caches["attn.0"][8], caches["attn.0"][3])
+        assert _shutdown_returns(ws, 1.0), "shutdown hung on the hung read"
+        assert torch.equal(caches["attn.0"][7], page_before)
+    finally:
+        release.set()
+
+
+def test_the_worker_asks_the_store_whether_it_may_answer_late(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Only a store that says it never answers late is handed KV pages; an object that does not say (a
+    wrapper forwarding attributes to a store, or anything else) is assumed to."""
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    assert not _may_answer_late(open_store(f"memory://{name}"), "get")
+    late_get = open_store(f"faulty+memory://{name}?get_late=1")
+    assert _may_answer_late(late_get, "get") and not _may_answer_late(late_get, "put")
+    assert not _may_answer_late(open_store(f"faulty+memory://{name}?delay_ms=1"), "put")
+    local = open_store(f"file://{tmp_path}/local")
+    assert not _may_answer_late(local, "get") and not _may_answer_late(local, "put")
+    monkeypatch.setattr(file_module, "directory_fstype", lambda _directory: "nfs4")
+    on_nfs = open_store(f"file://{tmp_path}/nfs")
+    assert _may_answer_late(on_nfs, "get") and _may_answer_late(on_nfs, "put")
+    assert _may_answer_late(open_store(f"faulty+file://{tmp_path}/nfs2"), "get")  # its inner store may
+
+    class Forwarding:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(self.inner, attribute)
+
+    assert _may_answer_late(Forwarding(local), "get")
+    assert _may_answer_late(object(), "put")
+    for store in (local, on_nfs):
+        store.close()
 
 
 def test_host_loads_fail_fast_once_too_many_batches_are_quarantined(vllm_objs: dict[str, Any]) -> None:

@@ -3,8 +3,10 @@ touches a page after its load was reported, and the tokens stay identical.
 
 ``faulty+...?get_late=1&late_ms=N`` answers every get with ``TIMEOUT`` at once and writes the destination
 pages ``N`` ms later -- with a garbage pattern (``late_scribble``), so a write landing after vLLM freed and
-reused the blocks is visible. The test watches the worker's real KV tensors: at every load report no late
-operation may still be pending, and no page of a reported load may turn into the scribble afterwards.
+reused the blocks is visible. A store that can answer late never gets the KV pages themselves: the worker reads
+into private buffers, so the load is reported (failed) at once while the late writes are still pending, and they
+land in quarantined memory. The test watches the worker's real KV tensors: no page of a reported load may turn
+into the scribble afterwards.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
         num_late_calls = getattr(worker.worker_side, "num_late_store_calls", 0)
         again, _ = generate(llm, tokens, max_tokens=16)
     assert pages, "no load was reported: the test did not exercise a late get"
-    assert pending_at_report == [0], (
-        f"a load was reported while late gets still owned its pages: {pending_at_report}"
+    assert pending_at_report and pending_at_report[0] >= 1, (
+        f"the report waited for the late gets (it need not: they own private buffers): {pending_at_report}"
     )
     assert not late_after_report, (
         f"{len(late_after_report)} KV pages were written after their load was reported"

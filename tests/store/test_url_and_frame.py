@@ -30,6 +30,8 @@ from hybridkv.store.frame import key_digest
         ("file://", "missing directory"),
         ("file://relative/dir", "host 'relative'"),
         ("file:///tmp/x?capacity=0", "capacity must be > 0"),
+        ("file:///tmp/x?timeout_ms=0", "timeout_ms='0' is invalid: the deadline of each call must be > 0"),
+        ("file:///tmp/x?timeout_ms=soon", "timeout_ms='soon'"),
         ("faulty+memory://x?get_fail=1.5", "get_fail='1.5'"),
         ("faulty+memory://x?corrupt=-0.1", "probability outside [0, 1]"),
         ("faulty+memory://x?delay_ms=soon", "delay_ms='soon'"),
@@ -54,6 +56,18 @@ def test_mooncake_rdma_is_refused_at_open_naming_the_parameter_and_the_way_out()
     message = str(error.value)
     assert "protocol='rdma'" in message and "not supported" in message, message
     assert "use protocol=tcp" in message, message
+
+
+@pytest.mark.parametrize("timeout_ms", ["0", "-5"])
+def test_mooncake_without_a_deadline_is_refused_at_open(timeout_ms: str) -> None:
+    """Without a deadline a call to a hung master would hold the worker's load thread, and the request
+    waiting for it, forever. Refused before any connection: no master listens on port 1."""
+    with pytest.raises(StoreError) as error:
+        open_store(f"mooncake://127.0.0.1:1?timeout_ms={timeout_ms}")
+    message = str(error.value)
+    assert f"timeout_ms='{timeout_ms}'" in message, message
+    assert "every Mooncake call needs a deadline: a hung master would hold a request forever" in message
+    assert "use timeout_ms > 0" in message, message
 
 
 @pytest.mark.parametrize(
