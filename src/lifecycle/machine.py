@@ -403,6 +403,8 @@ class RequestLifecycle(_Model):
 
         False when this incarnation may not hit any more (``REFUSED``: retries exhausted, or refused)."""
         state = self.current
+        if state is not State.REFUSED:
+            self.group_detail = None  # the records of a new lookup carry its own answer, not the last one's
         if state is State.TRUNCATED:
             if self._machine.try_fire(self, "retry", max_boundary=self.max_boundary):
                 self.num_retries += 1
@@ -489,6 +491,7 @@ class RequestLifecycle(_Model):
         """The store could not answer in time (circuit open, timeout, a namespace reset unfinished):
         ``MISS``."""
         if self.current is not State.LOOKUP:
+            self.group_detail = None
             self._machine.fire(self, "start_lookup")
             self.epoch = self._machine.epoch
         self.boundary = 0

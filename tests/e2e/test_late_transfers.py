@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from engine_utils import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
+from hybridkv.lifecycle.audit import audit_file
 from hybridkv.store.faulty import SCRIBBLE_BYTE, FaultyBackend
 from hybridkv.testing.tiny_models import build_tiny_model
 
@@ -67,6 +68,7 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
     extra = {
         "store": f"faulty+file://{tmp_path}/store?capacity=256MiB&get_late=1&late_ms={LATE_MS}",
         "lookup_budget_ms": 5000,
+        "audit_log": str(tmp_path / "audit.jsonl"),
     }
     tokens = prompt(PROMPT_LEN, seed=5)
     with engine(model, extra) as llm:
@@ -92,3 +94,6 @@ def test_late_get_never_writes_a_reported_page_and_tokens_stay_identical(tmp_pat
     assert num_late_calls >= 1 and w_tot["load_failed_keys"] > 0
     assert cached == 0
     assert warm[: len(cold)] == cold and again == warm, "tokens differ after a late get"
+    # The audit taken under late calls replays against the table: legal, every lifecycle terminated.
+    report = audit_file(tmp_path / "audit.jsonl")
+    assert report.ok and report.num_truncations >= 1, report.to_dict()["violations"]
