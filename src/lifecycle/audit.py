@@ -37,7 +37,10 @@ from hybridkv.lifecycle.machine import (
     MAX_LOAD_RETRIES,
     SAVE_INITIAL,
     SAVE_TERMINAL,
+    TRIGGERS,
+    ReplayCount,
     State,
+    Trigger,
     transition_index,
 )
 
@@ -467,6 +470,7 @@ class AuditReport:
 
 
 _STATE_NAMES = frozenset(s.name for s in State)
+_TRIGGER_NAMES = frozenset(t.value for t in Trigger)
 
 
 def replay_records(lines: Iterable[str]) -> AuditReport:
@@ -566,7 +570,9 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
             )
         lifecycle.state = dst
 
-        if trigger == "retry":
+        row = TRIGGERS.get(Trigger(trigger)) if trigger in _TRIGGER_NAMES else None
+        counts = row.replay if row is not None else frozenset()
+        if ReplayCount.RETRY in counts:
             lifecycle.num_retries += 1
             report.num_retries += 1
             if lifecycle.num_retries > MAX_LOAD_RETRIES:
@@ -578,9 +584,9 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
                         f"retry #{lifecycle.num_retries} (max {MAX_LOAD_RETRIES})",
                     )
                 )
-        elif trigger in ("give_up", "refuse"):
+        elif ReplayCount.ENDS_LOADS in counts:
             lifecycle.gave_up = True
-        elif trigger == "start_load" and lifecycle.gave_up:
+        elif trigger == Trigger.START_LOAD and lifecycle.gave_up:
             report.violations.append(
                 Violation(ViolationKind.LOOP, line_number, request_id, "load started after retries ran out")
             )
@@ -592,7 +598,7 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         )
         boundary = record.get("boundary")
         cap = lifecycle.cap
-        if trigger == "lookup_hit" and cap is not None and isinstance(boundary, int) and boundary > cap:
+        if trigger == Trigger.LOOKUP_HIT and cap is not None and isinstance(boundary, int) and boundary > cap:
             report.violations.append(
                 Violation(
                     ViolationKind.OVER_CAP,
@@ -601,15 +607,15 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
                     f"hit {boundary} after a truncation capped the retry at {cap}",
                 )
             )
-        if trigger in ("lookup_hit", "lookup_miss"):
+        if ReplayCount.GROUP_HIT_OR_MISS in counts:
             for detail in groups:
                 if isinstance(detail, dict) and isinstance(detail.get("hit_tokens"), int):
                     group_bump(detail.get("group"), "hit" if detail["hit_tokens"] > computed else "miss")
-        elif trigger == "load_verified":
+        elif ReplayCount.GROUP_VERIFIED in counts:
             for detail in groups:
                 if isinstance(detail, dict) and detail.get("blocks"):
                     group_bump(detail.get("group"), "verified")
-        elif trigger == "load_failed":
+        elif ReplayCount.TRUNCATION in counts:
             report.num_truncations += 1
             detail = record.get("detail")
             cap = detail.get("retry_cap") if isinstance(detail, dict) else None

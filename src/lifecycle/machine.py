@@ -55,13 +55,17 @@ __all__ = [
     "SAVE_INITIAL",
     "SAVE_TERMINAL",
     "TRANSITIONS",
+    "TRIGGERS",
     "GuardRejected",
     "IllegalTransition",
     "LifecycleMachine",
+    "ReplayCount",
     "RequestLifecycle",
     "SaveWave",
     "State",
     "TransitionSpec",
+    "Trigger",
+    "TriggerRow",
     "transition_index",
 ]
 
@@ -85,11 +89,62 @@ class State(enum.Enum):
     DROPPED = "DROPPED"
 
 
+class Trigger(enum.StrEnum):
+    """Every trigger of the table (a ``str``: audit records carry the value)."""
+
+    START_LOOKUP = "start_lookup"
+    REASK = "reask"
+    LOOKUP_HIT = "lookup_hit"
+    LOOKUP_MISS = "lookup_miss"
+    REVOKE = "revoke"
+    START_LOAD = "start_load"
+    DECLINE = "decline"
+    REFUSE = "refuse"
+    LOAD_VERIFIED = "load_verified"
+    LOAD_FAILED = "load_failed"
+    RETRY = "retry"
+    GIVE_UP = "give_up"
+    EVICT = "evict"
+    START_PUT = "start_put"
+    PUT_STORED = "put_stored"
+    PUT_FAILED = "put_failed"
+    DROP = "drop"
+
+
+class ReplayCount(enum.Enum):
+    """What ``hybridkv audit``'s replay counts for a trigger's record (besides its per-trigger count)."""
+
+    #: per group: a hit or a miss (``hit_tokens`` beyond the local hit or not)
+    GROUP_HIT_OR_MISS = "group_hit_or_miss"
+    #: per group with blocks: a verified load
+    GROUP_VERIFIED = "group_verified"
+    #: a truncation (and per failed group); lowers the lifecycle's retry cap
+    TRUNCATION = "truncation"
+    #: a retry (more than ``MAX_LOAD_RETRIES`` in one incarnation is a loop)
+    RETRY = "retry"
+    #: no later load of this incarnation (a ``load_started`` after it is a loop)
+    ENDS_LOADS = "ends_loads"
+
+
+@dataclass(frozen=True)
+class TriggerRow:
+    """Everything about one trigger besides where it leads (that is ``TRANSITIONS``)."""
+
+    trigger: Trigger
+    #: the fields of its audit record's ``detail``: a record carries all of them or (``detail_optional``)
+    #: none; ``fire`` refuses anything else
+    detail: tuple[str, ...] = ()
+    detail_optional: bool = False
+    #: vLLM's proposed lifecycle-trace counterpart: (event, role, transfer mode); None: none
+    trace: tuple[str, str, str] | None = None
+    replay: frozenset[ReplayCount] = frozenset()
+
+
 @dataclass(frozen=True)
 class TransitionSpec:
     """One row of the table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
 
-    trigger: str
+    trigger: Trigger
     sources: tuple[State, ...]
     dest: State
     #: The audit record's ``event`` (past-tense verb).
@@ -107,6 +162,7 @@ class TransitionSpec:
 
 
 _S = State
+_T = Trigger
 _STATE_OF_NAME: dict[str, State] = {state.name: state for state in State}  # ``State[name]`` is slower
 #: Retries of a truncated load (then MISS for the rest of the incarnation).
 MAX_LOAD_RETRIES = 1
@@ -121,55 +177,66 @@ _REFUSABLE = tuple(s for s in _LOAD_LIVE if s is not _S.REFUSED)
 # fmt: off
 TRANSITIONS: tuple[TransitionSpec, ...] = (
     # -- load side ---------------------------------------------------------------------------------
-    TransitionSpec("start_lookup",  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
-    TransitionSpec("start_lookup",  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted"),
-    TransitionSpec("reask",         (_S.LOOKUP,),                 _S.LOOKUP,      "lookup_reasked"),
-    TransitionSpec("lookup_hit",    (_S.LOOKUP,),                 _S.PARTIAL_HIT, "hit_found"),
-    TransitionSpec("lookup_miss",   (_S.LOOKUP,),                 _S.MISS,        "miss_reported"),
-    TransitionSpec("revoke",        (_S.PARTIAL_HIT,),            _S.MISS,        "hit_revoked"),
-    TransitionSpec("start_load",    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started", ("answer_current",)),
-    TransitionSpec("decline",       (_S.PARTIAL_HIT,),            _S.MISS,        "hit_declined"),
-    TransitionSpec("refuse",        _REFUSABLE,                   _S.REFUSED,     "hit_refused"),
-    TransitionSpec("load_verified", (_S.LOADING,),                _S.VERIFIED,    "load_verified"),
-    TransitionSpec("load_failed",   (_S.LOADING,),                _S.TRUNCATED,   "load_truncated"),
-    TransitionSpec("retry",         (_S.TRUNCATED,),              _S.LOOKUP,      "retry_started", ("has_retry_budget",)),
-    TransitionSpec("give_up",       (_S.TRUNCATED,),              _S.REFUSED,     "retries_exhausted", ("retries_spent",)),
-    TransitionSpec("evict",         _LOAD_LIVE,                   _S.EVICTED,     "request_evicted"),
+    TransitionSpec(_T.START_LOOKUP,  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
+    TransitionSpec(_T.START_LOOKUP,  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted"),
+    TransitionSpec(_T.REASK,         (_S.LOOKUP,),                 _S.LOOKUP,      "lookup_reasked"),
+    TransitionSpec(_T.LOOKUP_HIT,    (_S.LOOKUP,),                 _S.PARTIAL_HIT, "hit_found"),
+    TransitionSpec(_T.LOOKUP_MISS,   (_S.LOOKUP,),                 _S.MISS,        "miss_reported"),
+    TransitionSpec(_T.REVOKE,        (_S.PARTIAL_HIT,),            _S.MISS,        "hit_revoked"),
+    TransitionSpec(_T.START_LOAD,    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started", ("answer_current",)),
+    TransitionSpec(_T.DECLINE,       (_S.PARTIAL_HIT,),            _S.MISS,        "hit_declined"),
+    TransitionSpec(_T.REFUSE,        _REFUSABLE,                   _S.REFUSED,     "hit_refused"),
+    TransitionSpec(_T.LOAD_VERIFIED, (_S.LOADING,),                _S.VERIFIED,    "load_verified"),
+    TransitionSpec(_T.LOAD_FAILED,   (_S.LOADING,),                _S.TRUNCATED,   "load_truncated"),
+    TransitionSpec(_T.RETRY,         (_S.TRUNCATED,),              _S.LOOKUP,      "retry_started", ("has_retry_budget",)),
+    TransitionSpec(_T.GIVE_UP,       (_S.TRUNCATED,),              _S.REFUSED,     "retries_exhausted", ("retries_spent",)),
+    TransitionSpec(_T.EVICT,         _LOAD_LIVE,                   _S.EVICTED,     "request_evicted"),
     # -- save side (per wave) ----------------------------------------------------------------------
-    TransitionSpec("start_put",     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
-    TransitionSpec("put_stored",    (_S.PUTTING,),                _S.STORED,      "put_stored"),
-    TransitionSpec("put_failed",    (_S.PUTTING,),                _S.FAILED,      "put_failed"),
-    TransitionSpec("drop",          (_S.QUEUED, _S.PUTTING),      _S.DROPPED,     "save_dropped"),
+    TransitionSpec(_T.START_PUT,     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
+    TransitionSpec(_T.PUT_STORED,    (_S.PUTTING,),                _S.STORED,      "put_stored"),
+    TransitionSpec(_T.PUT_FAILED,    (_S.PUTTING,),                _S.FAILED,      "put_failed"),
+    TransitionSpec(_T.DROP,          (_S.QUEUED, _S.PUTTING),      _S.DROPPED,     "save_dropped"),
 )
 # fmt: on
 
 
-#: trigger -> the fields of its audit record's ``detail``: a record carries all of them or (where the
-#: detail is optional, e.g. a ``decline`` without a reason) none; triggers not listed carry none. ``fire``
-#: refuses anything else, so this table is the whole ``detail`` vocabulary.
-DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
-    "reask": ("num_tokens", "num_computed_tokens"),
-    "lookup_miss": ("reason",),
-    "revoke": ("reason", "epoch"),
-    "decline": ("reason",),
-    "refuse": ("reason",),
-    "load_failed": (
-        "planned_boundary",
-        "retry_cap",
-        "num_failed_entries",
-        "num_invalid_keys",
-        "num_transient_faults",
-        "failed_groups",
-    ),
-    "retry": ("max_boundary",),
-    "evict": ("reason",),
-    "put_failed": ("num_stored_blocks", "num_blocks"),
-    "drop": ("reason",),
-}
-assert DETAIL_FIELDS.keys() <= {spec.trigger for spec in TRANSITIONS}, (
-    f"DETAIL_FIELDS names triggers TRANSITIONS lacks: {DETAIL_FIELDS.keys() - {s.trigger for s in TRANSITIONS}}"
+_LOAD, _TRUNC = frozenset({ReplayCount.GROUP_HIT_OR_MISS}), frozenset({ReplayCount.TRUNCATION})
+_CONSUMER, _PRODUCER = ("consumer", "pull"), ("producer", "push")
+# fmt: off
+#: One row per trigger: its ``detail`` fields, trace counterpart and replay counts.
+TRIGGERS: Mapping[Trigger, TriggerRow] = {row.trigger: row for row in (
+    TriggerRow(_T.START_LOOKUP),
+    TriggerRow(_T.REASK,         ("num_tokens", "num_computed_tokens")),
+    TriggerRow(_T.LOOKUP_HIT,    trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
+    TriggerRow(_T.LOOKUP_MISS,   ("reason",), detail_optional=True, trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
+    TriggerRow(_T.REVOKE,        ("reason", "epoch")),
+    TriggerRow(_T.START_LOAD,    trace=("transfer_started", *_CONSUMER)),
+    TriggerRow(_T.DECLINE,       ("reason",), detail_optional=True),
+    TriggerRow(_T.REFUSE,        ("reason",), replay=frozenset({ReplayCount.ENDS_LOADS})),
+    TriggerRow(_T.LOAD_VERIFIED, trace=("transfer_completed", *_CONSUMER), replay=frozenset({ReplayCount.GROUP_VERIFIED})),
+    TriggerRow(_T.LOAD_FAILED,   ("planned_boundary", "retry_cap", "num_failed_entries", "num_invalid_keys",
+                                  "num_transient_faults", "failed_groups"),
+               trace=("transfer_failed", *_CONSUMER), replay=_TRUNC),
+    TriggerRow(_T.RETRY,         ("max_boundary",), replay=frozenset({ReplayCount.RETRY})),
+    TriggerRow(_T.GIVE_UP,       replay=frozenset({ReplayCount.ENDS_LOADS})),
+    TriggerRow(_T.EVICT,         ("reason",), detail_optional=True),
+    TriggerRow(_T.START_PUT,     trace=("transfer_started", *_PRODUCER)),
+    TriggerRow(_T.PUT_STORED,    trace=("transfer_completed", *_PRODUCER)),
+    TriggerRow(_T.PUT_FAILED,    ("num_stored_blocks", "num_blocks"), trace=("transfer_failed", *_PRODUCER)),
+    TriggerRow(_T.DROP,          ("reason",), detail_optional=True, trace=("transfer_failed", *_PRODUCER)),
+)}
+# fmt: on
+assert set(TRIGGERS) == set(Trigger) == {spec.trigger for spec in TRANSITIONS}, (
+    f"TRIGGERS, Trigger and TRANSITIONS name different triggers: rows {sorted(set(Trigger) - set(TRIGGERS))} "
+    f"missing, table {sorted(set(Trigger) - {spec.trigger for spec in TRANSITIONS})} unused"
 )
+#: trigger -> the fields of its audit record's ``detail`` (triggers not listed carry none): ``TRIGGERS``'s.
+DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
+    t.value: row.detail for t, row in TRIGGERS.items() if row.detail
+}
 _DETAIL_FIELD_SETS = {trigger: frozenset(fields) for trigger, fields in DETAIL_FIELDS.items()}
+#: triggers whose record must carry its ``detail`` (not optional)
+_DETAIL_REQUIRED = frozenset(t.value for t, row in TRIGGERS.items() if row.detail and not row.detail_optional)
 
 
 def transition_index() -> dict[tuple[str, State], TransitionSpec]:
@@ -273,9 +340,11 @@ class LifecycleMachine:
         spec = _INDEX.get((trigger, _STATE_OF_NAME[src]))
         if spec is None:
             raise IllegalTransition(model.request_id, trigger, src, _TRIGGER_TO_DESTS.get(trigger, ()))
-        assert not detail or detail.keys() == _DETAIL_FIELD_SETS.get(trigger), (
+        assert (not detail and trigger not in _DETAIL_REQUIRED) or detail.keys() == _DETAIL_FIELD_SETS.get(
+            trigger
+        ), (
             f"request {model.request_id!r}: {trigger!r} carries detail fields {sorted(detail)}, "
-            f"DETAIL_FIELDS declares {DETAIL_FIELDS.get(trigger, ())}"
+            f"TRIGGERS declares {DETAIL_FIELDS.get(trigger, ())}"
         )
         model.detail = detail or None
         # A self-loop (``reask``) leaves the state as it was: count transitions instead of comparing states.

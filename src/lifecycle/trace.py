@@ -44,6 +44,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.lifecycle.machine import TRIGGERS
+
 __all__ = [
     "CONNECTOR_NAME",
     "LOG_PREFIX",
@@ -61,17 +63,9 @@ LOG_PREFIX = "KV_CONNECTOR_LIFECYCLE "
 CONNECTOR_NAME = "HybridStoreConnector"
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
-#: audit trigger -> (trace event, role, transfer mode)
+#: audit trigger -> (trace event, role, transfer mode): the ``trace`` column of the triggers' rows
 TRIGGER_TO_TRACE: Mapping[str, tuple[str, str, str]] = {
-    "lookup_hit": ("blocks_matched", "consumer", "pull"),
-    "lookup_miss": ("blocks_matched", "consumer", "pull"),
-    "start_load": ("transfer_started", "consumer", "pull"),
-    "load_verified": ("transfer_completed", "consumer", "pull"),
-    "load_failed": ("transfer_failed", "consumer", "pull"),
-    "start_put": ("transfer_started", "producer", "push"),
-    "put_stored": ("transfer_completed", "producer", "push"),
-    "put_failed": ("transfer_failed", "producer", "push"),
-    "drop": ("transfer_failed", "producer", "push"),
+    trigger.value: row.trace for trigger, row in TRIGGERS.items() if row.trace is not None
 }
 _EVENTS = frozenset(event for event, _, _ in TRIGGER_TO_TRACE.values())
 _FIELDS = (

@@ -7,6 +7,7 @@ from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme
 from hybridkv.lifecycle.audit import MemoryAuditSink
 from hybridkv.lifecycle.machine import (
     TRANSITIONS,
+    TRIGGERS,
     IllegalTransition,
     LifecycleMachine,
     RequestLifecycle,
@@ -83,7 +84,9 @@ class TableDrivenMachine(RuleBasedStateMachine):
                     self.machine.fire(self.lifecycle, trigger)
                 assert self.lifecycle.current is src
             return
-        self.machine.fire(self.lifecycle, trigger)
+        row = TRIGGERS[trigger]
+        detail = {} if row.detail_optional else dict.fromkeys(row.detail, 0)
+        self.machine.fire(self.lifecycle, trigger, **detail)
         self.num_moves += 1
         assert self.lifecycle.current is spec.dest
 

@@ -35,6 +35,10 @@ TestFileStore = make_store_machine(_file, allows_eviction=False).TestCase
 TestFileStoreUnderCapacity = make_store_machine(
     lambda: _file("capacity=12KiB"), allows_eviction=True
 ).TestCase
+# Every call on the deadline runner, as on a network file system (a generous deadline: none is missed).
+TestFileStoreUnderDeadline = make_store_machine(
+    lambda: _file("capacity=12KiB&timeout_ms=30000"), allows_eviction=True
+).TestCase
 TestFileStoreCrc32 = make_store_machine(
     lambda: _file("capacity=64MiB&checksum=crc32"), allows_eviction=False
 ).TestCase
