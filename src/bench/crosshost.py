@@ -26,7 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing import tiny_models, vllm_harness
+from hybridkv.connector import inprocess
+from hybridkv.devkit import tiny_models
 
 DEFAULT_FAMILY = "qwen3_next"
 DEFAULT_PROMPT_TOKENS = 1000
@@ -43,19 +44,19 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 def _engine(model_dir: Path, store_url: str, prompt_tokens: int) -> Iterator[Any]:
     """An in-process engine with hybridkv on ``store_url`` (a 5 s lookup budget: the bench measures the
     store, not the breaker)."""
-    transfer = vllm_harness.connector_transfer_config(
+    transfer = inprocess.connector_transfer_config(
         {"store": store_url, "namespace": "bench-crosshost", "lookup_budget_ms": 5000}
     )
-    kwargs = vllm_harness.engine_kwargs(
+    kwargs = inprocess.engine_kwargs(
         max_model_len=prompt_tokens + 16, kv_cache_bytes=128 << 20, max_num_seqs=2
     )
     kwargs["max_num_batched_tokens"] = max(2048, prompt_tokens + 16)
-    with vllm_harness.inprocess_engine(model_dir, transfer, **kwargs) as llm:
+    with inprocess.inprocess_engine(model_dir, transfer, **kwargs) as llm:
         yield llm
 
 
 def _halves(llm: Any) -> tuple[Any, Any]:
-    scheduler_connector, worker_connector = vllm_harness.connector_halves(llm)
+    scheduler_connector, worker_connector = inprocess.connector_halves(llm)
     return scheduler_connector, worker_connector
 
 

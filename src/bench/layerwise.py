@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing import vllm_harness
+from hybridkv.connector import inprocess
+from hybridkv.devkit import vllm_harness
 
 #: the modes compared, in the order of even rounds (odd rounds reverse it)
 MODES: tuple[str, str] = ("layerwise", "async")
@@ -37,14 +38,14 @@ def set_load_mode(llm: Any, mode: str) -> None:
     Only between requests: a mode is a property of a whole request's load. Benchmarks only; a deployment
     sets ``load_mode`` in its config.
     """
-    sched, worker = vllm_harness.connector_halves(llm)
-    assert worker.worker_side_if_any() is not None and worker.worker_side._layerwise is not None, (
+    sched, worker = inprocess.connector_halves(llm)
+    assert worker.worker_side_if_any() is not None and worker.worker_side.has_layerwise_loads, (
         "set_load_mode needs an engine started with load_mode 'layerwise'"
     )
     for connector in (sched, worker):
         connector.config = dataclasses.replace(connector.config, load_mode=mode)
     sched.scheduler_side.cfg = dataclasses.replace(sched.scheduler_side.cfg, load_mode=mode)
-    worker.worker_side.cfg = dataclasses.replace(worker.worker_side.cfg, load_mode=mode)
+    worker.worker_side.switch_load_mode(mode)
 
 
 def _prompt(num_tokens: int, rng: random.Random) -> list[int]:
@@ -77,17 +78,17 @@ def measure_layerwise_ttft(
     samples; round 0 warms both modes and is not counted."""
     half = prompt_tokens // 2
     extra = {"store": store_url, "lookup_budget_ms": 5000, "load_mode": "layerwise"}
-    transfer = vllm_harness.connector_transfer_config(extra)
+    transfer = inprocess.connector_transfer_config(extra)
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     samples["local"], samples["cold"] = [], []
     cached: dict[str, list[int]] = {mode: [] for mode in MODES}
     load_s: dict[str, list[float]] = {mode: [] for mode in MODES}
-    kwargs = vllm_harness.engine_kwargs(
+    kwargs = inprocess.engine_kwargs(
         max_model_len=max(2048, prompt_tokens + 64), kv_cache_bytes=kv_cache_bytes, dtype=dtype
     )
-    with vllm_harness.inprocess_engine(model_dir, transfer, **kwargs) as llm:
-        _, worker = vllm_harness.connector_halves(llm)
+    with inprocess.inprocess_engine(model_dir, transfer, **kwargs) as llm:
+        _, worker = inprocess.connector_halves(llm)
         totals = worker.worker_side.stats.totals
         for round_index in range(rounds + 1):
             order = MODES if round_index % 2 == 0 else MODES[::-1]
@@ -145,7 +146,7 @@ def measure_layerwise_ttft(
 
 def main(argv: Sequence[str] | None = None) -> int:
     from hybridkv.bench.store import bench_scratch_dir
-    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+    from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.bench.layerwise", description=__doc__.split("\n")[0]
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
-    vllm_harness.prepare_inprocess_environment(quiet=True)
+    inprocess.prepare_inprocess_environment(quiet=True)
     model_dir = build_tiny_model(args.family, args.models_dir, size=args.size)
     with bench_scratch_dir() as scratch:
         report = measure_layerwise_ttft(

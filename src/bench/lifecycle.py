@@ -11,13 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.bench.report import pyplot_or_none, save_figure
-from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink, MemoryAuditSink
 from hybridkv.lifecycle.geometry import Geometry, Topology
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import GroupSpec
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
+from hybridkv.lifecycle.sink import AuditSink, MemoryAuditSink
 
 __all__ = ["TABLE_COLUMNS", "TARGET_US_PER_TRANSITION", "plot_report", "run_lifecycle_bench"]
 

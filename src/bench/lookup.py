@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none, save_figure
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 __all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "TABLE_COLUMNS", "plot_report", "run_lookup_bench"]
 

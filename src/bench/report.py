@@ -1,6 +1,7 @@
-"""Shared output helpers for CLI commands: aligned tables and JSON reports.
+"""Output helpers for the benchmarks and their commands: targets tables, JSON reports, PNG plots.
 
-Imports nothing heavy: ``hybridkv.bench.datapath`` (torch + numpy only) uses ``format_table``.
+Imports nothing heavy: ``hybridkv.bench.datapath`` (torch + numpy only) uses it. The aligned text tables
+themselves are :mod:`hybridkv.tables` (the product's commands print them too).
 """
 
 from __future__ import annotations
@@ -11,25 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
-def format_cell(value: Any) -> str:
-    """A table cell: floats with 3 significant digits (thousands and up: whole, comma-grouped), ``None`` empty."""
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Render ``rows`` as a left-aligned text table with the given column order (cells: ``format_cell``)."""
-    text_rows = [[format_cell(row.get(column)) for column in columns] for row in rows]
-    widths = [max([len(column)] + [len(r[i]) for r in text_rows]) for i, column in enumerate(columns)]
-    lines = ["  ".join(column.ljust(widths[i]) for i, column in enumerate(columns))]
-    lines.append("  ".join("-" * width for width in widths))
-    lines.extend("  ".join(r[i].ljust(widths[i]) for i in range(len(columns))) for r in text_rows)
-    return "\n".join(lines)
-
+from hybridkv.tables import format_table
 
 #: Columns of a bench's ``targets`` table (:func:`target_row`).
 TARGET_COLUMNS = ["target", "value", "limit", "met"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import target_row
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 __all__ = ["K3_BLOCK", "K3_DCP", "SCHEDULER_COLUMNS", "k3_configs", "k3_request", "run_scheduler_bench"]
 
@@ -186,7 +186,7 @@ def store_prefix(scheme: Any, store: Any, block_hashes: Sequence[bytes], num_tok
     entries = [(0, b) for b in range(span, num_tokens + 1, span)]
     states = sorted({*range(_CHUNK, num_tokens + 1, _CHUNK), num_tokens - num_tokens % unit})
     entries += [(1, b) for b in states if b > 0]
-    keys = [scheme.key(g, r, block_hashes[b // unit - 1]) for g, b in entries for r in ranks]
+    keys = [scheme.key(g, r, scheme.boundary_hash(block_hashes, b)) for g, b in entries for r in ranks]
     for start in range(0, len(keys), _PUT_BATCH):
         batch = keys[start : start + _PUT_BATCH]
         statuses = store.put(batch, [b"k3"] * len(batch))

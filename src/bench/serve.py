@@ -39,10 +39,7 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -51,10 +48,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing.openai_server import (
+from hybridkv.devkit.mooncake import MooncakeMaster
+from hybridkv.devkit.net import NETNS_HINT, loopback_only_namespace
+from hybridkv.devkit.openai_server import (
     OpenAIServer,
     StreamResult,
-    free_port,
     hybridkv_transfer_config,
     metric,
     metrics_samples,
@@ -373,63 +371,6 @@ def _eviction_probe(
 # --- servers per configuration ------------------------------------------------------------------------------
 
 
-@dataclass
-class MooncakeMasterProcess:
-    """A ``mooncake_master`` on 127.0.0.1 (the bench's own; stopped with the bench)."""
-
-    log_path: Path
-    rpc_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    def start(self) -> None:
-        binary = Path(sys.executable).parent / "mooncake_master"
-        if not binary.exists():
-            raise RuntimeError(f"mooncake_master not found next to {sys.executable} (install Mooncake)")
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    str(binary),
-                    "--rpc_address=127.0.0.1",
-                    f"--rpc_port={self.rpc_port}",
-                    "--metrics_host=127.0.0.1",
-                    f"--metrics_port={self.metrics_port}",
-                    "--default_kv_lease_ttl=200ms",
-                    "--logtostderr",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited early; see {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"mooncake_master did not listen within 15 s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-
-
-def loopback_only_namespace() -> bool:
-    """Whether this process's network namespace has only ``lo`` (Mooncake clients listen on 0.0.0.0)."""
-    return sorted(name for _index, name in socket.if_nameindex()) == ["lo"]
-
-
 @dataclass(frozen=True)
 class ServerShape:
     """The server's limits: the local KV cache (bytes) is what the bench makes too small."""
@@ -454,7 +395,7 @@ def server_for(
     workdir: Path,
     shape: ServerShape,
     workload: Workload,
-    master: MooncakeMasterProcess | None,
+    master: MooncakeMaster | None,
     *,
     log_name: str | None = None,
 ) -> tuple[OpenAIServer, Path | None]:
@@ -667,7 +608,7 @@ def check_after_load(server: OpenAIServer, audit: Path | None) -> dict[str, Any]
 
 
 def audit_summary(audit: Path) -> dict[str, Any]:
-    from hybridkv.lifecycle.audit import audit_files, rotated_set
+    from hybridkv.audit.replay import audit_files, rotated_set
 
     paths = rotated_set(audit) if audit.exists() else []
     if not paths:
@@ -705,7 +646,7 @@ def run_config(
     workdir: Path,
     workload: Workload,
     shape: ServerShape,
-    master: MooncakeMasterProcess | None,
+    master: MooncakeMaster | None,
     *,
     self_check: bool = False,
     serial: Workload | None = None,
@@ -841,17 +782,14 @@ def run_serve_bench(
     if unknown:
         raise ValueError(f"unknown serve configuration(s) {unknown}; expected some of {list(CONFIGS)}")
     ordered = sorted(configs, key=lambda c: CONFIGS.index(c))
-    master: MooncakeMasterProcess | None = None
+    master: MooncakeMaster | None = None
     runs: dict[str, ConfigRun] = {}
     try:
         if MOONCAKE_CONFIGS & set(ordered):
             if not loopback_only_namespace():
-                raise RuntimeError(
-                    "Mooncake configurations need a private network namespace with only 'lo' (Mooncake "
-                    "clients listen on 0.0.0.0): run the bench under scripts/netns-run"
-                )
+                raise RuntimeError(f"Mooncake configurations: {NETNS_HINT}")
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-            master = MooncakeMasterProcess(workdir / "mooncake-master.log")
+            master = MooncakeMaster(workdir / "mooncake-master.log", lease_ttl="200ms")
             master.start()
         serial_reference: list[RequestRecord] | None = None
         if serial is not None:
@@ -1011,7 +949,7 @@ AGREEMENT_COLUMNS = (
 
 
 def format_serve_table(report: Mapping[str, Any]) -> str:
-    from hybridkv.bench.report import format_table
+    from hybridkv.tables import format_table
 
     lines = [format_table(report["rows"], TABLE_COLUMNS)]
     lines.append("")

@@ -43,23 +43,23 @@ import multiprocessing
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
+from hybridkv.connector import inprocess
+from hybridkv.connector.load_probe import LoadProbe
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.mooncake import MooncakeMaster, running_master
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 
 __all__ = [
     "DEFAULT_FAMILIES",
@@ -70,7 +70,6 @@ __all__ = [
     "default_scratch_dir",
     "measure_mooncake_store_connector",
     "measure_store_path",
-    "mooncake_master",
     "plot_report",
     "run_ttft_bench",
 ]
@@ -109,7 +108,7 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 
 
 def _engine_kwargs(prompt_tokens: int, kv_cache_bytes: int, dtype: str) -> dict[str, Any]:
-    return vllm_harness.engine_kwargs(
+    return inprocess.engine_kwargs(
         max_model_len=max(2048, prompt_tokens + 64), kv_cache_bytes=kv_cache_bytes, dtype=dtype
     )
 
@@ -191,69 +190,12 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
-MOONCAKE_MASTER_BINARY = Path(sys.executable).parent / "mooncake_master"
+def _mooncake_master(log_dir: Path) -> contextlib.AbstractContextManager[MooncakeMaster]:
+    """A ``mooncake_master`` child on 127.0.0.1 for the bench's lifetime (the product's argv and lease).
 
-
-def loopback_only_namespace() -> bool:
-    """Whether this process's network namespace has only ``lo`` (``scripts/netns-run``). Mooncake clients
-    listen on 0.0.0.0 and cannot be told otherwise, so the bench runs them only in such a namespace."""
-    return sorted(name for _index, name in socket.if_nameindex()) == ["lo"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def mooncake_master(log_dir: Path) -> Iterator[str]:
-    """A ``mooncake_master`` child on 127.0.0.1 for the bench's lifetime; yields its ``HOST:PORT``.
-
-    ``RuntimeError`` outside a loopback-only namespace or without the binary."""
-    if not loopback_only_namespace():
-        raise RuntimeError(
-            "the Mooncake rows need a private network namespace with only 'lo' (Mooncake clients listen on "
-            "0.0.0.0): run the bench as `scripts/netns-run hybridkv bench ttft --mooncake ...`"
-        )
-    if not MOONCAKE_MASTER_BINARY.exists():
-        raise RuntimeError(f"mooncake_master not found next to the interpreter ({MOONCAKE_MASTER_BINARY})")
+    ``RuntimeError`` outside a loopback-only namespace (``scripts/netns-run``) or without the binary."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    rpc_port, metrics_port = _free_port(), _free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "mooncake_master.log", "ab") as log_file:
-        process = subprocess.Popen(
-            [
-                str(MOONCAKE_MASTER_BINARY),
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={rpc_port}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={metrics_port}",
-                "--logtostderr",
-            ],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 10.0
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited at start; see {log_dir / 'mooncake_master.log'}")
-            try:
-                with socket.create_connection(("127.0.0.1", rpc_port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("mooncake_master did not listen within 10 s") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{rpc_port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+    return running_master(log_dir / "mooncake_master.log")
 
 
 def _load_profile_from_audit(path: Path) -> list[dict[str, float]]:
@@ -378,20 +320,23 @@ def measure_hybridkv(
     extra: dict[str, Any] = {"store": store_url, "lookup_budget_ms": 5000}
     if audit_log is not None:
         extra["audit_log"] = str(audit_log)
-    transfer = vllm_harness.connector_transfer_config(extra)
+    transfer = inprocess.connector_transfer_config(extra)
     loaded_bytes: list[int] = []
     loaded_keys: list[int] = []
     load_job_s: list[float] = []
     phases_ms: list[dict[str, float]] = []
     start = time.perf_counter()
-    with vllm_harness.inprocess_engine(
+    with inprocess.inprocess_engine(
         model_dir,
         prefix_caching=True,
         transfer=transfer,
         **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     ) as llm:
         engine_start_s = time.perf_counter() - start
-        sched, worker = vllm_harness.connector_halves(llm)
+        sched, worker = inprocess.connector_halves(llm)
+        # The worker's load phases: production times nothing, the bench hangs its probe in (deltas per hit).
+        load_probe = LoadProbe()
+        worker.worker_side.install_load_probe(load_probe)
         geo = sched.scheduler_side.geo.describe()
         totals = worker.worker_side.stats.totals
         before: dict[str, float] = {}
@@ -402,11 +347,11 @@ def measure_hybridkv(
                 (name, totals.get(name, 0)) for name in ("load_bytes", "load_keys", "load_job_seconds")
             )
             phases_before.clear()
-            phases_before.update(_load_phase_seconds(worker.worker_side))
+            phases_before.update(_load_phase_seconds(load_probe, worker.worker_side.store))
 
         def after_external(counted: bool) -> None:
             # Read before the flush and settle below: their pump requests are no part of the hit.
-            phases = _load_phase_seconds(worker.worker_side)
+            phases = _load_phase_seconds(load_probe, worker.worker_side.store)
             worker.worker_side.flush()
             vllm_harness.settle(llm)
             if counted:
@@ -451,12 +396,12 @@ def measure_hybridkv(
     }
 
 
-def _load_phase_seconds(worker_side: Any) -> dict[str, float]:
-    """The worker's load-phase totals (``WorkerSide.load_timings``) and, on a file store, the store's own
-    read-phase totals (``FileBackend.read_timings``, prefixed ``file_``); seconds (``*jobs``/``*keys``:
-    counts) summed since the engine started."""
-    out = {name: float(value) for name, value in worker_side.load_timings.items()}
-    read_timings = getattr(getattr(worker_side.store, "backend", None), "read_timings", None)
+def _load_phase_seconds(probe: LoadProbe, store: Any) -> dict[str, float]:
+    """The worker's load-phase totals (``probe``, installed in its worker: summed since then) and, on a file
+    store, the store's own read-phase totals (``FileBackend.read_timings``, prefixed ``file_``: summed
+    since the engine started); seconds (``*jobs``/``*keys``: counts)."""
+    out = {name: float(value) for name, value in probe.totals().items()}
+    read_timings = getattr(getattr(store, "backend", None), "read_timings", None)
     if isinstance(read_timings, dict):
         out |= {f"file_{name}": float(value) for name, value in read_timings.items()}
     return out
@@ -500,7 +445,7 @@ def measure_example_connector(
             file_bytes.append(_dir_bytes(storage_dir) - before[-1])
 
     hooks = _RoundHooks(before_cold=lambda: before.append(_dir_bytes(storage_dir)), after_cold=after_cold)
-    with vllm_harness.inprocess_engine(
+    with inprocess.inprocess_engine(
         model_dir,
         prefix_caching=False,
         transfer=transfer,
@@ -572,7 +517,7 @@ def _mooncake_store_connector_rounds(
 
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(torch_threads)  # before vLLM's CPU worker disables it
-    vllm_harness.prepare_inprocess_environment("ERROR")
+    inprocess.prepare_inprocess_environment("ERROR")
     transfer = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
     from vllm import LLM
 
@@ -809,7 +754,7 @@ PROFILE_SOURCES = {
     "load_ms": "audit log: load_started -> load_verified, scheduler side: the hand-off to the worker, its "
     "load job, and the engine steps until the scheduler saw it finished",
     "load_job_ms": "worker's load thread, wall time of its load jobs during the request (load_job_seconds)",
-    "queue_ms": "worker: start_load_kv -> the load thread takes the job (WorkerSide.load_timings)",
+    "queue_ms": "worker: start_load_kv -> the load thread takes the job (the worker's LoadProbe)",
     "store_ms": "worker: wall time inside the store's get_into (read + verify, all reader threads)",
     "open_ms": "file store: open + shared lock + name check, summed over keys and reader threads "
     "(FileBackend.read_timings; thread time, so with several readers it can exceed store_ms)",
@@ -907,7 +852,7 @@ def run_ttft_bench(
     against a ``mooncake_master`` the bench starts; needs a loopback-only network namespace
     (``scripts/netns-run``), else ``RuntimeError``."""
     # One process, so the connector's worker half is reachable; vLLM logs to stdout: keep the table readable.
-    vllm_harness.prepare_inprocess_environment("ERROR")
+    inprocess.prepare_inprocess_environment("ERROR")
     if rounds < 1 or prompt_tokens < 1:
         raise ValueError("need rounds >= 1 and prompt_tokens >= 1")
     resolved_dtype = resolve_dtype(dtype)
@@ -916,7 +861,7 @@ def run_ttft_bench(
     load_before = os.getloadavg()
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        master = stack.enter_context(mooncake_master(scratch / "mooncake")) if mooncake else None
+        master = stack.enter_context(_mooncake_master(scratch / "mooncake")).address if mooncake else None
         rows, details, profiles, not_measured = _measure_families(
             families,
             scratch=scratch,

@@ -18,9 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import write_json
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.testing.tiny_models import FAMILIES
 
 
 def register(
@@ -42,9 +40,8 @@ def register(
     )
     demo.add_argument(
         "--model-family",
-        choices=FAMILIES,
         default="qwen3_next",
-        help="tiny model family (default: %(default)s)",
+        help="tiny model family: llama, gemma3, qwen3_next or lfm2 (default: %(default)s)",
     )
     demo.add_argument(
         "--store",
@@ -103,8 +100,9 @@ class _Progress:
 
 def handler(args: argparse.Namespace) -> int:
     """Run the demo; print tables (or JSON); return the exit code."""
+    from hybridkv.bench.report import write_json
+    from hybridkv.connector.inprocess import prepare_inprocess_environment
     from hybridkv.demo import DEFAULT_CHAOS, DemoOptions, render, run_demo
-    from hybridkv.testing.vllm_harness import prepare_inprocess_environment
 
     options = DemoOptions(
         model_family=args.model_family,

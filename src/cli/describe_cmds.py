@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from hybridkv.bench.report import format_table
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store.params import format_size
+from hybridkv.tables import format_table
 
 
 def register(
@@ -164,14 +164,14 @@ def describe_model_geometry(
     found the weights (``weights``, ``weights_resolved``, ``weights_unresolved``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from hybridkv.connector import inprocess
     from hybridkv.connector.capabilities import load_disabled_reason
     from hybridkv.connector.identity import UNRESOLVED_DETAIL
-    from hybridkv.testing import vllm_harness
 
     engine_extra = {k: v for k, v in extra.items() if k != "audit_log"}
     engine_extra["store"] = f"memory://hybridkv-describe-{secrets.token_hex(4)}"
-    transfer = vllm_harness.connector_transfer_config(engine_extra)
-    kwargs = vllm_harness.engine_kwargs(
+    transfer = inprocess.connector_transfer_config(engine_extra)
+    kwargs = inprocess.engine_kwargs(
         max_model_len=max_model_len, kv_cache_bytes=64 << 20, dtype=dtype, max_num_seqs=1
     )
     if attention_backend is not None:
@@ -179,10 +179,10 @@ def describe_model_geometry(
     # vLLM logs to stdout; `describe --json | jq` must see only the JSON.
     with (
         _stdout_to_stderr(),
-        vllm_harness.inprocess_engine(Path(model), transfer, use_tqdm_on_load=False, **kwargs) as llm,
+        inprocess.inprocess_engine(Path(model), transfer, use_tqdm_on_load=False, **kwargs) as llm,
     ):
         # The serving connector resolved the geometry from vLLM's own kv_cache_config at start.
-        scheduler_connector, _ = vllm_harness.connector_halves(llm)
+        scheduler_connector, _ = inprocess.connector_halves(llm)
         side = scheduler_connector.scheduler_side
         geo = side.geo
         # The engine's config after vLLM's fix-ups: what the connector itself judged at start.

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_table, save_report
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.tables import format_table
 
 
 def register(
@@ -68,7 +68,7 @@ def register(
 
 
 def _audit_paths(args: argparse.Namespace) -> list[Path]:
-    from hybridkv.lifecycle.audit import rotated_set
+    from hybridkv.audit.replay import rotated_set
 
     paths: list[Path] = []
     for name in args.files:
@@ -78,7 +78,7 @@ def _audit_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from hybridkv.lifecycle.audit import audit_files
+    from hybridkv.audit.replay import audit_files
 
     paths = _audit_paths(args)
     if args.export == "vllm-trace":
@@ -114,8 +114,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
     """Each file's records, its last record anchored at the file's modification time (trace.py)."""
-    from hybridkv.lifecycle.audit import read_lines
-    from hybridkv.lifecycle.trace import LOG_PREFIX, records_to_trace
+    from hybridkv.audit.replay import read_lines
+    from hybridkv.audit.trace import LOG_PREFIX, records_to_trace
 
     lines: list[str] = []
     try:
@@ -148,7 +148,7 @@ def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from hybridkv.lifecycle.diagram import render_dot, render_mermaid, write_diagrams
+    from hybridkv.audit.diagram import render_dot, render_mermaid, write_diagrams
 
     out = Path(args.out)
     if args.check:
@@ -167,6 +167,7 @@ def _diagram(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from hybridkv.bench.lifecycle import TABLE_COLUMNS, plot_report, run_lifecycle_bench
+    from hybridkv.bench.report import save_report
 
     report = run_lifecycle_bench(iterations=args.iterations, repeats=args.repeats)
     print(format_table(report["rows"], TABLE_COLUMNS))

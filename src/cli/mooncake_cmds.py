@@ -33,6 +33,7 @@ from hybridkv.store.mooncake_node import (
     serve_storage_node,
 )
 from hybridkv.store.params import format_size, parse_size
+from hybridkv.tables import format_table
 
 #: Placeholder in the printed URL: each engine host puts its own reachable address there.
 ENGINE_HOST = "ENGINE_HOST"
@@ -216,7 +217,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hybridkv.bench.crosshost import run_crosshost_bench
-    from hybridkv.bench.report import format_table, write_json
+    from hybridkv.bench.report import write_json
 
     try:
         report = run_crosshost_bench(

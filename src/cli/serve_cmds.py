@@ -9,9 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import save_report, write_json
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.testing.tiny_models import FAMILIES
 
 _DEFAULT_CONFIGS = "none,hybridkv-file,hybridkv-mooncake,mooncake-store"
 
@@ -20,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     """Add ``serve`` to ``bench_subparsers`` (no top-level commands)."""
     del subparsers
     from hybridkv.bench.serve import CONFIGS, ServerShape, Workload
+    from hybridkv.devkit.tiny_models import FAMILIES
 
     defaults = Workload()
     shape = ServerShape()
@@ -124,6 +123,7 @@ def _progress_bar(total: int) -> tuple[Callable[[int], None], Callable[[str], No
 
 
 def handle_serve(args: argparse.Namespace) -> int:
+    from hybridkv.bench.report import save_report, write_json
     from hybridkv.bench.serve import (
         CONFIGS,
         EXACT_CONFIGS,
@@ -133,7 +133,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         plot_serve,
         run_serve_bench,
     )
-    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+    from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]

@@ -8,22 +8,13 @@ import json
 import sys
 from typing import Any
 
-from hybridkv.bench.report import format_table, save_report
-from hybridkv.bench.store import (
-    DEFAULT_BYTES_PER_ROUND,
-    DEFAULT_VALUE_SIZES,
-    TABLE_COLUMNS,
-    bench_scratch_dir,
-    default_store_urls,
-    plot_report,
-    run_store_bench,
-)
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.connector.identity import parse_manifest_key, read_manifest
 from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store import Store, StoreError, open_store
-from hybridkv.store.params import format_size, parse_size
+from hybridkv.store.params import parse_size
+from hybridkv.tables import format_table
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,13 +49,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     )
     bench.add_argument(
         "--sizes",
-        default=",".join(format_size(size) for size in DEFAULT_VALUE_SIZES),
-        help="comma-separated value sizes (default: %(default)s)",
+        default=None,
+        help="comma-separated value sizes (default: the bench's, 64KiB,1MiB,16MiB)",
     )
     bench.add_argument(
         "--bytes-per-round",
-        default=format_size(DEFAULT_BYTES_PER_ROUND),
-        help="bytes moved per round (%(default)s)",
+        default=None,
+        help="bytes moved per round (default: the bench's, 64MiB)",
     )
     bench.add_argument(
         "--repeats",
@@ -182,9 +173,27 @@ def handle_clear(args: argparse.Namespace) -> int:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
+    from hybridkv.bench.report import save_report
+    from hybridkv.bench.store import (
+        DEFAULT_BYTES_PER_ROUND,
+        DEFAULT_VALUE_SIZES,
+        TABLE_COLUMNS,
+        bench_scratch_dir,
+        default_store_urls,
+        plot_report,
+        run_store_bench,
+    )
+
     try:
-        sizes = [parse_size(text, what="value size") for text in args.sizes.split(",") if text.strip()]
-        bytes_per_round = parse_size(args.bytes_per_round, what="--bytes-per-round")
+        size_texts = args.sizes.split(",") if args.sizes is not None else []
+        sizes = [parse_size(text, what="value size") for text in size_texts if text.strip()]
+        if args.sizes is None:
+            sizes = list(DEFAULT_VALUE_SIZES)
+        bytes_per_round = (
+            parse_size(args.bytes_per_round, what="--bytes-per-round")
+            if args.bytes_per_round is not None
+            else DEFAULT_BYTES_PER_ROUND
+        )
         if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
             raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
         with bench_scratch_dir() as scratch:

@@ -11,10 +11,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_cell, format_table, format_targets, save_report
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.testing.tiny_models import FAMILIES
+from hybridkv.tables import format_cell, format_table
 
 
 def _csv(text: str) -> list[str]:
@@ -38,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     ttft.add_argument(
         "--family",
         default="llama,lfm2",
-        help=f"comma-separated model families, of {', '.join(FAMILIES)} (default: %(default)s)",
+        help="comma-separated model families, of llama, gemma3, qwen3_next, lfm2 (default: %(default)s)",
     )
     ttft.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length (%(default)s)")
     ttft.add_argument("--rounds", type=int, default=3, help="rounds, each on a fresh prompt (%(default)s)")
@@ -151,15 +150,16 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
 
 def handle_ttft(args: argparse.Namespace) -> int:
+    from hybridkv.bench.report import format_targets, save_report
     from hybridkv.bench.ttft import (
         PROFILE_COLUMNS,
         TABLE_COLUMNS,
         default_scratch_dir,
-        loopback_only_namespace,
         plot_report,
         run_ttft_bench,
     )
-    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+    from hybridkv.devkit.net import loopback_only_namespace
+    from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, FAMILIES
 
     families = _csv(args.family)
     unknown = sorted(set(families) - set(FAMILIES))
@@ -228,8 +228,9 @@ def handle_lookup(args: argparse.Namespace) -> int:
     from hybridkv.bench.lookup import DEFAULT_GEOMETRIES, run_lookup_bench
     from hybridkv.bench.lookup import TABLE_COLUMNS as LOOKUP_COLUMNS
     from hybridkv.bench.lookup import plot_report as plot_lookup
+    from hybridkv.bench.report import save_report
     from hybridkv.bench.store import bench_scratch_dir
-    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+    from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
 
     try:
         sizes = [int(text) for text in _csv(args.prompt_tokens)]
@@ -276,8 +277,10 @@ def handle_lookup(args: argparse.Namespace) -> int:
 
 
 def handle_scheduler(args: argparse.Namespace) -> int:
+    from hybridkv.bench.report import format_targets, save_report
     from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
-    from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+    from hybridkv.devkit.delayed_mooncake import delayed_mooncake_store
+    from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
 
     if (
         args.requests < 1
@@ -299,8 +302,6 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     labels: dict[str, str] = {}
     with contextlib.ExitStack() as deployments:
         for delay_ms in args.mooncake_delay_ms:
-            from hybridkv.testing.delayed_mooncake import delayed_mooncake_store
-
             try:
                 url = deployments.enter_context(delayed_mooncake_store(delay_ms))
             except RuntimeError as error:

@@ -46,6 +46,7 @@ from typing import Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.params import byte_size
+from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS
 
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
@@ -77,8 +78,6 @@ CUDA_COPY_DIRECTIONS: dict[str, frozenset[str]] = {
 #: ``cuda_copy: auto``: the largest batch the kernel loads; larger ones go by DMA, which kept up with or beat
 #: the kernel from 64 MiB up on an H200 (docs/performance.md, "The GPU data path").
 AUTO_KERNEL_MAX_BATCH_BYTES = 48 << 20
-
-_STORE_SCHEMES = ("file://", "memory://", "mooncake://", "faulty+")
 
 
 def default_store_url() -> str:
@@ -146,10 +145,11 @@ class ConnectorConfig:
         store = extra.get("store", None)
         if store is None:
             store = default_store_url()
-        if not isinstance(store, str) or not store.startswith(_STORE_SCHEMES):
+        schemes = [f"{scheme}://" for scheme in STORE_KINDS] + [FAULTY_PREFIX]
+        if not isinstance(store, str) or not store.startswith(tuple(schemes)):
             raise ValueError(
-                f"kv_connector_extra_config['store']: expected a URL starting with one of "
-                f"{list(_STORE_SCHEMES)}, got {store!r}"
+                f"kv_connector_extra_config['store']: expected a URL starting with one of {schemes}, "
+                f"got {store!r}"
             )
 
         namespace = extra.get("namespace", None)

@@ -45,13 +45,14 @@ SUSPEND_TIMEOUT_S = 30.0
 
 
 def hit_source(store: str) -> CacheHitSource:
-    """The tier a store URL's hits come from: ``file://`` -> disk, ``memory://`` -> host, else external."""
-    scheme = store.split("://", 1)[0].removeprefix("faulty+")
-    if scheme == "file":
-        return CacheHitSource.DISK
-    if scheme == "memory":
-        return CacheHitSource.HOST
-    return CacheHitSource.EXTERNAL_UNSPECIFIED
+    """The tier a store URL's hits come from (the store registry's ``tier``)."""
+    from hybridkv.store.url import StoreTier, store_kind
+
+    return {
+        StoreTier.DISK: CacheHitSource.DISK,
+        StoreTier.HOST: CacheHitSource.HOST,
+        StoreTier.EXTERNAL: CacheHitSource.EXTERNAL_UNSPECIFIED,
+    }[store_kind(store).tier]
 
 
 class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):

@@ -8,6 +8,10 @@ A *group block* is one block id's page in every layer tensor of a store group, c
 layer tensor), in that order -- exactly what ``Store.put`` takes as a value and ``Store.get_into`` as a
 destination.
 
+The staged path's host side -- the pinned pool, the per-direction lanes (streams and device staging
+buffers), the batches themselves (:class:`StagedBlocks`) -- lives in :mod:`hybridkv.connector.staging`
+(re-exported here); this module lays blocks out in slabs and moves them through those lanes.
+
 Two paths, chosen by where the caches live:
 
 - **Direct** (CPU tensors): the parts *are* the pages (zero-copy numpy views). A page that is not
@@ -61,32 +65,39 @@ host->device writes land after whatever the compute stream had queued for those 
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
-import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeAlias
+from typing import Any
 
 import numpy as np
 import torch
+from hybridkv.connector.staging import (
+    ALIGN,
+    DEFAULT_STAGE_BYTES,
+    Fence,
+    Lane,
+    PinnedPool,
+    StagedBlocks,
+    StagingContext,
+    align,
+    queue_behind,
+    record_event,
+)
 
-#: What a gather or scatter waits for before touching device memory: a CUDA event, or None (no wait).
-Fence: TypeAlias = "torch.cuda.Event | None"
-
-_ALIGN = 256  # every per-layer segment of a slab (and of the device staging buffer) starts on this boundary
+__all__ = [
+    "DEFAULT_STAGE_BYTES",
+    "BlockMover",
+    "Fence",
+    "PinnedPool",
+    "StagedBlocks",
+    "StagingContext",
+    "flatten_layers",
+]
 
 #: Batch sizes whose chunk plans and staging views a mover keeps (past that it starts over).
 _MAX_CACHED_BATCH_SIZES = 64
-
-#: Default device staging bytes of each direction: two buffers, each one chunk (half of it).
-DEFAULT_STAGE_BYTES = 32 << 20
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _page_nbytes(t: torch.Tensor) -> int:
@@ -104,229 +115,6 @@ def flatten_layers(layers: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> l
     return out
 
 
-# ---------------------------------------------------------------------------------------------- pool
-class PinnedPool:
-    """A bounded pool of equal-size host staging slabs (page-locked when ``pin``).
-
-    At most ``budget_bytes // slab_bytes`` slabs (at least one) ever exist; they are allocated on first
-    demand and reused until :meth:`close` (no per-step pinned allocation). :meth:`acquire` never allocates
-    beyond the budget: when every slab is out it waits at most ``timeout`` seconds and then returns None,
-    so a caller can drop or defer its work instead of stalling. Thread-safe.
-    """
-
-    def __init__(self, slab_bytes: int, budget_bytes: int, *, pin: bool | None = None) -> None:
-        if slab_bytes <= 0:
-            raise ValueError(f"slab_bytes must be > 0, got {slab_bytes}")
-        self.slab_bytes = _align(slab_bytes)
-        self.max_slabs = max(1, budget_bytes // self.slab_bytes)
-        self.pin = torch.cuda.is_available() if pin is None else pin
-        self._cv = threading.Condition()
-        self._free: list[torch.Tensor] = []
-        self._allocated = 0
-        self._closed = False
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.max_slabs * self.slab_bytes
-
-    @property
-    def in_use(self) -> int:
-        with self._cv:
-            return self._allocated - len(self._free)
-
-    @property
-    def allocated(self) -> int:
-        with self._cv:
-            return self._allocated
-
-    def acquire(self, timeout: float = 0.0) -> torch.Tensor | None:
-        """A free slab (uint8, ``slab_bytes`` long), or None if none frees up within ``timeout`` seconds."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        with self._cv:
-            while True:
-                if self._closed:
-                    raise RuntimeError("PinnedPool is closed")
-                if self._free:
-                    return self._free.pop()
-                if self._allocated < self.max_slabs:
-                    self._allocated += 1
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cv.wait(left)
-        try:
-            return torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
-        except BaseException:
-            with self._cv:
-                self._allocated -= 1
-                self._cv.notify()
-            raise
-
-    def release(self, slab: torch.Tensor) -> None:
-        """Give a slab back. Its bytes may be overwritten by the next :meth:`acquire` at once."""
-        with self._cv:
-            if self._closed:
-                self._allocated -= 1
-                return
-            self._free.append(slab)
-            self._cv.notify()
-
-    def close(self) -> None:
-        """Drop the free slabs (slabs still out are dropped on release). Idempotent."""
-        with self._cv:
-            self._closed = True
-            self._allocated -= len(self._free)
-            self._free.clear()
-            self._cv.notify_all()
-
-
-# ------------------------------------------------------------------------------------------ context
-def _record(stream: Any) -> Fence:
-    """An event recorded on ``stream`` now (None when there is no stream: the CPU path)."""
-    if stream is None:
-        return None
-    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    ev.record(stream)
-    return ev
-
-
-def _wait(stream: Any, event: Fence) -> None:
-    """Queue ``stream``'s next work behind ``event`` (no-op without a stream or an event)."""
-    if stream is not None and event is not None:
-        stream.wait_event(event)
-
-
-@dataclass(frozen=True)
-class _Lane:
-    """One direction's resources for one transfer, held under that direction's lock.
-
-    ``kernel``: the stream that packs (``index_select``) or unpacks (``index_copy_``) device blocks; it has
-    waited on the transfer's fence and is the current stream inside :meth:`StagingContext._lane`.
-    ``copy``: the stream of the host<->device copies. ``buffers``: two device staging buffers of
-    ``chunk_bytes``; chunk i uses ``buffers[i % 2]``, so packing chunk i+1 overlaps the copy of chunk i.
-    Streams are None on the CPU (everything runs in program order there).
-    """
-
-    buffers: tuple[torch.Tensor, torch.Tensor]
-    kernel: Any
-    copy: Any
-
-    def copying(self) -> contextlib.AbstractContextManager[object]:
-        """Make the copy stream current (CUDA; no-op on CPU)."""
-        return torch.cuda.stream(self.copy) if self.copy is not None else contextlib.nullcontext()
-
-
-class StagingContext:
-    """What the staged path shares per device: the pinned pool, side streams, device staging buffers.
-
-    One per worker (device); every group's :class:`BlockMover` uses it. Saves (device->host) and loads
-    (host->device) each have their own pair of streams (a kernel stream for packing / unpacking, a copy
-    stream for the PCIe copies) and their own two staging buffers, so a long save never delays a load.
-    ``stage_bytes`` is one direction's device staging memory, split into two buffers of ``chunk_bytes``
-    (the chunk size). Within a transfer the buffers alternate and are handed between the two streams by
-    events; transfers of one direction are serialized by a per-direction lock and each ends with the host
-    waiting for both streams, so a transfer starts with both buffers free.
-    """
-
-    def __init__(
-        self,
-        device: torch.device | str,
-        pool: PinnedPool,
-        *,
-        stage_bytes: int = DEFAULT_STAGE_BYTES,
-        kernel_directions: frozenset[str] = frozenset(),
-        kernel_max_batch_bytes: int | None = None,
-    ):
-        unknown = set(kernel_directions) - {"save", "load"}
-        assert not unknown, f"kernel_directions: unknown direction(s) {sorted(unknown)}"
-        self.device = torch.device(device)
-        self.pool = pool
-        #: Directions ("save": device -> host, "load": host -> device) whose batches one copy kernel moves
-        #: straight between the pages and the pinned slab (``hybridkv.connector.copy_kernels``), for the
-        #: movers whose pages it supports; the other directions pack into device staging and copy by DMA.
-        self.kernel_directions = frozenset(kernel_directions)
-        #: Batches larger than this take the DMA path in every direction (None: no limit).
-        self.kernel_max_batch_bytes = kernel_max_batch_bytes
-        self.is_cuda = self.device.type == "cuda"
-        self._chunk_bytes = _align(max(1, stage_bytes // 2))
-        self._streams: dict[str, tuple[Any, Any]] = {}  # direction -> (kernel stream, copy stream)
-        self._stages: dict[str, torch.Tensor] = {}  # direction -> 2 * chunk_bytes of device memory
-        self._locks = {"save": threading.Lock(), "load": threading.Lock()}
-        empty = torch.empty(0, dtype=torch.uint8)
-        self._no_buffers = (empty, empty)  # a lane's buffers when it needs no device staging
-        if self.is_cuda:
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            for d in ("save", "load"):
-                self._streams[d] = (
-                    torch.cuda.Stream(device=self.device),  # type: ignore[no-untyped-call]
-                    torch.cuda.Stream(device=self.device),  # type: ignore[no-untyped-call]
-                )
-
-    def require_stage(self, nbytes: int) -> None:
-        """Make each staging buffer at least ``nbytes`` (before first use; movers call it when built)."""
-        need = _align(nbytes)
-        if need > self._chunk_bytes:
-            assert not self._stages, "staging size must be settled before the first transfer"
-            self._chunk_bytes = need
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one device staging buffer: the most one host<->device copy of a transfer moves."""
-        return self._chunk_bytes
-
-    @property
-    def stage_bytes(self) -> int:
-        """Device staging bytes of one direction (two buffers of ``chunk_bytes``)."""
-        return 2 * self._chunk_bytes
-
-    def fence(self) -> Fence:
-        """Record an event on the current stream of this device (CUDA; None on CPU).
-
-        Give it to :meth:`BlockMover.gather` / :meth:`BlockMover.scatter_targets`: their device work is
-        queued behind everything the calling thread's current stream had queued when ``fence()`` ran.
-        """
-        if not self.is_cuda:
-            return None
-        return _record(torch.cuda.current_stream(self.device))
-
-    @contextlib.contextmanager
-    def _lane(self, direction: str, after: Fence, *, staged: bool = True) -> Iterator[_Lane]:
-        """Serialized enqueue on ``direction``: its kernel stream (behind ``after``) current, its buffers
-        (``staged``; else no device staging is allocated and the buffers are empty)."""
-        with self._locks[direction]:
-            stage = self._stages.get(direction)
-            if stage is None and staged:
-                stage = torch.empty(2 * self._chunk_bytes, dtype=torch.uint8, device=self.device)
-                self._stages[direction] = stage
-            if stage is None:
-                buffers = self._no_buffers
-            else:
-                buffers = (stage[: self._chunk_bytes], stage[self._chunk_bytes :])
-            if not self.is_cuda:
-                yield _Lane(buffers, None, None)
-                return
-            kernel, copy = self._streams[direction]
-            with torch.cuda.device(self.device), torch.cuda.stream(kernel):
-                _wait(kernel, after)
-                yield _Lane(buffers, kernel, copy)
-
-    def _finish(self, direction: str, *, copy_stream: bool = True) -> None:
-        """Block until everything queued so far on ``direction``'s kernel stream, and its copy stream
-        (``copy_stream``), is done (CUDA; no-op on CPU)."""
-        if self.is_cuda:
-            kernel, copy = self._streams[direction]
-            for stream in (kernel, copy) if copy_stream else (kernel,):
-                ev = _record(stream)
-                assert ev is not None
-                ev.synchronize()
-
-    def close(self) -> None:
-        self._stages.clear()
-        self.pool.close()
-
-
 # ------------------------------------------------------------------------------------------- staged
 @dataclass(frozen=True)
 class _Piece:
@@ -334,7 +122,7 @@ class _Piece:
     r0: int  # batch rows [r0, r1)
     r1: int
     host: int  # byte offset of row r0 in the slab
-    stage: int  # byte offset of row r0 in the staging buffer (congruent to ``host`` modulo _ALIGN)
+    stage: int  # byte offset of row r0 in the staging buffer (congruent to ``host`` modulo ALIGN)
 
 
 @dataclass(frozen=True)
@@ -361,79 +149,56 @@ class _ChunkViews:
     copies: tuple[tuple[_Copy, torch.Tensor], ...]
 
 
-class StagedBlocks:
-    """Host bytes of a batch of blocks, as store parts; release (or use as a context manager) when done.
+def _row_view(t: torch.Tensor) -> np.ndarray | None:
+    """``t`` as a (blocks, page bytes) uint8 numpy view when every page is contiguous (else None).
 
-    ``parts[i]`` is block ``block_ids[i]``'s value: one writable uint8 numpy array per layer tensor, in
-    part order. From :meth:`BlockMover.gather` the bytes are final when it returns (hand them to
-    ``Store.put``). From :meth:`BlockMover.scatter_targets` they are destinations (``Store.get_into``);
-    :meth:`commit` then writes them into the blocks. Either way the arrays may alias a pooled slab: do not
-    touch them after :meth:`release` / :meth:`commit`. Staged parts are views the mover keeps per slab and
-    hands out again with that slab's next batch: read and write their bytes, never their shape or flags.
+    One view per tensor, built once: slicing a row is ~100x cheaper than a torch index + reshape +
+    ``.numpy()`` per page, which dominated the host path for small pages.
     """
+    if t.dim() < 2 or not t[0].is_contiguous() or t.stride(-1) != 1:
+        return None
+    try:
+        rows = t.view(torch.uint8).flatten(1).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    if rows.ndim != 2 or not rows[0].flags.c_contiguous:
+        return None
+    return rows
 
-    def __init__(
-        self,
-        mover: BlockMover,
-        block_ids: Sequence[int],
-        parts: list[list[np.ndarray]],
-        *,
-        slab: torch.Tensor | None = None,
-        staged_pages: list[list[tuple[int, np.ndarray]]] | None = None,
-        after: Fence = None,
-    ) -> None:
-        self.block_ids = list(block_ids)
-        self.parts = parts
-        self._mover = mover
-        self._slab = slab
-        # direct path: per block, (tensor index, staging array) to copy back
-        self._staged_pages = staged_pages
-        self._after = after
-        self._released = False
 
-    @property
-    def slab(self) -> torch.Tensor | None:
-        """The pooled host slab the parts live in (staged path), or None (direct path, or released)."""
-        return self._slab
+def _pack_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (blocks, words) of the widest integer type that divides a page, if pages are contiguous.
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.block_ids) * self._mover.block_nbytes
+    The same bytes in the same order, but the index kernels then move 8-byte words over a 2-D index
+    space instead of 2-byte elements over five dims (H200, 256 attention pages of 64 KiB:
+    ``index_copy_`` 1.4 TB/s instead of 0.64; ``index_select`` is ~1.1 TB/s either way). A tensor
+    with strided pages (a transposed Mamba
+    conv state) stays as it is: its pages are packed in their logical order, element by element.
+    """
+    if t.dim() < 2 or not t[0].is_contiguous():
+        return t
+    try:
+        rows = t.view(t.shape[0], -1)
+    except RuntimeError:
+        return t
+    page_nbytes = _page_nbytes(t)
+    for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if page_nbytes % word.itemsize == 0:
+            try:
+                return rows.view(word)
+            except RuntimeError:  # storage offset or block stride not a multiple of the word
+                continue
+    return t
 
-    def commit(self, ok: Sequence[bool] | None = None) -> None:
-        """Write the destination bytes into the device (or host) blocks, then release.
 
-        ``ok[i]`` False skips block i (its bytes are unspecified, e.g. a store miss); default: all. On
-        return the blocks hold the bytes (CUDA: the copies have completed, so the blocks may be reported
-        loaded). Only for batches from :meth:`BlockMover.scatter_targets`.
-        """
-        if self._released:
-            raise RuntimeError("commit after release")
-        try:
-            keep = [True] * len(self.block_ids) if ok is None else [bool(x) for x in ok]
-            if len(keep) != len(self.block_ids):
-                raise ValueError(f"ok has {len(keep)} flags for {len(self.block_ids)} blocks")
-            if any(keep):
-                self._mover._commit(self, keep)
-        finally:
-            self.release()
-
-    def release(self) -> None:
-        """Return the slab (if any) to the pool without writing anything. Idempotent."""
-        if self._released:
-            return
-        self._released = True
-        if self._slab is not None:
-            pool = self._mover.staging.pool if self._mover.staging is not None else None
-            slab, self._slab = self._slab, None
-            if pool is not None:
-                pool.release(slab)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+def _slab_segments(page_nbytes: Sequence[int], rows: int) -> list[int]:
+    """Slab offsets of each tensor's segment of ``rows`` pages of ``page_nbytes`` bytes (layer-major, each
+    segment aligned to ``ALIGN``)."""
+    offsets, pos = [], 0
+    for pb in page_nbytes:
+        offsets.append(pos)
+        pos = align(pos + rows * pb)
+    return offsets
 
 
 class BlockMover:
@@ -466,14 +231,14 @@ class BlockMover:
         if staging is not None and staging.device.type != self.device.type:
             raise ValueError(f"staging context on {staging.device} for caches on {self.device}")
         self.staging = staging
-        self._rows = [self._row_view(t) if staging is None else None for t in self.tensors]
+        self._rows = [_row_view(t) if staging is None else None for t in self.tensors]
         # staged path: what index_select / index_copy_ work on (same bytes as the tensors, wider words)
-        self._packed = [self._pack_view(t) for t in self.tensors] if staging is not None else []
+        self._packed = [_pack_view(t) for t in self.tensors] if staging is not None else []
         self.page_nbytes = [_page_nbytes(t) for t in self.tensors]
         self.block_nbytes = sum(self.page_nbytes)
         if staging is not None:
-            staging.require_stage(max(self.page_nbytes) + _ALIGN)
-            cap = (staging.pool.slab_bytes - _ALIGN * len(self.tensors)) // self.block_nbytes
+            staging.require_stage(max(self.page_nbytes) + ALIGN)
+            cap = (staging.pool.slab_bytes - ALIGN * len(self.tensors)) // self.block_nbytes
             if cap < 1:
                 raise ValueError(
                     f"a staging slab of {staging.pool.slab_bytes} bytes cannot hold one block of "
@@ -482,7 +247,7 @@ class BlockMover:
             self.max_blocks = cap
             # Fixed slab layout: tensor k's pages at _segments[k] + row * page bytes, for any batch size,
             # so the numpy views of a slab's pages are built once per slab (see _slab_parts).
-            self._segments = self._layout(cap)
+            self._segments = _slab_segments(self.page_nbytes, cap)
         else:
             self.max_blocks = sys.maxsize
             self._segments = []
@@ -518,6 +283,27 @@ class BlockMover:
         """See :meth:`StagingContext.fence` (None on the direct path)."""
         return self.staging.fence() if self.staging is not None else None
 
+    def _batch(
+        self,
+        block_ids: Sequence[int],
+        parts: list[list[np.ndarray]],
+        *,
+        slab: torch.Tensor | None = None,
+        host_copies: list[list[tuple[int, np.ndarray]]] | None = None,
+        after: Fence = None,
+    ) -> StagedBlocks:
+        """A batch of this mover's blocks; its slab goes back to this mover's pool."""
+        return StagedBlocks(
+            block_ids,
+            parts,
+            block_nbytes=self.block_nbytes,
+            write_back=self._write_back,
+            pool=self.staging.pool if self.staging is not None else None,
+            slab=slab,
+            host_copies=host_copies,
+            after=after,
+        )
+
     # ------------------------------------------------------------------ public
     def gather(
         self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0, private: bool = False
@@ -540,15 +326,15 @@ class BlockMover:
                 for row, b in zip(parts, block_ids, strict=True):
                     for k, part in enumerate(row):
                         part[:] = self._host_page(k, b)[0]
-                return StagedBlocks(self, block_ids, parts)
+                return self._batch(block_ids, parts)
             parts = [[self._host_page(k, b)[0] for k in range(len(self.tensors))] for b in block_ids]
-            return StagedBlocks(self, block_ids, parts)
+            return self._batch(block_ids, parts)
         slab = self.staging.pool.acquire(timeout)
         if slab is None:
             return None
         try:
             parts = self._d2h(block_ids, slab, after)
-            return StagedBlocks(self, block_ids, parts, slab=slab)
+            return self._batch(block_ids, parts, slab=slab)
         except BaseException:
             self.staging.pool.release(slab)
             raise
@@ -568,7 +354,7 @@ class BlockMover:
         if self.staging is None and private:
             private_parts = self._private_parts(len(block_ids))
             to_copy = [list(enumerate(row)) for row in private_parts]
-            return StagedBlocks(self, block_ids, private_parts, staged_pages=to_copy)
+            return self._batch(block_ids, private_parts, host_copies=to_copy)
         if self.staging is None:
             parts: list[list[np.ndarray]] = []
             staged: list[list[tuple[int, np.ndarray]]] = []
@@ -582,11 +368,11 @@ class BlockMover:
                         pending.append((k, view))
                 parts.append(row)
                 staged.append(pending)
-            return StagedBlocks(self, block_ids, parts, staged_pages=staged)
+            return self._batch(block_ids, parts, host_copies=staged)
         slab = self.staging.pool.acquire(timeout)
         if slab is None:
             return None
-        return StagedBlocks(self, block_ids, self._slab_parts(slab, len(block_ids)), slab=slab, after=after)
+        return self._batch(block_ids, self._slab_parts(slab, len(block_ids)), slab=slab, after=after)
 
     def snapshot(self, block_id: int) -> list[np.ndarray]:
         """Direct path: a private copy of ``block_id``'s parts (one per layer tensor), taken now.
@@ -622,35 +408,10 @@ class BlockMover:
             return page.reshape(-1).view(torch.uint8).numpy(), True
         return page.contiguous().reshape(-1).view(torch.uint8).numpy(), False
 
-    @staticmethod
-    def _row_view(t: torch.Tensor) -> np.ndarray | None:
-        """``t`` as a (blocks, page bytes) uint8 numpy view when every page is contiguous (else None).
-
-        One view per tensor, built once: slicing a row is ~100x cheaper than a torch index + reshape +
-        ``.numpy()`` per page, which dominated the host path for small pages.
-        """
-        if t.dim() < 2 or not t[0].is_contiguous() or t.stride(-1) != 1:
-            return None
-        try:
-            rows = t.view(torch.uint8).flatten(1).numpy()
-        except (RuntimeError, TypeError):
-            return None
-        if rows.ndim != 2 or not rows[0].flags.c_contiguous:
-            return None
-        return rows
-
     # ------------------------------------------------------------------ staged path
     def _check(self, block_ids: Sequence[int]) -> None:
         if len(block_ids) > self.max_blocks:
             raise ValueError(f"{len(block_ids)} blocks > max_blocks {self.max_blocks} per batch")
-
-    def _layout(self, rows: int) -> list[int]:
-        """Slab offsets of each tensor's segment of ``rows`` pages (layer-major, each 256-byte aligned)."""
-        offsets, pos = [], 0
-        for pb in self.page_nbytes:
-            offsets.append(pos)
-            pos = _align(pos + rows * pb)
-        return offsets
 
     def _slab_parts(self, slab: torch.Tensor, n: int) -> list[list[np.ndarray]]:
         """Per block, per tensor, that page's bytes in the slab (views), for a batch of ``n`` blocks.
@@ -693,12 +454,12 @@ class BlockMover:
             while r < n:
                 host = off + r * pb
                 gap = host - (copies[-1].host + copies[-1].nbytes) if copies else -1
-                joins = 0 <= gap < _ALIGN  # starts where the last run ends in the slab, up to padding
-                stage = end + gap if joins else _align(end) + host % _ALIGN
+                joins = 0 <= gap < ALIGN  # starts where the last run ends in the slab, up to padding
+                stage = end + gap if joins else align(end) + host % ALIGN
                 if pieces and stage + pb > cap:  # not even one more row fits: close the chunk
                     plan.append(_Chunk(tuple(pieces), tuple(copies)))
                     pieces, copies, end = [], [], 0
-                    joins, stage = False, host % _ALIGN
+                    joins, stage = False, host % ALIGN
                 rows = min(n - r, (cap - stage) // pb)
                 assert rows >= 1, "staging buffer smaller than one page"
                 pieces.append(_Piece(k, r, r + rows, host, stage))
@@ -714,32 +475,7 @@ class BlockMover:
         self._plans[n] = plan
         return plan
 
-    @staticmethod
-    def _pack_view(t: torch.Tensor) -> torch.Tensor:
-        """``t`` as (blocks, words) of the widest integer type that divides a page, if pages are contiguous.
-
-        The same bytes in the same order, but the index kernels then move 8-byte words over a 2-D index
-        space instead of 2-byte elements over five dims (H200, 256 attention pages of 64 KiB:
-        ``index_copy_`` 1.4 TB/s instead of 0.64; ``index_select`` is ~1.1 TB/s either way). A tensor
-        with strided pages (a transposed Mamba
-        conv state) stays as it is: its pages are packed in their logical order, element by element.
-        """
-        if t.dim() < 2 or not t[0].is_contiguous():
-            return t
-        try:
-            rows = t.view(t.shape[0], -1)
-        except RuntimeError:
-            return t
-        page_nbytes = _page_nbytes(t)
-        for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            if page_nbytes % word.itemsize == 0:
-                try:
-                    return rows.view(word)
-                except RuntimeError:  # storage offset or block stride not a multiple of the word
-                    continue
-        return t
-
-    def _chunk_views(self, lane: _Lane, n: int) -> list[_ChunkViews]:
+    def _chunk_views(self, lane: Lane, n: int) -> list[_ChunkViews]:
         """Per chunk of :meth:`_plan`, its views into the lane's staging buffer ``i % 2``.
 
         Cached per (batch size, staging buffer): slicing and re-viewing the buffer per piece per transfer
@@ -764,7 +500,7 @@ class BlockMover:
         return views
 
     def _stage_view(self, stage: torch.Tensor, p: _Piece) -> torch.Tensor:
-        """Piece ``p``'s rows in ``stage``, shaped like :meth:`_pack_view` of its tensor."""
+        """Piece ``p``'s rows in ``stage``, shaped like :func:`_pack_view` of its tensor."""
         t = self._packed[p.tensor]
         raw = stage[p.stage : p.stage + (p.r1 - p.r0) * self.page_nbytes[p.tensor]]
         return raw.view(t.dtype).view(p.r1 - p.r0, *t.shape[1:])
@@ -789,27 +525,27 @@ class BlockMover:
         assert self.staging is not None
         n = len(block_ids)
         if "save" in self.kernel_directions and self._kernel_takes(n):
-            with self.staging._lane("save", after, staged=False):
+            with self.staging.lane("save", after, staged=False):
                 self._kernel.copy(to_slab=True, rows=range(n), block_ids=block_ids, slab=slab)
                 parts = self._slab_parts(slab, n)  # built while the kernel runs
-            self.staging._finish("save", copy_stream=False)
+            self.staging.sync_lane("save", copy_stream=False)
             return parts
-        with self.staging._lane("save", after) as lane:
+        with self.staging.lane("save", after) as lane:
             idx = self._index(block_ids)
             copied: list[Fence] = [None, None]  # per buffer: its last copy to the host has read it
             for i, views in enumerate(self._chunk_views(lane, n)):
-                _wait(lane.kernel, copied[i % 2])
+                queue_behind(lane.kernel, copied[i % 2])
                 for t, p, out in views.pieces:
                     rows = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
                     torch.index_select(t, 0, rows, out=out)
-                packed = _record(lane.kernel)
+                packed = record_event(lane.kernel)
                 with lane.copying():
-                    _wait(lane.copy, packed)
+                    queue_behind(lane.copy, packed)
                     for c, staged in views.copies:
                         slab[c.host : c.host + c.nbytes].copy_(staged, non_blocking=True)
-                    copied[i % 2] = _record(lane.copy)
+                    copied[i % 2] = record_event(lane.copy)
             parts = self._slab_parts(slab, n)
-        self.staging._finish("save")
+        self.staging.sync_lane("save")
         return parts
 
     def _kernel_takes(self, n: int) -> bool:
@@ -818,37 +554,39 @@ class BlockMover:
         limit = self.staging.kernel_max_batch_bytes
         return limit is None or n * self.block_nbytes <= limit
 
-    def _commit(self, sb: StagedBlocks, keep: list[bool]) -> None:
+    def _write_back(self, sb: StagedBlocks, keep: list[bool]) -> None:
+        """:meth:`StagedBlocks.commit` of a batch of this mover: write its kept destination blocks."""
         if self.staging is None:
-            assert sb._staged_pages is not None
-            for b, pending, k_ok in zip(sb.block_ids, sb._staged_pages, keep, strict=True):
+            assert sb.host_copies is not None, "a direct-path destination batch lists its host copies"
+            for b, pending, k_ok in zip(sb.block_ids, sb.host_copies, keep, strict=True):
                 if not k_ok:
                     continue
                 for k, view in pending:
                     page = self.tensors[k][b]
                     page.copy_(torch.from_numpy(view).view(page.dtype).view(page.shape))
             return
-        assert sb._slab is not None
+        slab = sb.slab
+        assert slab is not None, "a staged destination batch is committed before its release"
         n = len(sb.block_ids)
         kept = [i for i in range(n) if keep[i]]
         if "load" in self.kernel_directions and self._kernel_takes(n):  # one launch, slab -> kept blocks
-            with self.staging._lane("load", sb._after, staged=False):
+            with self.staging.lane("load", sb.after, staged=False):
                 ids = [sb.block_ids[i] for i in kept]
-                self._kernel.copy(to_slab=False, rows=kept, block_ids=ids, slab=sb._slab)
-            self.staging._finish("load", copy_stream=False)
+                self._kernel.copy(to_slab=False, rows=kept, block_ids=ids, slab=slab)
+            self.staging.sync_lane("load", copy_stream=False)
             return
         # Mirror of _d2h: chunk i's copy into a staging buffer (copy stream; it touches no block, so it
         # need not wait for the fence) overlaps the unpacking of chunk i-1 (kernel stream, behind the fence).
-        with self.staging._lane("load", sb._after) as lane:
+        with self.staging.lane("load", sb.after) as lane:
             idx = self._index(sb.block_ids)
             unpacked: list[Fence] = [None, None]  # per buffer: its last unpacking has read it
             for i, views in enumerate(self._chunk_views(lane, n)):
                 with lane.copying():
-                    _wait(lane.copy, unpacked[i % 2])
+                    queue_behind(lane.copy, unpacked[i % 2])
                     for c, staged in views.copies:
-                        staged.copy_(sb._slab[c.host : c.host + c.nbytes], non_blocking=True)
-                    landed = _record(lane.copy)
-                _wait(lane.kernel, landed)
+                        staged.copy_(slab[c.host : c.host + c.nbytes], non_blocking=True)
+                    landed = record_event(lane.copy)
+                queue_behind(lane.kernel, landed)
                 for t, p, src in views.pieces:
                     dst_idx = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
                     if len(kept) != n:  # skip the blocks the store did not fill
@@ -859,5 +597,5 @@ class BlockMover:
                             sel = self._index(local)
                             src, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
                     t.index_copy_(0, dst_idx, src)
-                unpacked[i % 2] = _record(lane.kernel)
-        self.staging._finish("load")
+                unpacked[i % 2] = record_event(lane.kernel)
+        self.staging.sync_lane("load")

@@ -56,6 +56,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookup_answers import LookupAnswers
@@ -73,9 +74,10 @@ from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
-from hybridkv.lifecycle.audit import AuditSink, JsonLinesAuditSink
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.sink import AuditSink
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
+from hybridkv.store.url import store_kind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -159,10 +161,7 @@ class SchedulerSide:
             loads=self.can_load,
             **self.geo.describe(),
         )
-        if (
-            cfg.store.split("?")[0].removeprefix("faulty+").startswith("memory://")
-            and len(self.geo.ranks) > 1
-        ):
+        if store_kind(cfg.store).process_local and len(self.geo.ranks) > 1:
             log.warning(ConnectorLogEvent.MEMORY_STORE_IS_PROCESS_LOCAL)
 
     def bind_block_pool(self, pool: Any) -> None:

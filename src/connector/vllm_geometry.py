@@ -11,6 +11,7 @@ keys would name the wrong hashes or hits would land off vLLM's grid, so startup 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -126,6 +127,39 @@ def _layout(spec: Any) -> str:
     return f"{type(spec).__name__}(" + ",".join(fields) + ")"
 
 
+def _mamba_group(spec: Any, inner: Any, gid: int) -> GroupSpec:
+    if getattr(inner, "mamba_cache_mode", "align") != "align":
+        raise ValueError(
+            f"group {gid} ({type(inner).__name__}): Mamba prefix caching needs mamba_cache_mode 'align', "
+            f"got {inner.mamba_cache_mode!r}"
+        )
+    return GroupSpec.mamba(int(spec.block_size), layout=_layout(inner))
+
+
+def _sliding_window_group(spec: Any, inner: Any, _gid: int) -> GroupSpec:
+    return GroupSpec.sliding_window_group(
+        int(spec.block_size), int(inner.sliding_window), layout=_layout(inner)
+    )
+
+
+def _full_group(spec: Any, inner: Any, _gid: int) -> GroupSpec:
+    # Includes MLA, and sliding/chunked windows treated as full when HMA is off: storing every block of
+    # those is still exact.
+    return GroupSpec.full(int(spec.block_size), dcp_sharded=bool(spec.dcp_sharded), layout=_layout(inner))
+
+
+def _spec_to_group() -> tuple[tuple[type, Callable[[Any, Any, int], GroupSpec]], ...]:
+    """vLLM KV-cache spec type -> the lifecycle group it is, most specific first (the first match wins).
+    What each kind may do (DCP, saves, loads) is its ``KIND_RULES`` row, not here."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    return (
+        (MambaSpec, _mamba_group),
+        (SlidingWindowSpec, _sliding_window_group),
+        (FullAttentionSpec, _full_group),
+    )
+
+
 def resolve_geometry(
     vllm_config: Any, kv_cache_config: Any, namespace: str, *, check_vllm_sizes: bool
 ) -> ConnectorGeometry:
@@ -135,12 +169,7 @@ def resolve_geometry(
     them; a worker's copy may not).
     """
     from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     par = vllm_config.parallel_config
     dcp = int(par.decode_context_parallel_size)
@@ -169,28 +198,10 @@ def resolve_geometry(
             )
             inner = inner_specs[0]
         name = type(inner).__name__
-        if isinstance(inner, MambaSpec):
-            if getattr(inner, "mamba_cache_mode", "align") != "align":
-                raise ValueError(
-                    f"group {gid} ({name}): Mamba prefix caching needs mamba_cache_mode 'align', got {inner.mamba_cache_mode!r}"
-                )
-            gs = GroupSpec.mamba(int(spec.block_size), layout=_layout(inner))
-        elif isinstance(inner, SlidingWindowSpec):
-            if dcp > 1:
-                raise ValueError(
-                    f"group {gid}: {name} (sliding window) cannot run under decode context parallelism (dcp={dcp})"
-                )
-            gs = GroupSpec.sliding_window_group(
-                int(spec.block_size), int(inner.sliding_window), layout=_layout(inner)
-            )
-        elif isinstance(inner, FullAttentionSpec):
-            # Includes MLA, and sliding/chunked windows treated as full when HMA is off: storing every
-            # block of those is still exact.
-            gs = GroupSpec.full(
-                int(spec.block_size), dcp_sharded=bool(spec.dcp_sharded), layout=_layout(inner)
-            )
-        else:
-            raise ValueError(f"group {gid}: KV-cache spec {name} is not supported by HybridStoreConnector")  # noqa: TRY004
+        build = next((build for spec_type, build in _spec_to_group() if isinstance(inner, spec_type)), None)
+        if build is None:
+            raise ValueError(f"group {gid}: KV-cache spec {name} is not supported by HybridStoreConnector")
+        gs = build(spec, inner, gid)
         if dcp > 1 and not gs.rules.supports_dcp:
             raise ValueError(
                 f"group {gid}: {name} ({gs.kind.value}) cannot run under decode context parallelism (dcp={dcp})"

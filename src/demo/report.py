@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import format_table
 from hybridkv.demo.scenario import DemoReport, PhaseResult, RequestResult
+from hybridkv.tables import format_table
 
 __all__ = ["render"]
 

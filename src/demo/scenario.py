@@ -15,7 +15,7 @@ Every number comes from the running system: ``cached`` is vLLM's ``RequestOutput
 ``external`` is what the connector loaded and verified for that request (its audit log: ``load_verified``
 records, boundary minus the local hit it was asked with); ``local = cached - external``; loaded / saved
 bytes and failed keys are the worker's counters; truncations are the audit log's ``load_failed`` records.
-The audit log is replayed at the end (``hybridkv.lifecycle.audit``).
+The audit log is replayed at the end (``hybridkv.audit.replay``).
 
 Contracts:
 
@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import FAMILIES, build_tiny_model
+from hybridkv.connector import inprocess
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import FAMILIES, build_tiny_model
 
 __all__ = [
     "DEFAULT_CHAOS",
@@ -241,13 +242,13 @@ class _AuditTail:
 
 
 class _Engine:
-    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.testing.vllm_harness``), plus the
+    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.devkit.vllm_harness``), plus the
     counters the demo reads."""
 
     def __init__(
         self, model_dir: Path, store: str, namespace: str, audit_log: Path, max_model_len: int
     ) -> None:
-        transfer = vllm_harness.connector_transfer_config(
+        transfer = inprocess.connector_transfer_config(
             {
                 "store": store,
                 "namespace": namespace,
@@ -257,15 +258,15 @@ class _Engine:
         self._stack = contextlib.ExitStack()
         # The engine handle is reached into (in-process engine core, connector objects): typed loosely.
         self.llm: Any = self._stack.enter_context(
-            vllm_harness.inprocess_engine(
+            inprocess.inprocess_engine(
                 model_dir,
                 transfer,
-                **vllm_harness.engine_kwargs(max_model_len=max_model_len, kv_cache_bytes=_KV_CACHE_BYTES),
+                **inprocess.engine_kwargs(max_model_len=max_model_len, kv_cache_bytes=_KV_CACHE_BYTES),
                 use_tqdm_on_load=False,
             )
         )
         try:
-            self.sched_connector, self.worker_connector = vllm_harness.connector_halves(self.llm)
+            self.sched_connector, self.worker_connector = inprocess.connector_halves(self.llm)
         except TypeError:
             self._stack.close()
             raise
@@ -542,8 +543,8 @@ def phase_chaos(run: _Run) -> None:
 
 
 def audit_phase(report: DemoReport) -> None:
-    """Replay the connector's audit log (``hybridkv.lifecycle.audit``) into ``report.audit``."""
-    from hybridkv.lifecycle.audit import audit_file
+    """Replay the connector's audit log (``hybridkv.audit.replay``) into ``report.audit``."""
+    from hybridkv.audit.replay import audit_file
 
     try:
         report.audit = audit_file(Path(report.audit_log)).to_dict()

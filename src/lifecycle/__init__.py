@@ -1,4 +1,4 @@
-"""hybridkv.lifecycle: pure logic (no vLLM, no torch) for what happens to a request.
+"""hybridkv.lifecycle: pure logic (no vLLM, no torch, no threads, no files) for what happens to a request.
 
 - ``kinds``: one rules object per cache kind (full attention, sliding window, Mamba) in ``KIND_RULES``.
 - ``geometry``: the groups, the TP/DCP topology, spans, hash unit, scheduler block and hit alignment.
@@ -7,18 +7,11 @@
 - ``load``: load plans, load outcomes, the verdict of a finished load and the retry cap.
 - ``save``: save plans and which blocks count as stored.
 - ``machine``: the transition table (data) and the shared ``transitions`` driver.
-- ``audit``: sinks for the one-record-per-transition audit trail, and the replay checker.
-- ``diagram``: Mermaid / DOT rendered from the table.
+- ``sink``: what the machine emits its one-record-per-transition audit trail to (``AuditSink``), and an
+  in-memory sink. The file sink, the replay checker, the trace export and the diagrams are tools over the
+  table and live in ``hybridkv.audit``.
 """
 
-from hybridkv.lifecycle.audit import (
-    AuditReport,
-    AuditSink,
-    JsonLinesAuditSink,
-    MemoryAuditSink,
-    audit_file,
-    replay_records,
-)
 from hybridkv.lifecycle.geometry import Geometry, Rank, Topology
 from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE, EntryId, KeyScheme, PlannedBlock
 from hybridkv.lifecycle.kinds import KIND_RULES, GroupKind, GroupSpec, KindRules
@@ -34,13 +27,13 @@ from hybridkv.lifecycle.machine import (
     State,
 )
 from hybridkv.lifecycle.save import SavePlan, plan_save
+from hybridkv.lifecycle.sink import AuditSink, MemoryAuditSink
 
 __all__ = [
     "KEY_VERSION",
     "KIND_RULES",
     "NAMESPACE_RE",
     "TRANSITIONS",
-    "AuditReport",
     "AuditSink",
     "EntryId",
     "Geometry",
@@ -48,7 +41,6 @@ __all__ = [
     "GroupSpec",
     "GuardRejected",
     "IllegalTransition",
-    "JsonLinesAuditSink",
     "KeyScheme",
     "KindRules",
     "LifecycleMachine",
@@ -66,9 +58,7 @@ __all__ = [
     "SaveWave",
     "State",
     "Topology",
-    "audit_file",
     "plan_lookup",
     "plan_save",
-    "replay_records",
     "retry_cap",
 ]

@@ -88,6 +88,15 @@ def parse_block_key(key: str) -> BlockKey | None:
     )
 
 
+def boundary_hash_index(boundary_tokens: int, hash_unit: int) -> int:
+    """The key rule: an entry ending at ``boundary_tokens`` is keyed by the request's block hash at this
+    index (vLLM's hash of the prefix up to the boundary, one hash per ``hash_unit`` tokens)."""
+    assert boundary_tokens > 0 and boundary_tokens % hash_unit == 0, (
+        f"boundary {boundary_tokens} is not a positive multiple of the hash unit {hash_unit}"
+    )
+    return boundary_tokens // hash_unit - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class KeyScheme:
     """Store keys: ``hkv1/<namespace>/<fingerprint>/g<group>/tp<r>/dcp<r>/<hash hex>``.
@@ -162,11 +171,7 @@ class KeyScheme:
 
     def boundary_hash(self, block_hashes: Sequence[bytes], boundary_tokens: int) -> bytes:
         """The hash that keys an entry ending at ``boundary_tokens`` (a multiple of the hash unit)."""
-        unit = self.geometry.hash_unit
-        assert boundary_tokens > 0 and boundary_tokens % unit == 0, (
-            f"boundary {boundary_tokens} is not a positive multiple of the hash unit {unit}"
-        )
-        return block_hashes[boundary_tokens // unit - 1]
+        return block_hashes[boundary_hash_index(boundary_tokens, self.geometry.hash_unit)]
 
     def entries(self, blocks: Sequence[PlannedBlock]) -> tuple[tuple[EntryId, str], ...]:
         """Every (entry, key) of ``blocks`` on every rank, rank-major."""

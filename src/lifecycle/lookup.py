@@ -39,7 +39,7 @@ from functools import cached_property
 from typing import TypeVar
 
 from hybridkv.lifecycle.geometry import Geometry
-from hybridkv.lifecycle.keys import KeyScheme, PlannedBlock
+from hybridkv.lifecycle.keys import KeyScheme, PlannedBlock, boundary_hash_index
 from hybridkv.lifecycle.kinds import UnitHit
 from hybridkv.lifecycle.load import LoadPlan
 
@@ -176,7 +176,7 @@ def plan_lookup(
         rank_prefixes = scheme.group_rank_prefixes[group_index]
         for boundary in group.rules.candidate_boundaries(geometry, group_index, local, cap):
             index_of[(group_index, boundary)] = len(keys)
-            hash_hex = hashes[boundary // unit - 1].hex()
+            hash_hex = hashes[boundary_hash_index(boundary, unit)].hex()
             keys.extend([prefix + hash_hex for prefix in rank_prefixes])
     return LookupCandidates(
         scheme=scheme,
@@ -350,12 +350,12 @@ class LookupSearch:
     # -- keys -----------------------------------------------------------------------------------------
 
     def _rank_keys(self, group_index: int, boundary: int) -> list[str]:
-        hash_hex = self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+        hash_hex = self._hex[boundary_hash_index(boundary, self.scheme.geometry.hash_unit)]
         return [prefix + hash_hex for prefix in self.scheme.group_rank_prefixes[group_index]]
 
     def _probe_key(self, group_index: int, boundary: int) -> str:
         prefix = self.scheme.group_rank_prefixes[self._unit_first[group_index]][0]
-        return prefix + self._hex[boundary // self.scheme.geometry.hash_unit - 1]
+        return prefix + self._hex[boundary_hash_index(boundary, self.scheme.geometry.hash_unit)]
 
     # -- the search -----------------------------------------------------------------------------------
 
@@ -443,6 +443,7 @@ class LookupSearch:
                 boundaries = self._boundaries(unit[0])
                 # In slices of PAUSE_EVERY boundaries, each one comprehension (a 128K-token prompt has
                 # thousands): a generator with a tick per boundary cost several times the keys' own work.
+                # The key rule (``boundary_hash_index``) inline: a call per key would double this loop.
                 for start in range(0, len(boundaries), PAUSE_EVERY):
                     keys = [
                         prefix + hexes[b // hash_unit - 1] for b in boundaries[start : start + PAUSE_EVERY]

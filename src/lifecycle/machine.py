@@ -45,7 +45,7 @@ from hybridkv.lifecycle.save import SavePlan
 from transitions import EventData, Machine
 
 if TYPE_CHECKING:
-    from hybridkv.lifecycle.audit import AuditSink
+    from hybridkv.lifecycle.sink import AuditSink
 
 __all__ = [
     "DETAIL_FIELDS",

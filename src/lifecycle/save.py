@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
+from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock, boundary_hash_index
 from hybridkv.lifecycle.kinds import cdiv
 
 __all__ = ["SavePlan", "plan_save"]
@@ -63,7 +63,10 @@ def plan_save(
             rules.check_save_boundary(geometry, group_index, boundary)
             blocks.append(
                 PlannedBlock(
-                    group_index, cdiv(boundary, span) - 1, boundary, block_hashes[boundary // unit - 1]
+                    group_index,
+                    cdiv(boundary, span) - 1,
+                    boundary,
+                    block_hashes[boundary_hash_index(boundary, unit)],
                 )
             )
     return SavePlan(scheme=scheme, blocks=tuple(blocks))

@@ -28,7 +28,10 @@ parameter, a bad size, a probability outside [0, 1], a missing directory or host
 
 from __future__ import annotations
 
+import enum
 import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -40,8 +43,43 @@ from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.memory import MemoryBackend
 from hybridkv.store.params import Params, ParsedUrl, split_url
 
-SCHEMES = ("memory", "file", "mooncake", "faulty+<scheme>")
 DEFAULT_FILE_CAPACITY = 4 << 30
+#: The prefix that wraps any store URL in the chaos view (``FaultyBackend``).
+FAULTY_PREFIX = "faulty+"
+
+
+class StoreTier(enum.Enum):
+    """Where a store's bytes live, as vLLM's hit sources see it."""
+
+    HOST = "host"  # this process's memory
+    DISK = "disk"  # files on this host
+    EXTERNAL = "external"  # another service (Mooncake's master and storage nodes)
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """One row of the store registry: everything the package knows about a URL scheme."""
+
+    scheme: str
+    opener: Callable[[ParsedUrl, Params], Backend]
+    tier: StoreTier
+    #: Only this process sees its entries (engines with several worker processes need another store).
+    process_local: bool
+    #: The query parameters it takes besides ``checksum`` (the chaos view adds its own).
+    params: tuple[str, ...]
+
+
+def store_kind(url: str) -> StoreKind:
+    """The registry row of ``url``'s scheme (through any ``faulty+`` view); ``StoreError`` if unknown."""
+    inner = url.removeprefix(FAULTY_PREFIX)
+    scheme = inner.split("://", 1)[0] if "://" in inner else ""
+    kind = STORE_KINDS.get(scheme)
+    if kind is None:
+        raise StoreError(
+            f"store URL {url!r}: unknown scheme {scheme!r} (known: {', '.join(STORE_KINDS)}, each also as "
+            f"{FAULTY_PREFIX}<url>)"
+        )
+    return kind
 
 
 def open_store(url: str) -> FramedStore:
@@ -54,21 +92,13 @@ def open_store(url: str) -> FramedStore:
 
 def open_backend(url: str) -> tuple[Backend, ChecksumAlgo]:
     """The frame-moving backend for ``url`` and the checksum its frames use (``open_store`` minus framing)."""
-    if url.startswith("faulty+"):
+    if url.startswith(FAULTY_PREFIX):
         return _open_faulty(url)
     parsed = split_url(url)
+    kind = store_kind(url)
     params = Params(url, parsed.scheme, parsed.params)
     checksum = _checksum_param(params)
-    backend: Backend
-    if parsed.scheme == "memory":
-        backend = _open_memory(parsed, params)
-    elif parsed.scheme == "file":
-        backend = _open_file(parsed, params)
-    elif parsed.scheme == "mooncake":
-        backend = _open_mooncake(parsed, params)
-    else:
-        raise StoreError(f"store URL {url!r}: unknown scheme {parsed.scheme!r} (known: {', '.join(SCHEMES)})")
-    return backend, checksum
+    return kind.opener(parsed, params), checksum
 
 
 def _checksum_param(params: Params) -> ChecksumAlgo:
@@ -80,12 +110,12 @@ def _checksum_param(params: Params) -> ChecksumAlgo:
 
 
 def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
-    inner_url_with_params = url[len("faulty+") :]
+    inner_url_with_params = url[len(FAULTY_PREFIX) :]
     parsed = split_url(inner_url_with_params)
     faulty_values = {name: parsed.params.pop(name) for name in FAULTY_PARAMS if name in parsed.params}
     base = inner_url_with_params.split("?", 1)[0]
     inner_url = f"{base}?{urlencode(parsed.params)}" if parsed.params else base
-    params = Params(url, "faulty+", faulty_values)
+    params = Params(url, FAULTY_PREFIX, faulty_values)
     # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the inner store opens.
     faulty = functools.partial(
         FaultyBackend,
@@ -199,3 +229,15 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
     )
     params.finish()
     return mooncake()
+
+
+# fmt: off
+#: The store registry: adding a store is one backend file and one row here.
+STORE_KINDS: Mapping[str, StoreKind] = {kind.scheme: kind for kind in (
+    StoreKind("memory",   _open_memory,   StoreTier.HOST,     process_local=True,  params=("capacity",)),
+    StoreKind("file",     _open_file,     StoreTier.DISK,     process_local=False, params=("capacity", "timeout_ms")),
+    StoreKind("mooncake", _open_mooncake, StoreTier.EXTERNAL, process_local=False,
+              params=("metadata", "local_hostname", "segment", "local_buffer", "protocol", "device",
+                      "timeout_ms", "breaker_failures", "breaker_reset_s", "preferred_segment")),
+)}
+# fmt: on

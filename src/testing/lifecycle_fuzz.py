@@ -32,13 +32,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
+from hybridkv.audit.replay import replay_records
 from hybridkv.lifecycle.geometry import Geometry, Topology
 from hybridkv.lifecycle.keys import EntryId, KeyScheme
 from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
 from hybridkv.lifecycle.load import LoadOutcome, LoadPlan
 from hybridkv.lifecycle.lookup import plan_lookup
 from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.sink import MemoryAuditSink
 
 #: Load states the connector may refuse from (every live one but REFUSED).
 _REFUSABLE = (
@@ -142,7 +143,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------------------
 
     def _keys(self, group: int, boundary: int, hashes: list[bytes]) -> list[str]:
-        block_hash = hashes[boundary // self.geometry.hash_unit - 1]
+        block_hash = self.scheme.boundary_hash(hashes, boundary)
         return [self.scheme.key(group, r.tp_rank, block_hash) for r in self.geometry.topology.ranks]
 
     def _draw_boundaries(self, data: st.DataObject, group: int, num_tokens: int) -> list[int]:
@@ -338,10 +339,9 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         """Hard rule 1: every group on every rank can restore the boundary from local + plan."""
         geometry = self.geometry
         boundary = plan.boundary
-        unit = geometry.hash_unit
         planned = {(load.group_index, load.block_index): load for load in plan.loads}
         for load in plan.loads:
-            assert load.block_hash == req.hashes[load.key_boundary // unit - 1], (
+            assert load.block_hash == self.scheme.boundary_hash(req.hashes, load.key_boundary), (
                 f"group {load.group_index} block {load.block_index}: key from another prefix (mixed-prefix state)"
             )
             for key in self._keys(load.group_index, load.key_boundary, req.hashes):

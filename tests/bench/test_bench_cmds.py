@@ -195,7 +195,7 @@ def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: P
 def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hybridkv.bench.ttft import loopback_only_namespace
+    from hybridkv.devkit.net import loopback_only_namespace
 
     if loopback_only_namespace():
         pytest.skip("this process already runs in a loopback-only namespace (the Mooncake test run)")

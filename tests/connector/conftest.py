@@ -1,11 +1,11 @@
-"""Fixtures for connector tests (helpers live in ``connector_helpers``)."""
+"""Fixtures for connector tests (helpers live in ``hybridkv.devkit.cluster``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from hybridkv.testing.cluster import make_vllm_objs
+from hybridkv.devkit.cluster import make_vllm_objs
 
 
 @pytest.fixture(scope="session")

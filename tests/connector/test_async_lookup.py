@@ -11,8 +11,8 @@ import uuid
 from typing import Any
 
 import pytest
-from connector_helpers import HASH
-from connector_helpers import kv_cache_config as _kv_cache_config
+from hybridkv.devkit.cluster import HASH
+from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.lifecycle import plan_lookup
 from hybridkv.store import open_store
 

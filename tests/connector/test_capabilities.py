@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from hybridkv.connector import inprocess
 from hybridkv.connector.capabilities import load_disabled_reason
 from hybridkv.connector.log_events import ConnectorLogEvent
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.cluster import two_group_cache_config
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.store import open_store
 from hybridkv.store.memory import MemoryBackend
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.cluster import two_group_cache_config
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from structlog.testing import capture_logs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
@@ -113,7 +114,7 @@ def _mla_vllm_config(attention_backend: str | None) -> Any:
         device_config=DeviceConfig("cpu"),
         cache_config=CacheConfig(enable_prefix_caching=True),
         attention_config=AttentionConfig(backend=attention_backend),
-        kv_transfer_config=vllm_harness.connector_transfer_config({"store": "memory://unused"}),
+        kv_transfer_config=inprocess.connector_transfer_config({"store": "memory://unused"}),
     )
 
 

@@ -94,16 +94,16 @@ def test_copy_kernel_matches_dma_path_and_skips_dropped_blocks() -> None:
 
 def test_cuda_copy_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kernel`` without Triton stops the engine at start naming the key; ``auto`` falls back to DMA."""
-    from hybridkv.connector.worker import _kernel_directions
+    from hybridkv.connector.worker_context import kernel_directions
 
-    assert _kernel_directions("auto") == {"load"}
-    assert _kernel_directions("kernel") == {"save", "load"}
-    assert _kernel_directions("dma") == frozenset()
+    assert kernel_directions("auto") == {"load"}
+    assert kernel_directions("kernel") == {"save", "load"}
+    assert kernel_directions("dma") == frozenset()
     monkeypatch.delitem(sys.modules, "hybridkv.connector.copy_kernels", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" now raises ImportError
     with pytest.raises(ValueError, match=r"\['cuda_copy'\]: 'kernel' needs Triton"):
-        _kernel_directions("kernel")
-    assert _kernel_directions("auto") == frozenset()
+        kernel_directions("kernel")
+    assert kernel_directions("auto") == frozenset()
 
 
 def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,8 +15,8 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob, SaveOutcome
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
+from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import LoadOutcome
-from hybridkv.testing.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

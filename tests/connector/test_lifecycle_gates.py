@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
+from hybridkv.audit.replay import replay_records
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from test_scheduler_dcp import _fill, _request, _scheduler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
@@ -223,7 +224,7 @@ def test_a_request_that_reads_no_cached_prefix_costs_no_lookup(objs: dict[str, A
 
 # ---------------------------------------------------------------------------------------- layer-wise
 def _single_group_scheduler(store_url: str) -> Any:
-    from hybridkv.testing.cluster import two_group_cache_config
+    from hybridkv.devkit.cluster import two_group_cache_config
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.testing.cluster import Cluster, hybrid_config
+from hybridkv.devkit.cluster import Cluster, hybrid_config
 from test_scheduler_matrix import tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

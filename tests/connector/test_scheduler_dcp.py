@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.metadata import LoadResult, SaveOutcome, SaveResult
+from hybridkv.devkit.cluster import HASH
+from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.store import open_store
-from hybridkv.testing.cluster import HASH
-from hybridkv.testing.cluster import kv_cache_config as _kv_cache_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -136,7 +136,7 @@ def _truncate_on_rank1(
 ) -> tuple[Any, Any, Any, list[bytes], Any]:
     """A 130-token prompt whose store holds full attention at 32..128 and Mamba states at 64 and 128 on
     both ranks; the plan loads 128 and rank 1 fails full-attention block 2 (tokens 64..96)."""
-    from hybridkv.lifecycle.audit import MemoryAuditSink
+    from hybridkv.lifecycle.sink import MemoryAuditSink
 
     sched = _scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side

@@ -13,11 +13,11 @@ import uuid
 from typing import Any
 
 import pytest
-from connector_helpers import HASH
 from hybridkv.connector.identity import MANIFEST_NAME
 from hybridkv.connector.metadata import HybridStoreWorkerMetadata, LoadResult, SaveOutcome, SaveResult
+from hybridkv.devkit.cluster import HASH
 from hybridkv.lifecycle import LoadOutcome
-from hybridkv.lifecycle.audit import MemoryAuditSink
+from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
 from test_scheduler_dcp import _fill, _output, _request, _scheduler
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hybridkv.testing.cluster import Cluster, hybrid_config
+from hybridkv.devkit.cluster import Cluster, hybrid_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 

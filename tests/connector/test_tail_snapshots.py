@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
+from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.store import open_store
 
 pytestmark = pytest.mark.vllm

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hybridkv.testing.tiny_models import FAMILIES, build_tiny_model, tiny_config_kwargs
+from hybridkv.devkit.tiny_models import FAMILIES, build_tiny_model, tiny_config_kwargs
 
 
 def test_build_is_cached_and_deterministic(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from connector_helpers import kv_cache_config
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.datapath import PinnedPool, StagingContext
 from hybridkv.connector.metadata import (
@@ -32,8 +31,10 @@ from hybridkv.connector.metadata import (
     SaveOutcome,
     SaveResult,
 )
+from hybridkv.connector.ownership import MAX_QUARANTINED_BATCHES, may_answer_late
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import _MAX_QUARANTINED_BATCHES, WorkerSide, _may_answer_late
+from hybridkv.connector.worker import WorkerSide
+from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import file as file_module
 from hybridkv.store import open_store
@@ -158,22 +159,22 @@ def test_hung_file_store_read_fails_the_load_within_its_deadline_and_holds_nothi
         release.set()
 
 
-def test_the_worker_asks_the_store_whether_it_may_answer_late(
+def test_the_worker_asks_the_store_whether_itmay_answer_late(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Only a store that says it never answers late is handed KV pages; an object that does not say (a
     wrapper forwarding attributes to a store, or anything else) is assumed to."""
     name = f"late-{uuid.uuid4().hex[:8]}"
-    assert not _may_answer_late(open_store(f"memory://{name}"), "get")
+    assert not may_answer_late(open_store(f"memory://{name}"), "get")
     late_get = open_store(f"faulty+memory://{name}?get_late=1")
-    assert _may_answer_late(late_get, "get") and not _may_answer_late(late_get, "put")
-    assert not _may_answer_late(open_store(f"faulty+memory://{name}?delay_ms=1"), "put")
+    assert may_answer_late(late_get, "get") and not may_answer_late(late_get, "put")
+    assert not may_answer_late(open_store(f"faulty+memory://{name}?delay_ms=1"), "put")
     local = open_store(f"file://{tmp_path}/local")
-    assert not _may_answer_late(local, "get") and not _may_answer_late(local, "put")
+    assert not may_answer_late(local, "get") and not may_answer_late(local, "put")
     monkeypatch.setattr(file_module, "directory_fstype", lambda _directory: "nfs4")
     on_nfs = open_store(f"file://{tmp_path}/nfs")
-    assert _may_answer_late(on_nfs, "get") and _may_answer_late(on_nfs, "put")
-    assert _may_answer_late(open_store(f"faulty+file://{tmp_path}/nfs2"), "get")  # its inner store may
+    assert may_answer_late(on_nfs, "get") and may_answer_late(on_nfs, "put")
+    assert may_answer_late(open_store(f"faulty+file://{tmp_path}/nfs2"), "get")  # its inner store may
 
     class Forwarding:
         def __init__(self, inner: Any) -> None:
@@ -182,8 +183,8 @@ def test_the_worker_asks_the_store_whether_it_may_answer_late(
         def __getattr__(self, attribute: str) -> Any:
             return getattr(self.inner, attribute)
 
-    assert _may_answer_late(Forwarding(local), "get")
-    assert _may_answer_late(object(), "put")
+    assert may_answer_late(Forwarding(local), "get")
+    assert may_answer_late(object(), "put")
     for store in (local, on_nfs):
         store.close()
 
@@ -192,15 +193,15 @@ def test_host_loads_fail_fast_once_too_many_batches_are_quarantined(vllm_objs: d
     name = f"late-{uuid.uuid4().hex[:8]}"
     ws, caches, scheme = _worker(vllm_objs, f"faulty+memory://{name}?get_late=1&late_ms={NEVER_MS}")
     _stored_block(scheme, name, caches)
-    for n in range(_MAX_QUARANTINED_BATCHES):
+    for n in range(MAX_QUARANTINED_BATCHES):
         ws.start_load(_load_of(scheme, f"r{n}"))
         assert _wait_report(ws) == ({f"r{n}"}, {f"r{n}"})
-    assert ws.num_late_store_calls == _MAX_QUARANTINED_BATCHES
+    assert ws.num_late_store_calls == MAX_QUARANTINED_BATCHES
     ws.start_load(_load_of(scheme, "over"))
     assert _wait_report(ws) == ({"over"}, {"over"})
     wm = ws.worker_meta()
     assert wm is not None and [res.outcome for res in wm.loads["over"]] == [LoadOutcome.NOT_ATTEMPTED]
-    assert ws.num_late_store_calls == _MAX_QUARANTINED_BATCHES, "a quarantined buffer too many was read into"
+    assert ws.num_late_store_calls == MAX_QUARANTINED_BATCHES, "a quarantined buffer too many was read into"
     assert ws.num_quarantine_refusals == 1
     assert _shutdown_returns(ws, 1.0)
 
@@ -312,9 +313,9 @@ def test_split_read_keeps_a_late_share_when_the_other_raises(
     """A batch read in two shares: one raises, the other's call answered TIMEOUT and goes on. The job fails
     at once, but the late call never writes a page of the reported job, and (staged) its slab stays out
     of the pool until it returned."""
-    from hybridkv.connector import worker as worker_module
+    from hybridkv.connector import load_pipeline
 
-    monkeypatch.setattr(worker_module, "_SPLIT_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     staging = StagingContext("cpu", PinnedPool(1 << 20, 3 << 20, pin=False)) if staged else None
     ws, caches, scheme = _worker(vllm_objs, f"memory://late-{uuid.uuid4().hex[:8]}", staging=staging)
     faults = _SplitReadFaults(ws.store, raising)

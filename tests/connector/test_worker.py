@@ -20,9 +20,9 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
+from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
-from hybridkv.testing.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 
@@ -208,9 +208,10 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
     and the job's phases are timed (worker and file store)."""
     import threading
 
-    from hybridkv.connector import worker as worker_module
+    from hybridkv.connector import load_pipeline
+    from hybridkv.connector.load_probe import LoadProbe
 
-    monkeypatch.setattr(worker_module, "_SPLIT_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     url = f"file://{tmp_path}/store?capacity=64MiB"
     ws, caches, scheme = _worker(vllm_objs, url)
     try:
@@ -236,6 +237,8 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
 
         monkeypatch.setattr(backend, "get_frames_verified", spy)
         untouched = caches["attn.0"][28].clone()
+        probe = LoadProbe()
+        ws.install_load_probe(probe)
         load = LoadJob(
             "r", 32, tuple(BlockRef(0, 0, i, b, h, 32) for i, (b, h) in enumerate(zip(dst, hashes)))
         )
@@ -251,7 +254,7 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
         assert wm is not None
         outcomes = {res.entry.block_index: res.outcome for res in wm.loads["r"]}
         assert outcomes == {i: (LoadOutcome.MISSING if i == 7 else LoadOutcome.OK) for i in range(10)}
-        timings = ws.load_timings
+        timings = probe.totals()
         assert timings["jobs"] == 1 and timings["store_s"] > 0 and timings["queue_s"] >= 0, timings
         assert timings["report_s"] > 0, "the report phase ends when transfer_results hands the job over"
         assert backend.read_timings["keys"] == 10 and backend.read_timings["read_s"] > 0

@@ -50,8 +50,8 @@ from hybridkv.cli import main as cli_main
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.audit import RECORD_KEYS
 from hybridkv.lifecycle.machine import State, transition_index
+from hybridkv.lifecycle.sink import RECORD_KEYS
 from hybridkv.store import Status, StoreLogEvent, open_store
 
 # -- kv-transfer-config examples ---------------------------------------------------------------------------------
@@ -468,7 +468,7 @@ def test_json_blocks_are_all_checked() -> None:
 
 def test_trace_record_examples() -> None:
     """Lifecycle-trace records (`hybridkv audit --export vllm-trace`) parse as the exporter's schema."""
-    from hybridkv.lifecycle.trace import parse_trace_line
+    from hybridkv.audit.trace import parse_trace_line
 
     num_checked = 0
     for block in all_blocks():

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from doc_reader import DOCS, all_blocks, audit_examples, names, table_rows
-from hybridkv.lifecycle.audit import ViolationKind
-from hybridkv.lifecycle.diagram import render_mermaid
+from hybridkv.audit.diagram import render_mermaid
+from hybridkv.audit.replay import ViolationKind
 from hybridkv.lifecycle.machine import DETAIL_FIELDS, TRANSITIONS, State
 
 
@@ -23,8 +23,8 @@ def audit_scenario() -> list[dict[str, Any]]:
     import hashlib
 
     from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome, Topology, plan_save
-    from hybridkv.lifecycle.audit import MemoryAuditSink
     from hybridkv.lifecycle.machine import LifecycleMachine
+    from hybridkv.lifecycle.sink import MemoryAuditSink
 
     geometry = Geometry(
         groups=(GroupSpec.full(16), GroupSpec.mamba(64)), topology=Topology(tp_size=2, dcp_size=2)

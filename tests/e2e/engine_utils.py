@@ -1,6 +1,6 @@
 """Helpers for in-process vLLM engines with HybridStoreConnector (CPU build, tiny random models).
 
-A thin layer over :mod:`hybridkv.testing.vllm_harness` (the engine the benchmarks and the demo use too).
+A thin layer over :mod:`hybridkv.devkit.vllm_harness` (the engine the benchmarks and the demo use too).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.connector import inprocess
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
 
-vllm_harness.prepare_inprocess_environment()
+inprocess.prepare_inprocess_environment()
 
 MODELS_DIR = DEFAULT_MODELS_DIR
 
@@ -31,8 +32,8 @@ def engine(model_dir: Path, extra: dict[str, Any], *, module_path: bool = True) 
 
     ``module_path=False`` names the connector only, relying on the ``hybridkv`` vLLM plugin entry point.
     """
-    transfer = vllm_harness.connector_transfer_config(extra, module_path=module_path)
-    with vllm_harness.inprocess_engine(model_dir, transfer) as llm:
+    transfer = inprocess.connector_transfer_config(extra, module_path=module_path)
+    with inprocess.inprocess_engine(model_dir, transfer) as llm:
         yield llm
 
 
@@ -46,7 +47,7 @@ def generate(
 
 def connectors(llm: Any) -> tuple[Any, Any]:
     """(scheduler-role, worker-role) connector objects of an in-process engine."""
-    return vllm_harness.connector_halves(llm)
+    return inprocess.connector_halves(llm)
 
 
 def flush_saves(llm: Any) -> None:

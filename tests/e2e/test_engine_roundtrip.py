@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from engine_utils import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.lifecycle.audit import audit_file
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.audit.replay import audit_file
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

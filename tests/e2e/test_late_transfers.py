@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 from engine_utils import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.lifecycle.audit import audit_file
+from hybridkv.audit.replay import audit_file
+from hybridkv.devkit.tiny_models import build_tiny_model
 from hybridkv.store.faulty import SCRIBBLE_BYTE, FaultyBackend
-from hybridkv.testing.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

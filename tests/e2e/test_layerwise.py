@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 from engine_utils import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
+from hybridkv.audit.replay import audit_file
+from hybridkv.connector import inprocess
 from hybridkv.connector.layerwise import LayerwiseLoads
-from hybridkv.lifecycle.audit import audit_file
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -35,7 +36,7 @@ def llama() -> Path:
 @pytest.fixture(scope="module")
 def reference(llama: Path) -> dict[str, list[int]]:
     """Greedy tokens of both prompts from an engine without a connector."""
-    with vllm_harness.inprocess_engine(llama, None) as llm:
+    with inprocess.inprocess_engine(llama, None) as llm:
         return {"full": generate(llm, FULL)[0], "partial": generate(llm, PARTIAL)[0]}
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from engine_utils import MODELS_DIR, connectors, flush_saves, generate, prompt, reset_local_cache
 from hybridkv.cli import main
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.connector import inprocess
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -25,9 +25,9 @@ PROMPT_LEN = 300  # 18 full blocks of 16 (the block vLLM forces for CPU_MLA) and
 
 def test_cpu_mla_never_loads_and_keeps_the_cold_tokens(tmp_path: Path) -> None:
     model = build_tiny_model("deepseek_v3", MODELS_DIR)
-    transfer = vllm_harness.connector_transfer_config({"store": f"file://{tmp_path}/store?capacity=256MiB"})
+    transfer = inprocess.connector_transfer_config({"store": f"file://{tmp_path}/store?capacity=256MiB"})
     tokens = prompt(PROMPT_LEN, seed=5)
-    with vllm_harness.inprocess_engine(model, transfer, attention_backend="CPU_MLA") as llm:
+    with inprocess.inprocess_engine(model, transfer, attention_backend="CPU_MLA") as llm:
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False  # vLLM's own fix-up
         cold, cached_cold = generate(llm, tokens)
         flush_saves(llm)

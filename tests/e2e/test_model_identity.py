@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from engine_utils import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
 from hybridkv.cli import main
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

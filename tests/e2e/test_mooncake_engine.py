@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 from engine_utils import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.lifecycle.audit import audit_file
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.audit.replay import audit_file
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mooncake_fixture import MooncakeMaster, new_master
+from hybridkv.devkit.mooncake import MooncakeMaster
+from mooncake_fixture import new_master
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.vllm]
 

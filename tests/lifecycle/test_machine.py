@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme
-from hybridkv.lifecycle.audit import MemoryAuditSink
 from hybridkv.lifecycle.machine import (
     TRANSITIONS,
     TRIGGERS,
@@ -14,6 +13,7 @@ from hybridkv.lifecycle.machine import (
     State,
     transition_index,
 )
+from hybridkv.lifecycle.sink import MemoryAuditSink
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 

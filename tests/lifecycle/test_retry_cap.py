@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 
 import pytest
+from hybridkv.audit.replay import replay_records
 from hybridkv.lifecycle import (
     EntryId,
     Geometry,
@@ -22,8 +23,8 @@ from hybridkv.lifecycle import (
     Topology,
     retry_cap,
 )
-from hybridkv.lifecycle.audit import MemoryAuditSink, replay_records
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.testing.lifecycle_fuzz import family_hashes
 
 FULL, MAMBA = 0, 1

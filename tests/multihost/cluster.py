@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hosts import Host, HostPair, end_process
-from hybridkv.lifecycle.audit import audit_file
+from hybridkv.audit.replay import audit_file
 from hybridkv.store.mooncake_node import (
     DEFAULT_METRICS_PORT,
     DEFAULT_RPC_PORT,
@@ -210,7 +210,7 @@ def prompt(seed: int) -> list[int]:
 
 
 def tiny_model() -> Path:
-    from hybridkv.testing.tiny_models import build_tiny_model
+    from hybridkv.devkit.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3_next", MODELS_DIR)
 

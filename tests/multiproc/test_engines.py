@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -37,7 +37,7 @@ PROMPT = [random.Random(3).randrange(3, 500) for _ in range(300)]  # 2 full 128-
 
 
 def _model() -> str:
-    from hybridkv.testing.tiny_models import build_tiny_model
+    from hybridkv.devkit.tiny_models import build_tiny_model
 
     return str(build_tiny_model("qwen3_next", MODELS_DIR))
 

@@ -12,9 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+from hybridkv.audit.replay import audit_file, audit_files, rotated_set
+from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.cli import main
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome
-from hybridkv.lifecycle.audit import JsonLinesAuditSink, audit_file, audit_files, rotated_set
 from hybridkv.lifecycle.machine import LifecycleMachine
 
 _SCHEME = KeyScheme(
@@ -85,7 +86,7 @@ def _drain(fd: int, chunks: list[bytes]) -> None:
 
 
 def audit_files_report_counts(lines: list[str]) -> dict[str, int]:
-    from hybridkv.lifecycle.audit import replay_records
+    from hybridkv.audit.replay import replay_records
 
     report = replay_records(lines)
     return {"num_dropped": report.num_dropped, "num_records": report.num_records}

@@ -94,7 +94,7 @@ def test_series_match_a_real_vllm_registry() -> None:
     the dashboard expects (hybridkv's and vLLM's prefix-cache ones)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import prometheus_client
-    from hybridkv.testing.tiny_models import build_tiny_model
+    from hybridkv.devkit.tiny_models import build_tiny_model
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.metrics.loggers import PrometheusStatLogger

@@ -116,7 +116,7 @@ from pathlib import Path
 import hybridkv
 assert Path(hybridkv.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), hybridkv.__file__
 from engine_utils import connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.testing.tiny_models import build_tiny_model
+from hybridkv.devkit.tiny_models import build_tiny_model
 
 model = build_tiny_model("qwen3_next", Path(sys.argv[1]))
 work = Path(sys.argv[2])

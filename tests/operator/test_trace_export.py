@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hybridkv.audit.sinks import JsonLinesAuditSink
+from hybridkv.audit.trace import LOG_PREFIX, parse_trace_line
 from hybridkv.cli import main
 from hybridkv.lifecycle import EntryId, Geometry, GroupSpec, KeyScheme, LoadOutcome, plan_save
-from hybridkv.lifecycle.audit import JsonLinesAuditSink
 from hybridkv.lifecycle.machine import LifecycleMachine
-from hybridkv.lifecycle.trace import LOG_PREFIX, parse_trace_line
 
 _SCHEME = KeyScheme(
     namespace="t", model="m", geometry=Geometry(groups=(GroupSpec.full(16), GroupSpec.mamba(32)))
@@ -58,7 +58,7 @@ def _write_log(path: Path) -> None:
 
 
 def _vllm_hash(request_id: str) -> str:
-    # Written out from the proposal, independently of hybridkv.lifecycle.trace.
+    # Written out from the proposal, independently of hybridkv.audit.trace.
     return hashlib.blake2b(request_id.encode(), digest_size=8, person=b"vllm-kv-trace").hexdigest()
 
 

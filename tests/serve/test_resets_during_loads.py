@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.testing.openai_server import OpenAIServer, http_json, metric, metrics_samples
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.devkit.openai_server import OpenAIServer, http_json, metric, metrics_samples
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 openai = pytest.importorskip("openai")
 

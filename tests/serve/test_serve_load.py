@@ -31,14 +31,14 @@ from hybridkv.bench.serve import (
     divergence,
     run_load,
 )
-from hybridkv.testing.openai_server import (
+from hybridkv.devkit.openai_server import (
     OpenAIServer,
     hybridkv_transfer_config,
     metric,
     metrics_samples,
     vllm_bench_serve_command,
 )
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 # Each test starts one server (about 20 s on an idle 2-core host, minutes on a busy one) and sends ~110 requests.
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from hybridkv.bench.serve import run_load
-from hybridkv.testing.openai_server import metric, metrics_samples
+from hybridkv.devkit.openai_server import metric, metrics_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

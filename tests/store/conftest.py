@@ -13,15 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import open_store
 from hybridkv.store.framed import FramedStore
-from mooncake_fixture import (  # noqa: F401 -- re-exported for the store tests
-    MASTER_BINARY,
-    RPC_TIMEOUT_MS,
-    MooncakeMaster,
-    assert_loopback_only_namespace,
-    network_interfaces,
-)
 from mooncake_fixture import new_master as _new_master
 
 

@@ -6,12 +6,14 @@ import time
 
 import numpy as np
 import pytest
+from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import MooncakeBackend, status_of_code
+from mooncake_fixture import RPC_TIMEOUT_MS
 
-from .conftest import RPC_TIMEOUT_MS, MooncakeMaster, freeze_until_stopped
+from .conftest import freeze_until_stopped
 
 pytestmark = pytest.mark.mooncake
 

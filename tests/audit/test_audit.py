@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hybridkv.audit.replay import audit_file, replay_records
+from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.cli import main
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, LoadOutcome
-from hybridkv.lifecycle.audit import JsonLinesAuditSink, audit_file, replay_records
 from hybridkv.lifecycle.machine import LifecycleMachine
 
 _SCHEME = KeyScheme(

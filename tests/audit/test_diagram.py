@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hybridkv.audit.diagram import render_dot, render_mermaid
 from hybridkv.cli import main
-from hybridkv.lifecycle.diagram import render_dot, render_mermaid
 from hybridkv.lifecycle.machine import TRANSITIONS, State
 
 DIAGRAMS = Path(__file__).resolve().parents[2] / "docs" / "diagrams"

@@ -14,8 +14,8 @@ import uuid
 from typing import Any
 
 import torch
-from hybridkv.testing import vllm_harness
-from hybridkv.testing.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 HASH = 32  # full attention: 16 per rank x dcp 2; Mamba: 32
 
@@ -191,7 +191,7 @@ class Cluster:
         from hybridkv.connector.config import ConnectorConfig
         from hybridkv.connector.connector import HybridStoreConnector
         from hybridkv.connector.worker import WorkerSide
-        from hybridkv.lifecycle.audit import MemoryAuditSink
+        from hybridkv.lifecycle.sink import MemoryAuditSink
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -421,7 +421,7 @@ class Cluster:
         """vLLM's ``assert_scheduler_empty`` plus the connector's own state: nothing pinned, nothing live."""
         import json
 
-        from hybridkv.lifecycle.audit import replay_records
+        from hybridkv.audit.replay import replay_records
 
         s = self.sched
         assert not s.requests and not s.running and len(s.waiting) == 0, "requests left in the scheduler"

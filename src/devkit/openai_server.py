@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self
 
+from hybridkv.devkit.net import free_port
+
 __all__ = [
     "HOST",
     "OpenAIServer",
     "StreamResult",
-    "free_port",
     "http_json",
     "hybridkv_transfer_config",
     "metric",
@@ -51,14 +51,6 @@ __all__ = [
 HOST = "127.0.0.1"
 
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_json(

@@ -8,7 +8,7 @@ the whole ``DelayedMooncake`` (the URL, the real master's address, the proxy's c
   ``hybridkv mooncake master`` starts it);
 - a storage node child (``python -m hybridkv.store.mooncake_node``) that mounts ``segment_bytes`` of DRAM and
   talks to the master directly;
-- a ``DelayProxyProcess`` (``hybridkv.testing.delay_proxy``, in a child process of its own so that its
+- a ``DelayProxyProcess`` (``hybridkv.devkit.delay_proxy``, in a child process of its own so that its
   threads never wait for the GIL of the process being measured) listening on ``127.0.0.1`` and forwarding
   to the master's RPC port with ``delay_ms`` one way, in each direction.
 
@@ -42,46 +42,27 @@ network namespace whose only interface is ``lo`` (``scripts/netns-run``): ``Runt
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.store.mooncake_node import (
-    READY_PREFIX,
-    engine_store_url,
-    master_command,
-    node_command,
-)
-from hybridkv.testing.delay_proxy import DelayProxyProcess, DelayProxyStats, read_child_line
+from hybridkv.devkit.delay_proxy import DelayProxyProcess, DelayProxyStats, read_child_line
+from hybridkv.devkit.mooncake import MooncakeMaster
+from hybridkv.devkit.net import NETNS_HINT, loopback_only_namespace
+from hybridkv.store.mooncake_node import READY_PREFIX, engine_store_url, node_command
 
 __all__ = [
     "DelayedMooncake",
     "delayed_mooncake",
     "delayed_mooncake_store",
-    "loopback_only_namespace",
 ]
 
 HOST = "127.0.0.1"
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
-
-
-def loopback_only_namespace() -> bool:
-    """Whether this process's network namespace has only ``lo`` (``scripts/netns-run``); read from the
-    kernel's interface index, which follows the process (``/sys/class/net`` may show the host's)."""
-    return sorted(name for _index, name in socket.if_nameindex()) == ["lo"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -125,20 +106,14 @@ def delayed_mooncake(
     if timeout_ms > 0 and timeout_ms < 4 * 2 * delay_ms:
         raise ValueError(f"timeout_ms {timeout_ms} is less than four round trips of {2 * delay_ms} ms")
     if not loopback_only_namespace():
-        raise RuntimeError(
-            "Mooncake clients listen on 0.0.0.0: start the delayed Mooncake deployment only inside a network "
-            "namespace with nothing but 'lo' (run the command under scripts/netns-run)"
-        )
+        raise RuntimeError(f"the delayed Mooncake deployment: {NETNS_HINT}")
     logs = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="hybridkv-delayed-mooncake-"))
     logs.mkdir(parents=True, exist_ok=True)
-    master_port = _free_port()
-    master_address = f"{HOST}:{master_port}"
+    master = MooncakeMaster(logs / "mooncake_master.log", start_timeout_s=_START_TIMEOUT_S)
+    master_address = master.address
     with ExitStack() as stack:
-        master = _start_logged(
-            master_command(HOST, port=master_port, metrics_port=_free_port()), logs / "mooncake_master.log"
-        )
-        stack.callback(_stop, master)
-        _wait_listening(master, master_port, logs / "mooncake_master.log")
+        stack.callback(master.stop)
+        master.start()
 
         node_log = logs / "storage_node.log"
         node = _start_logged(
@@ -153,7 +128,7 @@ def delayed_mooncake(
             raise RuntimeError(f"storage node did not mount its segment ({line!r}); see {node_log}")
         node_hostname = line.split()[1]
 
-        proxy = DelayProxyProcess(master_port, delay_ms=delay_ms).start()
+        proxy = DelayProxyProcess(master.rpc_port, delay_ms=delay_ms).start()
         deployment = DelayedMooncake(
             url=engine_store_url(proxy.address, HOST, timeout_ms=timeout_ms),
             master_address=master_address,
@@ -191,22 +166,6 @@ def _start_logged(argv: list[str], log_path: Path, *, stdout: int | None = None)
             stderr=log_file,
             text=True,
         )
-
-
-def _wait_listening(process: subprocess.Popen[str], port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited at start (exit {process.returncode}); see {log_path}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"mooncake_master did not listen within {_START_TIMEOUT_S} s; see {log_path}"
-                )
-            time.sleep(0.05)
 
 
 def _stop(process: subprocess.Popen[str]) -> None:

@@ -23,7 +23,7 @@ sender waits with ``time.sleep`` (``clock_nanosleep``: microsecond wake-ups; an 
 timers up to whole milliseconds). These are Python threads: a process whose other threads hold the GIL
 (e.g. a benchmark's scheduler loop) delays them by up to the switch interval (5 ms). Measure such a process
 through ``DelayProxyProcess``, the same proxy in a child process of its own
-(``python -m hybridkv.testing.delay_proxy``).
+(``python -m hybridkv.devkit.delay_proxy``).
 
 Half-close is forwarded (EOF reaches the other side after the data before it, also delayed); a reset or
 error on either side closes both. ``start()`` returns once the proxy accepts connections; ``close()`` (or
@@ -56,7 +56,7 @@ __all__ = ["DelayProxy", "DelayProxyProcess", "DelayProxyStats", "read_child_lin
 _READ_CHUNK_BYTES = 1 << 20
 _CONNECT_TIMEOUT_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
-#: First line of ``python -m hybridkv.testing.delay_proxy``: ``listening HOST:PORT``.
+#: First line of ``python -m hybridkv.devkit.delay_proxy``: ``listening HOST:PORT``.
 LISTENING_PREFIX = "listening"
 #: Last line, after SIGTERM/SIGINT: ``stats {json of DelayProxyStats}``.
 STATS_PREFIX = "stats"
@@ -400,7 +400,7 @@ class DelayProxy:
 
 
 class DelayProxyProcess:
-    """The same proxy in a child process (``python -m hybridkv.testing.delay_proxy``): its threads do not
+    """The same proxy in a child process (``python -m hybridkv.devkit.delay_proxy``): its threads do not
     wait for the GIL of the process being measured. ``start()`` returns once it listens; ``close()``
     stops it (SIGTERM) and returns its final ``DelayProxyStats``."""
 
@@ -439,7 +439,7 @@ class DelayProxyProcess:
         argv = [
             self.python,
             "-m",
-            "hybridkv.testing.delay_proxy",
+            "hybridkv.devkit.delay_proxy",
             "--target-host",
             self.target_host,
             "--target-port",
@@ -503,7 +503,7 @@ def read_child_line(stream: IO[str], timeout_s: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hybridkv.testing.delay_proxy",
+        prog="python -m hybridkv.devkit.delay_proxy",
         description="A loopback TCP proxy that delays each direction by a fixed time, until SIGTERM.",
     )
     parser.add_argument("--target-host", default="127.0.0.1", help="loopback address to forward to")

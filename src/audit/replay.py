@@ -1,36 +1,25 @@
-"""The audit trail: sinks that receive one record per transition, and the replay that checks a log.
+"""The replay: check an audit log against the transition table.
 
-Record (one JSON object per line)::
-
-    {"event": "hit_found", "request_id": "r1", "wave": null, "src": "LOOKUP", "dst": "PARTIAL_HIT",
-     "trigger": "lookup_hit", "boundary": 160, "num_computed_tokens": 0,
-     "groups": [{"group": 0, "hit_tokens": 160, "blocks": 5}, ...], "detail": null, "monotonic": 12.5}
-
-Sinks never touch structlog's global configuration: each wraps its own logger
-(``structlog.wrap_logger``) with its own processors. ``replay_records`` / ``audit_file`` check a log
-against ``TRANSITIONS``: illegal or discontinuous transitions, lifecycles that never reach a terminal
-state, retry loops, retries that hit past the truncation's cap; plus truncation and per-group hit / miss / verified counts.
+``replay_records`` / ``audit_file`` check a log against ``TRANSITIONS``: illegal or discontinuous
+transitions, lifecycles that never reach a terminal state, retry loops, retries that hit past the
+truncation's cap; plus truncation and per-group hit / miss / verified counts, and the records the writing
+sink dropped (its ``audit_records_dropped`` markers). ``rotated_set`` / ``audit_files`` read a rotated set
+(``path.N ... path.1, path``, dated and ``.gz`` siblings too) back as one history.
 """
 
 from __future__ import annotations
 
-import atexit
 import enum
 import gzip
 import json
-import logging
 import os
-import queue
 import re
-import threading
-import time
-import weakref
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import Any
 
-import structlog
+from hybridkv.audit.sinks import DROPPED_EVENT
 from hybridkv.lifecycle.machine import (
     LOAD_INITIAL,
     LOAD_TERMINAL,
@@ -46,9 +35,6 @@ from hybridkv.lifecycle.machine import (
 
 __all__ = [
     "AuditReport",
-    "AuditSink",
-    "JsonLinesAuditSink",
-    "MemoryAuditSink",
     "Violation",
     "ViolationKind",
     "audit_file",
@@ -57,321 +43,6 @@ __all__ = [
     "replay_records",
     "rotated_set",
 ]
-
-_log = logging.getLogger(__name__)
-
-#: Records that may wait for the JSON sink's writer thread before new ones are dropped.
-DEFAULT_MAX_QUEUED = 65536
-#: ``event`` of the marker line the JSON sink writes after dropping records (a full queue).
-DROPPED_EVENT = "audit_records_dropped"
-_FLUSH_MARK = "__hybridkv_flush__"
-
-#: Keys of every record besides ``event``.
-RECORD_KEYS = (
-    "request_id",
-    "wave",
-    "src",
-    "dst",
-    "trigger",
-    "boundary",
-    "num_computed_tokens",
-    "groups",
-    "detail",
-    "monotonic",
-)
-
-
-class AuditSink:
-    """Receives one structlog record per transition through a dedicated logger.
-
-    Args:
-        logger: a structlog bound logger built for this sink (e.g. with ``structlog.wrap_logger``),
-            or any object with an ``info(event, **fields)`` method.
-    """
-
-    def __init__(self, logger: Any) -> None:
-        self._logger = logger
-
-    def emit(self, event: str, **fields: Any) -> None:
-        self._logger.info(event, **fields)
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every record emitted so far is delivered; False if ``timeout_s`` ran out first.
-        This sink hands records to its logger synchronously: always True."""
-        return True
-
-    def close(self) -> None:
-        """Release the sink's resources. Idempotent."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-
-class JsonLinesAuditSink(AuditSink):
-    """Appends one JSON line per transition to ``path`` (the connector's ``audit_log``).
-
-    The caller's thread (vLLM's scheduler) never touches the disk: ``emit`` puts the record on a bounded
-    queue and returns; a writer thread renders and appends it, flushed per batch. When the queue is full
-    the record is dropped and counted (``num_dropped``); the writer then appends one marker line
-    ``{"event": "audit_records_dropped", "num_dropped": N, ...}`` so ``hybridkv audit`` reports the gap
-    instead of blaming the lifecycle. ``flush()`` waits until every accepted record is written; ``close()``
-    drains, then closes the file.
-
-    Living with log rotation:
-
-    - ``max_bytes``: the sink rotates by size itself, like ``logging.handlers.RotatingFileHandler``:
-      ``path`` -> ``path.1`` -> ... -> ``path.<backup_count>`` (the oldest is deleted).
-    - Otherwise it cooperates with ``logrotate``: before each batch the writer checks whether ``path``
-      still names the open file (renamed or removed: ``create`` mode) and reopens it if not; ``reopen()``
-      forces that (call it from a ``SIGHUP`` handler the application owns, the library installs none).
-      ``copytruncate`` works too: the file is opened in append mode.
-
-    ``read_rotated_set(path)`` / ``audit_files`` read ``path.N ... path.1, path`` back as one history.
-
-    Args:
-        path: the log file; its folder is created.
-        max_bytes: rotate when the file would grow past this (``None``: never rotate by size).
-        backup_count: rotated files kept when ``max_bytes`` is set.
-        max_queued: records that may wait for the writer before new ones are dropped.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        max_bytes: int | None = None,
-        backup_count: int = 5,
-        max_queued: int = DEFAULT_MAX_QUEUED,
-    ) -> None:
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"JsonLinesAuditSink: max_bytes must be positive or None, got {max_bytes}")
-        if backup_count < 1:
-            raise ValueError(f"JsonLinesAuditSink: backup_count must be >= 1, got {backup_count}")
-        if max_queued < 1:
-            raise ValueError(f"JsonLinesAuditSink: max_queued must be >= 1, got {max_queued}")
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.backup_count = backup_count
-        self._file: IO[str] = self.path.open("a", encoding="utf-8")
-        self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=max_queued)
-        self._num_dropped = 0
-        self._num_dropped_reported = 0
-        self._num_written = 0
-        self._num_rotations = 0
-        self._num_reopens = 0
-        self._reopen_requested = False
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._drop_lock = threading.Lock()
-        self._buffer = _LineBuffer()
-        logger = structlog.wrap_logger(
-            structlog.WriteLogger(self._buffer),  # type: ignore[arg-type]
-            processors=[structlog.processors.JSONRenderer(separators=(",", ":"))],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        )
-        super().__init__(logger)
-        self._writer = threading.Thread(target=self._write_loop, name="hybridkv-audit-writer", daemon=True)
-        self._writer.start()
-        # Records still queued when the interpreter exits are written (the writer is a daemon thread).
-        atexit.register(_close_if_alive, weakref.ref(self))
-
-    # -- the caller's side (never blocks) ----------------------------------------------------------------
-
-    def emit(self, event: str, **fields: Any) -> None:
-        if self._closed:
-            with self._drop_lock:
-                self._num_dropped += 1
-            return
-        try:
-            self._queue.put_nowait((event, fields))
-        except queue.Full:
-            with self._drop_lock:
-                self._num_dropped += 1
-
-    @property
-    def num_dropped(self) -> int:
-        """Records dropped because the writer fell ``max_queued`` records behind (a slow disk)."""
-        return self._num_dropped
-
-    def stats(self) -> dict[str, int]:
-        """Counters: written, dropped, queued, rotations (by size), reopens (logrotate or ``reopen()``)."""
-        return {
-            "num_written": self._num_written,
-            "num_dropped": self._num_dropped,
-            "num_queued": self._queue.qsize(),
-            "num_rotations": self._num_rotations,
-            "num_reopens": self._num_reopens,
-        }
-
-    def reopen(self) -> None:
-        """Ask the writer to reopen ``path`` before its next write (e.g. from a ``SIGHUP`` handler)."""
-        self._reopen_requested = True
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every record accepted so far is on disk; ``False`` if ``timeout_s`` ran out first."""
-        if self._closed:
-            return True
-        done = threading.Event()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        # A sentinel callback rides the queue; waiting for the queue to be empty is not enough (the
-        # writer may hold the last batch). This put may wait: flush is for callers that choose to wait.
-        try:
-            self._queue.put(("", {_FLUSH_MARK: done}), timeout=timeout_s)
-        except queue.Full:
-            return False
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return done.wait(remaining)
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._queue.put(None)  # the writer drains everything before the sentinel, then exits
-        self._writer.join()
-        if not self._file.closed:
-            self._file.close()
-
-    # -- the writer thread ----------------------------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch = [item]
-            while item is not None:  # take what is already queued: one flush (and one stat) per batch
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                batch.append(item)
-            stop = self._write_batch(batch)
-            if stop:
-                return
-
-    def _write_batch(self, batch: list[tuple[str, dict[str, Any]] | None]) -> bool:
-        """Write ``batch``; ``True`` when it held the close sentinel."""
-        waiters: list[threading.Event] = []
-        stop = False
-        try:
-            self._maybe_reopen()
-            with self._drop_lock:
-                num_new_drops = self._num_dropped - self._num_dropped_reported
-                self._num_dropped_reported = self._num_dropped
-            if num_new_drops:
-                self._write_line(
-                    json.dumps(
-                        {"event": DROPPED_EVENT, "num_dropped": num_new_drops, "monotonic": time.monotonic()},
-                        separators=(",", ":"),
-                    )
-                )
-            for item in batch:
-                if item is None:
-                    stop = True
-                    continue
-                event, fields = item
-                if _FLUSH_MARK in fields:
-                    waiters.append(fields[_FLUSH_MARK])
-                    continue
-                self._logger.info(event, **fields)
-                self._write_line(self._buffer.take())
-                self._num_written += 1
-            self._file.flush()
-        except (OSError, ValueError) as error:
-            # A full or vanished disk must not kill the writer (the records of this batch are lost and
-            # counted); the next batch tries again, reopening the file.
-            with self._drop_lock:
-                self._num_dropped += sum(
-                    1 for item in batch if item is not None and _FLUSH_MARK not in item[1]
-                )
-            self._reopen_requested = True
-            _log.warning("audit log %s: write failed (%s); records dropped", self.path, error)
-        for waiter in waiters:
-            waiter.set()
-        return stop
-
-    def _write_line(self, line: str) -> None:
-        if not line.endswith("\n"):
-            line += "\n"
-        if self.max_bytes is not None:
-            size = self._file.tell()
-            if size > 0 and size + len(line.encode("utf-8")) > self.max_bytes:
-                self._rotate()
-        self._file.write(line)
-
-    def _maybe_reopen(self) -> None:
-        if not self._reopen_requested and not self._file.closed:
-            try:
-                on_disk = os.stat(self.path)
-                still_ours = os.path.samestat(on_disk, os.fstat(self._file.fileno()))
-            except FileNotFoundError:
-                still_ours = False
-            if still_ours:
-                return
-        self._reopen_requested = False
-        if not self._file.closed:
-            self._file.close()
-        self._file = self.path.open("a", encoding="utf-8")
-        self._num_reopens += 1
-
-    def _rotate(self) -> None:
-        self._file.close()
-        for index in range(self.backup_count - 1, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{index}")
-            if older.exists():
-                os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
-        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        self._file = self.path.open("a", encoding="utf-8")
-        self._num_rotations += 1
-
-
-class _LineBuffer:
-    """The file-like object the sink's structlog logger writes to; the writer thread takes each line."""
-
-    def __init__(self) -> None:
-        self._parts: list[str] = []
-
-    def write(self, text: str) -> None:
-        self._parts.append(text)
-
-    def flush(self) -> None:
-        pass
-
-    def take(self) -> str:
-        text = "".join(self._parts)
-        self._parts.clear()
-        return text
-
-
-def _close_if_alive(ref: weakref.ref[JsonLinesAuditSink]) -> None:
-    sink = ref()
-    if sink is not None:
-        sink.close()
-
-
-class MemoryAuditSink(AuditSink):
-    """Keeps the records as dicts (tests, benchmarks); ``records`` is in emission order."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-        def capture(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
-            self.records.append(dict(event_dict))
-            raise structlog.DropEvent
-
-        super().__init__(
-            structlog.wrap_logger(
-                structlog.ReturnLogger(),
-                processors=[capture],
-                wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-            )
-        )
-
-
-# -- replay -------------------------------------------------------------------------------------------
 
 
 class ViolationKind(enum.StrEnum):

@@ -1,0 +1,233 @@
+"""Product and tooling apart: which of hybridkv's top-level units may import which (read from the source).
+
+Every module under ``src/`` is parsed with ``ast``; every ``import`` / ``from ... import`` naming
+``hybridkv.*`` counts, at module level, inside functions and under ``TYPE_CHECKING`` alike. Units are the
+top-level subpackages (``hybridkv.store``) and top-level modules (``hybridkv.tables``; ``hybridkv`` itself
+is ``__init__``).
+
+- The product (what ``vllm`` loads and what operators run: lifecycle, audit, store, connector, the CLI, the
+  public fuzzers in ``hybridkv.testing``) never imports the tooling (``hybridkv.devkit``, ``hybridkv.bench``,
+  ``hybridkv.demo``), except the few CLI command functions in ``CLI_TOOLING_COMMANDS``.
+- ``hybridkv.bench`` never imports ``hybridkv.cli``.
+- Each unit imports only the units below it (``ALLOWED``): lifecycle at the bottom, store beside it,
+  connector above both, the CLI and the tooling on top; and the unit graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+PRODUCT = {"__init__", "tables", "lifecycle", "audit", "store", "connector", "testing", "cli"}
+TOOLING = {"devkit", "bench", "demo"}
+
+#: The units each unit may import (besides itself). A unit missing here fails the test: place it.
+ALLOWED: dict[str, set[str]] = {
+    "__init__": set(),
+    "tables": set(),
+    "lifecycle": set(),
+    "store": {"lifecycle"},
+    "audit": {"lifecycle", "store"},
+    "connector": {"lifecycle", "audit", "store"},
+    "testing": {"lifecycle", "audit", "store", "connector"},
+    "cli": {"__init__", "tables", "lifecycle", "audit", "store", "connector"},
+    "devkit": {"tables", "lifecycle", "audit", "store", "connector", "testing"},
+    "bench": {"tables", "lifecycle", "audit", "store", "connector", "devkit"},
+    "demo": {"tables", "lifecycle", "audit", "store", "connector", "devkit"},
+}
+
+#: The CLI's tooling subcommands (``hybridkv bench ...``, ``hybridkv demo``) are front ends of benchmarks
+#: and of the demo, which run on the devkit's tiny models and deployments. They are how the benches are run,
+#: but no other command may load tooling: so these command functions, and nothing else in the CLI, import
+#: tooling, lazily, when that command runs. (CLI module, function) -> the tooling modules it imports.
+CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
+    ("hybridkv.cli.datapath_cmds", "handle_bench"): {"hybridkv.bench.datapath"},
+    ("hybridkv.cli.demo_cmds", "handler"): {"hybridkv.demo", "hybridkv.bench.report"},
+    ("hybridkv.cli.lifecycle_cmds", "_bench"): {"hybridkv.bench.lifecycle", "hybridkv.bench.report"},
+    ("hybridkv.cli.mooncake_cmds", "handle_bench"): {"hybridkv.bench.crosshost", "hybridkv.bench.report"},
+    # The one registration allowed in: ``bench serve``'s flags show the defaults of the bench's own
+    # ``Workload`` / ``ServerShape`` and its configuration and family names (a dozen values that would
+    # otherwise be copied here and drift). It runs when the parser is built; bench.serve and tiny_models
+    # import no vLLM, no torch.
+    ("hybridkv.cli.serve_cmds", "register"): {"hybridkv.bench.serve", "hybridkv.devkit.tiny_models"},
+    ("hybridkv.cli.serve_cmds", "handle_serve"): {
+        "hybridkv.bench.serve",
+        "hybridkv.bench.report",
+        "hybridkv.devkit.tiny_models",
+    },
+    ("hybridkv.cli.store_cmds", "handle_bench"): {"hybridkv.bench.store", "hybridkv.bench.report"},
+    ("hybridkv.cli.ttft_cmds", "handle_ttft"): {
+        "hybridkv.bench.ttft",
+        "hybridkv.bench.report",
+        "hybridkv.devkit.net",
+        "hybridkv.devkit.tiny_models",
+    },
+    ("hybridkv.cli.ttft_cmds", "handle_lookup"): {
+        "hybridkv.bench.lookup",
+        "hybridkv.bench.report",
+        "hybridkv.bench.store",
+        "hybridkv.devkit.tiny_models",
+    },
+    ("hybridkv.cli.ttft_cmds", "handle_scheduler"): {
+        "hybridkv.bench.scheduler",
+        "hybridkv.bench.report",
+        "hybridkv.devkit.delayed_mooncake",
+        "hybridkv.devkit.tiny_models",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, e.g. hybridkv.cli.store_cmds
+    function: str | None  # the outermost function the import sits in; None at module level
+    target: str  # the imported module, e.g. hybridkv.bench.report
+    line: int
+
+    def __str__(self) -> str:
+        where = f"{self.module}:{self.line}" + (f" (in {self.function})" if self.function else "")
+        return f"{where} imports {self.target}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["hybridkv", *parts])
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``hybridkv.a.b`` names a module or package under ``src/`` (not an attribute of one)."""
+    relative = Path(*name.split(".")[1:]) if name != "hybridkv" else Path()
+    return (SRC / relative).with_suffix(".py").is_file() or (SRC / relative / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> Iterator[Import]:
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+
+    def visit(node: ast.AST, function: str | None) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(child, function or child.name)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield Import(module, function, alias.name, child.lineno)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in child.names:
+                    candidate = f"{base}.{alias.name}"
+                    yield Import(module, function, candidate if _is_module(candidate) else base, child.lineno)
+            yield from visit(child, function)
+
+    for found in visit(tree, None):
+        if found.target == "hybridkv" or found.target.startswith("hybridkv."):
+            yield found
+
+
+def _unit(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+ALL_IMPORTS = sorted(
+    {found for path in sorted(SRC.rglob("*.py")) for found in _imports(path)},
+    key=lambda f: (f.module, f.line, f.target),
+)
+
+
+def test_the_scan_sees_the_package() -> None:
+    units = {_unit(found.module) for found in ALL_IMPORTS}
+    assert {"connector", "cli", "bench", "devkit", "demo"} <= units, units
+    assert any(f.target.startswith("hybridkv.bench.") and f.function for f in ALL_IMPORTS), (
+        "lazy imports seen"
+    )
+    for key, targets in CLI_TOOLING_COMMANDS.items():
+        for target in targets:
+            assert _is_module(target), f"{key}: {target} is not a module"
+
+
+def test_every_unit_is_placed() -> None:
+    units = {_unit(_module_name(path)) for path in SRC.rglob("*.py")}
+    assert units <= set(ALLOWED), f"place {sorted(units - set(ALLOWED))} in ALLOWED (and PRODUCT or TOOLING)"
+    assert set(ALLOWED) == PRODUCT | TOOLING
+
+
+def test_the_product_never_imports_tooling() -> None:
+    bad = []
+    for found in ALL_IMPORTS:
+        if _unit(found.module) not in PRODUCT or _unit(found.target) not in TOOLING:
+            continue
+        allowed = CLI_TOOLING_COMMANDS.get((found.module, found.function or ""), set())
+        if found.target not in allowed:
+            bad.append(str(found))
+    assert not bad, "product imports tooling:\n" + "\n".join(bad)
+
+
+def test_the_tooling_commands_whitelist_is_exact() -> None:
+    """Every whitelisted (command, module) is still imported there: no stale permission stays behind."""
+    seen = {
+        ((found.module, found.function), found.target)
+        for found in ALL_IMPORTS
+        if _unit(found.module) == "cli" and _unit(found.target) in TOOLING
+    }
+    stale = [(key, target) for key, targets in CLI_TOOLING_COMMANDS.items() for target in targets]
+    stale = [entry for entry in stale if entry not in seen]
+    assert not stale, f"whitelisted but not imported (remove): {stale}"
+
+
+def test_bench_never_imports_the_cli() -> None:
+    bad = [str(f) for f in ALL_IMPORTS if _unit(f.module) == "bench" and _unit(f.target) == "cli"]
+    assert not bad, "\n".join(bad)
+
+
+def _unit_graph(*, with_whitelisted: bool) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for found in ALL_IMPORTS:
+        source, target = _unit(found.module), _unit(found.target)
+        whitelisted = found.target in CLI_TOOLING_COMMANDS.get((found.module, found.function or ""), set())
+        if source != target and (with_whitelisted or not whitelisted):
+            graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def test_units_import_only_units_below_them() -> None:
+    bad = []
+    for source, targets in sorted(_unit_graph(with_whitelisted=False).items()):
+        for target in sorted(targets - ALLOWED.get(source, set())):
+            where = [str(f) for f in ALL_IMPORTS if _unit(f.module) == source and _unit(f.target) == target]
+            bad.append(f"{source} -> {target}: " + "; ".join(where[:3]))
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_among_units() -> None:
+    graph = _unit_graph(with_whitelisted=True)
+    state: dict[str, str] = {}
+
+    def walk(unit: str, path: list[str]) -> None:
+        state[unit] = "open"
+        for target in sorted(graph.get(unit, ())):
+            if state.get(target) == "open":
+                cycle = path[path.index(target) :] + [target] if target in path else [unit, target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                walk(target, [*path, target])
+        state[unit] = "done"
+
+    for unit in sorted(graph):
+        if unit not in state:
+            walk(unit, [unit])
+
+
+def test_lifecycle_is_at_the_bottom() -> None:
+    graph = _unit_graph(with_whitelisted=True)
+    assert not graph.get("lifecycle"), f"lifecycle imports {graph['lifecycle']}"
