@@ -24,11 +24,14 @@ def render_mermaid() -> str:
     lines = [f"%% {_HEADER}", "stateDiagram-v2", "    direction LR"]
     lines.append(f"    [*] --> {LOAD_INITIAL.name}")
     lines.append(f"    [*] --> {SAVE_INITIAL.name}")
-    for spec in TRANSITIONS:
-        for source in spec.sources:
-            lines.append(f"    {source.name} --> {spec.dest.name}: {_label(spec.trigger, spec.conditions)}")
-    for state in sorted(LOAD_TERMINAL | SAVE_TERMINAL, key=lambda s: s.name):
-        lines.append(f"    {state.name} --> [*]")
+    lines.extend(
+        f"    {source.name} --> {spec.dest.name}: {_label(spec.trigger, spec.conditions)}"
+        for spec in TRANSITIONS
+        for source in spec.sources
+    )
+    lines.extend(
+        f"    {state.name} --> [*]" for state in sorted(LOAD_TERMINAL | SAVE_TERMINAL, key=lambda s: s.name)
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -40,13 +43,15 @@ def render_dot() -> str:
         "  rankdir=LR;",
         '  node [shape=box, style=rounded, fontname="Helvetica"];',
     ]
-    for state in sorted(LOAD_TERMINAL | SAVE_TERMINAL, key=lambda s: s.name):
-        lines.append(f"  {state.name} [peripheries=2];")
-    for spec in TRANSITIONS:
-        for source in spec.sources:
-            lines.append(
-                f'  {source.name} -> {spec.dest.name} [label="{_label(spec.trigger, spec.conditions)}"];'
-            )
+    lines.extend(
+        f"  {state.name} [peripheries=2];"
+        for state in sorted(LOAD_TERMINAL | SAVE_TERMINAL, key=lambda s: s.name)
+    )
+    lines.extend(
+        f'  {source.name} -> {spec.dest.name} [label="{_label(spec.trigger, spec.conditions)}"];'
+        for spec in TRANSITIONS
+        for source in spec.sources
+    )
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -10,14 +10,15 @@ sink dropped (its ``audit_records_dropped`` markers). ``rotated_set`` / ``audit_
 from __future__ import annotations
 
 import enum
+import functools
 import gzip
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridkv.audit.sinks import DROPPED_EVENT
 from hybridkv.lifecycle.machine import (
@@ -144,60 +145,38 @@ _STATE_NAMES = frozenset(s.name for s in State)
 _TRIGGER_NAMES = frozenset(t.value for t in Trigger)
 
 
+class _Line(NamedTuple):
+    """One well-formed transition record of an audit log."""
+
+    record: dict[str, Any]
+    request_id: str
+    src: str
+    dst: str
+    trigger: str
+    wave: int | None
+
+
+#: Reports a violation of the line being replayed: ``flag(kind, message)``.
+_Flag = Callable[[ViolationKind, str], None]
+
+
 def replay_records(lines: Iterable[str]) -> AuditReport:
     """Check every line of an audit log against the transition table. Never raises on bad input."""
     index = transition_index()
     report = AuditReport()
     lifecycles: dict[tuple[str, Any], _Lifecycle] = {}
 
-    def group_bump(group: Any, what: str) -> None:
-        if isinstance(group, int):
-            counts = report.group_counts.setdefault(
-                group, {"hit": 0, "miss": 0, "verified": 0, "truncated": 0}
-            )
-            counts[what] += 1
-
     for line_number, raw in enumerate(lines, start=1):
         report.num_lines += 1
-        if not raw.strip():
+        parsed = _parse_line(report, line_number, raw)
+        if parsed is None:
             continue
-        try:
-            record = json.loads(raw)
-        except ValueError as error:
-            report.violations.append(
-                Violation(ViolationKind.MALFORMED, line_number, None, f"not JSON: {error}")
-            )
-            continue
-        if not isinstance(record, dict):
-            report.violations.append(
-                Violation(ViolationKind.MALFORMED, line_number, None, "not a JSON object")
-            )
-            continue
-        if record.get("event") == DROPPED_EVENT and isinstance(record.get("num_dropped"), int):
-            report.num_dropped += record["num_dropped"]
-            continue
-        request_id, src, dst, trigger = (record.get(k) for k in ("request_id", "src", "dst", "trigger"))
-        wave = record.get("wave")
-        if not all(isinstance(v, str) for v in (request_id, src, dst, trigger)) or not (
-            wave is None or isinstance(wave, int)
-        ):
-            report.violations.append(
-                Violation(
-                    ViolationKind.MALFORMED,
-                    line_number,
-                    request_id if isinstance(request_id, str) else None,
-                    "needs string request_id, src, dst, trigger and an int or null wave",
-                )
-            )
-            continue
-        assert isinstance(request_id, str) and isinstance(src, str) and isinstance(dst, str)
-        assert isinstance(trigger, str)
+        record, request_id, src, dst, trigger, wave = parsed
+        flag = functools.partial(_flag, report, line_number, request_id)
         report.num_records += 1
         report.trigger_counts[trigger] = report.trigger_counts.get(trigger, 0) + 1
         if src not in _STATE_NAMES or dst not in _STATE_NAMES:
-            report.violations.append(
-                Violation(ViolationKind.ILLEGAL, line_number, request_id, f"unknown state in {src} -> {dst}")
-            )
+            flag(ViolationKind.ILLEGAL, f"unknown state in {src} -> {dst}")
             continue
 
         side = "load" if wave is None else "save"
@@ -210,93 +189,23 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
             lifecycle = lifecycles[key] = _Lifecycle(side, initial, line_number)
             report.num_lifecycles += 1
         if lifecycle.terminal:
-            report.violations.append(
-                Violation(
-                    ViolationKind.AFTER_TERMINAL,
-                    line_number,
-                    request_id,
-                    f"{trigger} after terminal {lifecycle.state}",
-                )
-            )
+            flag(ViolationKind.AFTER_TERMINAL, f"{trigger} after terminal {lifecycle.state}")
             continue
         if src != lifecycle.state:
-            report.violations.append(
-                Violation(
-                    ViolationKind.DISCONTINUITY,
-                    line_number,
-                    request_id,
-                    f"{trigger} from {src}, but the lifecycle is in {lifecycle.state}",
-                )
+            flag(
+                ViolationKind.DISCONTINUITY,
+                f"{trigger} from {src}, but the lifecycle is in {lifecycle.state}",
             )
         spec = index.get((trigger, State[src]))
         if spec is None or spec.dest.name != dst:
             allowed = spec.dest.name if spec else "nowhere"
-            report.violations.append(
-                Violation(
-                    ViolationKind.ILLEGAL,
-                    line_number,
-                    request_id,
-                    f"{trigger}: {src} -> {dst} (table: {src} -> {allowed})",
-                )
-            )
+            flag(ViolationKind.ILLEGAL, f"{trigger}: {src} -> {dst} (table: {src} -> {allowed})")
         lifecycle.state = dst
 
         row = TRIGGERS.get(Trigger(trigger)) if trigger in _TRIGGER_NAMES else None
         counts = row.replay if row is not None else frozenset()
-        if ReplayCount.RETRY in counts:
-            lifecycle.num_retries += 1
-            report.num_retries += 1
-            if lifecycle.num_retries > MAX_LOAD_RETRIES:
-                report.violations.append(
-                    Violation(
-                        ViolationKind.LOOP,
-                        line_number,
-                        request_id,
-                        f"retry #{lifecycle.num_retries} (max {MAX_LOAD_RETRIES})",
-                    )
-                )
-        elif ReplayCount.ENDS_LOADS in counts:
-            lifecycle.gave_up = True
-        elif trigger == Trigger.START_LOAD and lifecycle.gave_up:
-            report.violations.append(
-                Violation(ViolationKind.LOOP, line_number, request_id, "load started after retries ran out")
-            )
-
-        raw_groups = record.get("groups")
-        groups: list[Any] = raw_groups if isinstance(raw_groups, list) else []
-        computed = (
-            record.get("num_computed_tokens") if isinstance(record.get("num_computed_tokens"), int) else 0
-        )
-        boundary = record.get("boundary")
-        cap = lifecycle.cap
-        if trigger == Trigger.LOOKUP_HIT and cap is not None and isinstance(boundary, int) and boundary > cap:
-            report.violations.append(
-                Violation(
-                    ViolationKind.OVER_CAP,
-                    line_number,
-                    request_id,
-                    f"hit {boundary} after a truncation capped the retry at {cap}",
-                )
-            )
-        if ReplayCount.GROUP_HIT_OR_MISS in counts:
-            for detail in groups:
-                if isinstance(detail, dict) and isinstance(detail.get("hit_tokens"), int):
-                    group_bump(detail.get("group"), "hit" if detail["hit_tokens"] > computed else "miss")
-        elif ReplayCount.GROUP_VERIFIED in counts:
-            for detail in groups:
-                if isinstance(detail, dict) and detail.get("blocks"):
-                    group_bump(detail.get("group"), "verified")
-        elif ReplayCount.TRUNCATION in counts:
-            report.num_truncations += 1
-            detail = record.get("detail")
-            cap = detail.get("retry_cap") if isinstance(detail, dict) else None
-            if not isinstance(cap, int):
-                cap = record.get("boundary")
-            if isinstance(cap, int):
-                lifecycle.cap = cap if lifecycle.cap is None else min(cap, lifecycle.cap)
-            failed = detail.get("failed_groups") if isinstance(detail, dict) else None
-            for group in failed if isinstance(failed, list) else []:
-                group_bump(group, "truncated")
+        _check_retries(lifecycle, trigger, counts, report, flag)
+        _count_groups(lifecycle, trigger, counts, record, report=report, flag=flag)
 
     for (request_id, _wave), lifecycle in lifecycles.items():
         if lifecycle.terminal:
@@ -311,6 +220,105 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
                 )
             )
     return report
+
+
+def _flag(report: AuditReport, line_number: int, request_id: str, kind: ViolationKind, message: str) -> None:
+    report.violations.append(Violation(kind, line_number, request_id, message))
+
+
+def _group_bump(report: AuditReport, group: Any, what: str) -> None:
+    if isinstance(group, int):
+        counts = report.group_counts.setdefault(group, {"hit": 0, "miss": 0, "verified": 0, "truncated": 0})
+        counts[what] += 1
+
+
+def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | None:
+    """The transition record on line ``line_number``, or None: a blank line, a drop marker (counted), or a
+    malformed line (reported)."""
+    if not raw.strip():
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError as error:
+        report.violations.append(Violation(ViolationKind.MALFORMED, line_number, None, f"not JSON: {error}"))
+        return None
+    if not isinstance(record, dict):
+        report.violations.append(Violation(ViolationKind.MALFORMED, line_number, None, "not a JSON object"))
+        return None
+    if record.get("event") == DROPPED_EVENT and isinstance(record.get("num_dropped"), int):
+        report.num_dropped += record["num_dropped"]
+        return None
+    request_id, src, dst, trigger = (record.get(k) for k in ("request_id", "src", "dst", "trigger"))
+    wave = record.get("wave")
+    if not all(isinstance(v, str) for v in (request_id, src, dst, trigger)) or not (
+        wave is None or isinstance(wave, int)
+    ):
+        report.violations.append(
+            Violation(
+                ViolationKind.MALFORMED,
+                line_number,
+                request_id if isinstance(request_id, str) else None,
+                "needs string request_id, src, dst, trigger and an int or null wave",
+            )
+        )
+        return None
+    assert isinstance(request_id, str) and isinstance(src, str) and isinstance(dst, str)
+    assert isinstance(trigger, str)
+    return _Line(record, request_id, src, dst, trigger, wave)
+
+
+def _check_retries(
+    lifecycle: _Lifecycle, trigger: str, counts: frozenset[ReplayCount], report: AuditReport, flag: _Flag
+) -> None:
+    """Count a retry (a loop past ``MAX_LOAD_RETRIES``) and flag a load started after the retries ran out."""
+    if ReplayCount.RETRY in counts:
+        lifecycle.num_retries += 1
+        report.num_retries += 1
+        if lifecycle.num_retries > MAX_LOAD_RETRIES:
+            flag(ViolationKind.LOOP, f"retry #{lifecycle.num_retries} (max {MAX_LOAD_RETRIES})")
+    elif ReplayCount.ENDS_LOADS in counts:
+        lifecycle.gave_up = True
+    elif trigger == Trigger.START_LOAD and lifecycle.gave_up:
+        flag(ViolationKind.LOOP, "load started after retries ran out")
+
+
+def _count_groups(
+    lifecycle: _Lifecycle,
+    trigger: str,
+    counts: frozenset[ReplayCount],
+    record: dict[str, Any],
+    *,
+    report: AuditReport,
+    flag: _Flag,
+) -> None:
+    """Flag a hit over the retry cap; count per-group hits, misses, verifications and truncations (a
+    truncation also lowers the lifecycle's retry cap)."""
+    raw_groups = record.get("groups")
+    groups: list[Any] = raw_groups if isinstance(raw_groups, list) else []
+    computed = record.get("num_computed_tokens") if isinstance(record.get("num_computed_tokens"), int) else 0
+    boundary = record.get("boundary")
+    cap = lifecycle.cap
+    if trigger == Trigger.LOOKUP_HIT and cap is not None and isinstance(boundary, int) and boundary > cap:
+        flag(ViolationKind.OVER_CAP, f"hit {boundary} after a truncation capped the retry at {cap}")
+    if ReplayCount.GROUP_HIT_OR_MISS in counts:
+        for detail in groups:
+            if isinstance(detail, dict) and isinstance(detail.get("hit_tokens"), int):
+                _group_bump(report, detail.get("group"), "hit" if detail["hit_tokens"] > computed else "miss")
+    elif ReplayCount.GROUP_VERIFIED in counts:
+        for detail in groups:
+            if isinstance(detail, dict) and detail.get("blocks"):
+                _group_bump(report, detail.get("group"), "verified")
+    elif ReplayCount.TRUNCATION in counts:
+        report.num_truncations += 1
+        detail = record.get("detail")
+        cap = detail.get("retry_cap") if isinstance(detail, dict) else None
+        if not isinstance(cap, int):
+            cap = record.get("boundary")
+        if isinstance(cap, int):
+            lifecycle.cap = cap if lifecycle.cap is None else min(cap, lifecycle.cap)
+        failed = detail.get("failed_groups") if isinstance(detail, dict) else None
+        for group in failed if isinstance(failed, list) else []:
+            _group_bump(report, group, "truncated")
 
 
 def audit_file(path: str | os.PathLike[str]) -> AuditReport:

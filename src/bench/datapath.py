@@ -190,9 +190,9 @@ def make_case(
     movers: dict[str, BlockMover],
     num_blocks: int,
     batch: int,
+    *,
     device: torch.device,
     buffers: Buffers,
-    *,
     per_page: bool,
     rng: random.Random,
 ) -> Case:
@@ -391,8 +391,8 @@ def run_bench(
             movers[name, batch],
             num_blocks,
             batch,
-            dev,
-            buffers,
+            device=dev,
+            buffers=buffers,
             per_page=per_page and dev.type == "cuda",
             rng=rng,
         )

@@ -238,7 +238,7 @@ def _drive(
     if side is not None:
         assert store_url is not None
         inner = open_store(_filler_url(store_url))
-        for req, (fam, n, hit) in zip(requests, stream):
+        for req, (fam, n, hit) in zip(requests, stream, strict=True):
             if hit:
                 store_prefix(side.scheme, inner, req.block_hashes, int(n * prefixes.get(fam, 0.75)))
         expected_hits = sum(full_scan_hit(side.scheme, inner, req) for req in requests)
@@ -301,7 +301,7 @@ def _drive(
         # matched against the local prefix cache again every step).
         row["busy_connector_p99_ms"] = _percentile(busy_connector_s, 0.99) * 1e3
         row["busy_vllm_p99_ms"] = (
-            _percentile([t - c for t, c in zip(busy_step_s, busy_connector_s)], 0.99) * 1e3
+            _percentile([t - c for t, c in zip(busy_step_s, busy_connector_s, strict=True)], 0.99) * 1e3
         )
     if side is not None:
         costs = list(side.lookups.recent_costs)
@@ -387,7 +387,7 @@ def _summarize(
         ("schedule_p50_ms", "p50_ratio"),
         ("busy_schedule_p99_ms", "busy_p99_ratio"),
     ):
-        ratios = [r[name] / b[name] for r, b in zip(rounds, base_rounds)]
+        ratios = [r[name] / b[name] for r, b in zip(rounds, base_rounds, strict=True)]
         row[ratio] = statistics.median(ratios)
         row[f"{ratio}_spread"] = _spread(ratios)
     for name in ("lookups_per_s", "round_trips_p50", "keys_p50"):

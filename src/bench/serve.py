@@ -781,7 +781,7 @@ def run_serve_bench(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown serve configuration(s) {unknown}; expected some of {list(CONFIGS)}")
-    ordered = sorted(configs, key=lambda c: CONFIGS.index(c))
+    ordered = sorted(configs, key=CONFIGS.index)
     master: MooncakeMaster | None = None
     runs: dict[str, ConfigRun] = {}
     try:

@@ -57,7 +57,7 @@ def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dic
     best = 0.0
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
-        for source, destination in zip(sources, destinations):
+        for source, destination in zip(sources, destinations, strict=True):
             np.copyto(destination, source)
         elapsed = time.perf_counter() - start
         best = max(best, value_size * num_values / max(elapsed, 1e-9) / 1e9)
@@ -93,7 +93,7 @@ def measure_put_get(
             memcpy_gbps.append(total / _time_memcpy(sources, copies) / 1e9)
             if floor_fds:
                 start = time.perf_counter()
-                for fd, source in zip(floor_fds, sources):
+                for fd, source in zip(floor_fds, sources, strict=True):
                     os.pwrite(fd, cast(Buffer, source), 0)
                 page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
             put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index)
@@ -102,8 +102,8 @@ def measure_put_get(
     finally:
         for fd in floor_fds:
             os.close(fd)
-    put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps)]
-    get_ratios = [get / memcpy for get, memcpy in zip(get_gbps, memcpy_gbps)]
+    put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps, strict=True)]
+    get_ratios = [get / memcpy for get, memcpy in zip(get_gbps, memcpy_gbps, strict=True)]
     result = {
         "put_gbps": statistics.median(put_gbps),
         "get_gbps": statistics.median(get_gbps),
@@ -117,7 +117,7 @@ def measure_put_get(
     }
     if page_write_gbps:
         result["page_write_ratio"] = statistics.median(
-            [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps)]
+            [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps, strict=True)]
         )
     return result
 
@@ -142,7 +142,7 @@ def _open_floor_files(directory: Path, sources: list[np.ndarray]) -> list[int]:
 
 def _time_memcpy(sources: list[np.ndarray], copies: list[np.ndarray]) -> float:
     start = time.perf_counter()
-    for source, copy in zip(sources, copies):
+    for source, copy in zip(sources, copies, strict=True):
         np.copyto(copy, source)
     return max(time.perf_counter() - start, 1e-9)
 

@@ -35,7 +35,6 @@ from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.lifecycle.keys import parse_block_key
@@ -227,10 +226,11 @@ def describe_model_geometry(
 @contextlib.contextmanager
 def _stdout_to_stderr() -> Iterator[None]:
     """Send what the engine prints -- vLLM's logger handlers and anything written to fd 1 -- to stderr."""
-    swapped: list[tuple[logging.StreamHandler[Any], Any]] = []
-    for handler in logging.getLogger("vllm").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
-            swapped.append((handler, handler.setStream(sys.stderr)))
+    swapped: list[tuple[logging.StreamHandler[Any], Any]] = [
+        (handler, handler.setStream(sys.stderr))
+        for handler in logging.getLogger("vllm").handlers
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr
+    ]
     saved_stream = os.environ.get("VLLM_LOGGING_STREAM")
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # a handler vLLM configures meanwhile
     sys.stdout.flush()
@@ -274,11 +274,19 @@ def _entry_bytes(sgid: int, vllm_group: Any) -> int:
 def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any]:
     """``health``, ``usage`` and ``key_counts`` of the store at ``url``; never writes to it."""
     from hybridkv.store import StoreError, open_store
+    from hybridkv.store.url import absent_store
 
-    absent = _absent_file_store(url)
+    try:
+        absent = absent_store(url)
+    except StoreError:
+        absent = None  # a bad URL: opening it below reports the error
     if absent is not None:
         return {
-            "health": {"reachable": False, "error": absent, "breaker_state": None},
+            "health": {
+                "reachable": False,
+                "error": f"{absent} (describe does not create one)",
+                "breaker_state": None,
+            },
             "usage": None,
             "key_counts": [],
         }
@@ -323,18 +331,6 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
         for (namespace, fingerprint, group), row in sorted(counts.items())
     ]
     return {"health": health, "usage": usage, "key_counts": key_counts}
-
-
-def _absent_file_store(url: str) -> str | None:
-    """Why a ``file://`` URL names no store (opening it would create one), or ``None``."""
-    inner = url.split("+", 1)[1] if url.startswith("faulty+") else url
-    parsed = urlparse(inner)
-    if parsed.scheme != "file":
-        return None
-    directory = Path(unquote(parsed.path))
-    if not (directory / "objects").is_dir():
-        return f"no file store at {str(directory)!r} (describe does not create one)"
-    return None
 
 
 def _probe(store: Any, *, probes: int, deadline_s: float) -> dict[str, Any]:

@@ -131,10 +131,12 @@ def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
             monotonics = [r["monotonic"] for r in records if isinstance(r.get("monotonic"), (int, float))]
             anchor_monotonic_s = max(monotonics, default=0.0)
             anchor_wall_ns = path.stat().st_mtime_ns
-            for trace in records_to_trace(
-                records, anchor_monotonic_s=anchor_monotonic_s, anchor_wall_ns=anchor_wall_ns
-            ):
-                lines.append((LOG_PREFIX if log_prefix else "") + trace.to_json())
+            lines.extend(
+                (LOG_PREFIX if log_prefix else "") + trace.to_json()
+                for trace in records_to_trace(
+                    records, anchor_monotonic_s=anchor_monotonic_s, anchor_wall_ns=anchor_wall_ns
+                )
+            )
     except OSError as error:
         print(f"hybridkv audit: cannot read {error.filename}: {error.strerror}", file=sys.stderr)
         return EXIT_USAGE

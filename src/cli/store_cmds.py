@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.cli import add_report_arguments
@@ -172,6 +173,24 @@ def handle_clear(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_sizes(
+    args: argparse.Namespace, default_sizes: Sequence[int], default_bytes_per_round: int
+) -> tuple[list[int], int]:
+    """``--sizes`` and ``--bytes-per-round`` of ``hybridkv store bench``; StoreError for bad arguments."""
+    size_texts = args.sizes.split(",") if args.sizes is not None else []
+    sizes = [parse_size(text, what="value size") for text in size_texts if text.strip()]
+    if args.sizes is None:
+        sizes = list(default_sizes)
+    bytes_per_round = (
+        parse_size(args.bytes_per_round, what="--bytes-per-round")
+        if args.bytes_per_round is not None
+        else default_bytes_per_round
+    )
+    if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
+        raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
+    return sizes, bytes_per_round
+
+
 def handle_bench(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import save_report
     from hybridkv.bench.store import (
@@ -185,17 +204,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     )
 
     try:
-        size_texts = args.sizes.split(",") if args.sizes is not None else []
-        sizes = [parse_size(text, what="value size") for text in size_texts if text.strip()]
-        if args.sizes is None:
-            sizes = list(DEFAULT_VALUE_SIZES)
-        bytes_per_round = (
-            parse_size(args.bytes_per_round, what="--bytes-per-round")
-            if args.bytes_per_round is not None
-            else DEFAULT_BYTES_PER_ROUND
-        )
-        if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
-            raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
+        sizes, bytes_per_round = _bench_sizes(args, DEFAULT_VALUE_SIZES, DEFAULT_BYTES_PER_ROUND)
         with bench_scratch_dir() as scratch:
             urls = args.stores or default_store_urls(bytes_per_round, scratch)
             report = run_store_bench(

@@ -21,8 +21,9 @@ Keys (all optional):
 ``cuda_copy``       how batches cross PCIe on CUDA KV caches: ``"auto"`` (default): loads of up to 48 MiB by
                     one copy kernel straight between the pages and pinned host memory, larger loads and
                     every save by DMA from a packed staging buffer; ``"kernel"``: every batch by the
-                    kernel; ``"dma"``: every batch by DMA. The kernel
-                    needs Triton and contiguous pages (others fall back to DMA). Ignored for host caches.
+                    kernel; ``"dma"``: every batch by DMA. The kernel needs Triton and contiguous pages
+                    (others fall back to DMA). Ignored for host caches. Why these defaults: see
+                    docs/performance.md, "One copy kernel instead of packing plus DMA".
 ``weights_version`` a name for the weights this engine runs (1-64 characters of ``A-Za-z0-9._-``, or
                     ``null``: the checkpoint's identity alone). It joins the key fingerprint, and a reset
                     (``reset_prefix_cache(reset_connector=True)``, the step after an in-engine weight
@@ -75,8 +76,8 @@ CUDA_COPY_DIRECTIONS: dict[str, frozenset[str]] = {
     "kernel": frozenset({"save", "load"}),
     "dma": frozenset(),
 }
-#: ``cuda_copy: auto``: the largest batch the kernel loads; larger ones go by DMA, which kept up with or beat
-#: the kernel from 64 MiB up on an H200 (docs/performance.md, "The GPU data path").
+#: ``cuda_copy: auto``: the largest batch the kernel loads; larger ones go by DMA (why: docs/performance.md,
+#: "One copy kernel instead of packing plus DMA").
 AUTO_KERNEL_MAX_BATCH_BYTES = 48 << 20
 
 
@@ -142,7 +143,7 @@ class ConnectorConfig:
                 f"{[extra[k] for k in unknown]!r}); known keys: {list(KNOWN_KEYS)}"
             )
 
-        store = extra.get("store", None)
+        store = extra.get("store")
         if store is None:
             store = default_store_url()
         schemes = [f"{scheme}://" for scheme in STORE_KINDS] + [FAULTY_PREFIX]
@@ -152,7 +153,7 @@ class ConnectorConfig:
                 f"got {store!r}"
             )
 
-        namespace = extra.get("namespace", None)
+        namespace = extra.get("namespace")
         if namespace is None:
             namespace = default_namespace(model)
         if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
@@ -162,7 +163,7 @@ class ConnectorConfig:
                 f"got {namespace!r}"
             )
 
-        audit_log = extra.get("audit_log", None)
+        audit_log = extra.get("audit_log")
         if audit_log is not None and (not isinstance(audit_log, (str, os.PathLike)) or not str(audit_log)):
             raise ValueError(
                 f"kv_connector_extra_config['audit_log']: expected a path or null, got {audit_log!r}"
@@ -207,7 +208,7 @@ class ConnectorConfig:
                 f"got {cuda_copy!r}"
             )
 
-        weights_version = extra.get("weights_version", None)
+        weights_version = extra.get("weights_version")
         if weights_version is not None and (
             not isinstance(weights_version, str) or not NAMESPACE_RE.match(weights_version)
         ):

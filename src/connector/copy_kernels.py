@@ -7,11 +7,9 @@ The kernel reads (or writes) the pinned slab straight over PCIe: pinned host mem
 GPU can use too (unified virtual addressing), so no device staging buffer and no DMA copy sit in between, and
 one launch covers every (layer tensor, block) page of the batch, whatever the number of layers. The page
 addresses come from a table of the layer tensors' base pointers, so the layer tensors need not share a
-storage. A fixed, small number of programs loops over the pages (``NUM_PROGRAMS``): as fast as more of them
-(8 programs of 8 warps moved 0.85-0.92 of a contiguous pinned copy's bytes per second on an H200 when the
-slab was reused back to back), and the forward running beside a transfer keeps most of the GPU (a bf16 matmul
-loop ran 4-24 % slower while transfers ran back to back beside it, against at most 1 % for the DMA path, and
-30 % / 115 % with 32 / 132 programs).
+storage. A fixed, small number of programs loops over the pages (``NUM_PROGRAMS``): as fast as more of them,
+and the forward running beside a transfer keeps most of the GPU (see docs/performance.md, "One copy kernel
+instead of packing plus DMA").
 
 Slab layout: the one :class:`~hybridkv.connector.datapath.BlockMover` fixes (tensor k's pages from
 ``segments[k]``, batch row r at ``segments[k] + r * page_nbytes[k]``), so the store sees the same parts
@@ -43,7 +41,7 @@ _WORD = 8
 # Triton reads the parameters' annotations (tl.constexpr), so the others stay unannotated for mypy.
 # Sizes are not specialized on (a batch of 1 or of 16 blocks would each compile a variant, on a load thread).
 @triton.jit(do_not_specialize=["num_pairs", "tiles_per_page", "num_tiles"])  # type: ignore[untyped-decorator]
-def _copy_pages(  # type: ignore[no-untyped-def]
+def _copy_pages(  # type: ignore[no-untyped-def]  # noqa: PLR0917 -- a Triton kernel: its launch passes arguments by position
     page_ptrs,  # int64 [num_tensors]: each layer tensor's base address
     page_strides,  # int64 [num_tensors]: words from one block's page to the next
     slab_offsets,  # int64 [num_tensors]: words from the slab's start to the tensor's segment

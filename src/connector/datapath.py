@@ -31,26 +31,9 @@ Two paths, chosen by where the caches live:
 
 Why ``index_select`` into a staging buffer rather than one copy per (block, layer): per-page copies cost a
 launch each (32 layers x 256 blocks = 8192 ``cudaMemcpyAsync``), while the device-side gather runs at HBM
-speed (256 blocks x 64 KiB: ``index_select`` 1.1 TB/s, ``index_copy_`` 1.4 TB/s) and leaves a few large
-PCIe copies. Measured on H200 machines (torch 2.11/CUDA 13, ``hybridkv bench datapath --repeats 9``, 32 MiB
-staging per direction, scattered block ids; ours / one contiguous pinned copy of the same bytes timed next
-to it, medians of 9 interleaved rounds, range over 6 sessions; the copy itself ran at 51-55 GB/s):
-
-==================================  ====================  ====================
-batch                               gather (D2H) / copy   scatter (H2D) / copy
-==================================  ====================  ====================
-attn 32 layers x 64 KiB, 16 blocks  0.31-0.48             0.33-0.62
-attn, 64 blocks                     0.78-0.88             0.81-0.88
-attn, 256 blocks                    0.92-0.96             0.89-0.94
-Mamba 4 x 1 MiB (strided conv), 16  0.65-0.75             0.73-0.86
-Mamba, 64 blocks                    0.90-0.95             0.89-0.95
-Mamba, 256 blocks                   0.96-0.98             0.94-0.97
-==================================  ====================  ====================
-
-One copy per page ran at 3-6 GB/s for attention pages. What is left is host time: the host enqueues one
-``index_select`` / ``index_copy_`` per layer tensor per chunk (tens of microseconds each), which for 64
-attention blocks (4 layers per 16 MiB chunk) is about as long as the bus takes to move the chunk, so the
-result follows the host's speed; the bus also waits while the first chunk is packed.
+speed and leaves a few large PCIe copies. What is left is host time: the host enqueues one ``index_select`` /
+``index_copy_`` per layer tensor per chunk, which for small batches is about as long as the bus takes to move
+the chunk. Measured ratios against one contiguous pinned copy: see docs/performance.md, "The GPU data path".
 
 The copy kernel (``StagingContext.kernel_directions``, ``cuda_copy``): for a group whose pages are contiguous,
 one Triton launch moves the whole batch straight between the pages and the pinned slab over PCIe (same slab
@@ -417,8 +400,8 @@ class BlockMover:
         """Per block, per tensor, that page's bytes in the slab (views), for a batch of ``n`` blocks.
 
         The views of every page a slab can hold are built on the slab's first use and kept for the
-        mover's life: a numpy view per part per batch cost 1.4-4 ms for 256 blocks of 32 layers on an H200
-        host, against 10 ms of PCIe for the batch, and for a load it lies before the first copy.
+        mover's life: a numpy view per part per batch costs a sizeable share of the batch's PCIe time, and
+        for a load it lies before the first copy (see docs/performance.md, "The GPU data path").
         """
         hit = self._slab_rows.get(id(slab))
         if hit is None or hit[0]() is not slab:
@@ -589,13 +572,14 @@ class BlockMover:
                 queue_behind(lane.kernel, landed)
                 for t, p, src in views.pieces:
                     dst_idx = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
+                    rows = src
                     if len(kept) != n:  # skip the blocks the store did not fill
                         local = [r - p.r0 for r in kept if p.r0 <= r < p.r1]
                         if not local:
                             continue
                         if len(local) < p.r1 - p.r0:
                             sel = self._index(local)
-                            src, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
-                    t.index_copy_(0, dst_idx, src)
+                            rows, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
+                    t.index_copy_(0, dst_idx, rows)
                 unpacked[i % 2] = record_event(lane.kernel)
         self.staging.sync_lane("load")

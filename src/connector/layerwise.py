@@ -300,7 +300,7 @@ class LayerwiseLoads:
                 statuses = [Status.TRANSFER_FAILED] * len(refs)
         if late:
             # The call still writes ``buffers``: keep them alive until it returned; never commit them.
-            self._on_late_calls(list(late), lambda: buffers.clear())
+            self._on_late_calls(list(late), buffers.clear)
         for (job, i), ref, status in zip(where, refs, statuses, strict=True):
             results[job.req_id][i] = LoadResult(ref.entry(rank), LoadOutcome.from_status(status.value))
             if status is not Status.OK:

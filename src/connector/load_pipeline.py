@@ -23,7 +23,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
@@ -32,7 +32,7 @@ import structlog
 from hybridkv.connector.datapath import Fence, StagedBlocks
 from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import LoadJob, LoadResult
+from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult
 from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.ownership import LateOwnership, Quarantine, may_answer_late
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
@@ -49,9 +49,8 @@ LOAD_STAGING_WAIT_S = 5.0
 #: Threads that read one load batch from the store: the load thread and ``LOAD_READERS - 1`` helpers, each
 #: reading (and verifying) its own contiguous share of the keys. One thread reads a file-store hit at about
 #: half of memcpy speed (the kernel's copy out of tmpfs pages) and then checksums it; two threads overlap
-#: one key's checksum with another key's read and use a second core (measured on the 2-core dev VM, 65 MB
-#: in 31 keys: 18 -> 12.6 ms with the second core idle; 20.9 -> 20.3 ms inside an engine while another job
-#: held about one core).
+#: one key's checksum with another key's read and use a second core (see docs/performance.md, "Figures
+#: behind design choices").
 LOAD_READERS = 2
 #: A batch smaller than this is read by the load thread alone (the hand-off costs more than it saves).
 SPLIT_READ_MIN_BYTES = 4 << 20
@@ -237,15 +236,21 @@ class LoadPipeline:
             finally:
                 for sb, _ in held:
                     sb.release()
+        results = self._load_results(refs, statuses)
+        ctx.stats.add("load_keys", len(keys))
+        ctx.stats.add("load_bytes", nbytes)
+        return all(st is Status.OK for st in statuses), results
+
+    def _load_results(self, refs: Sequence[BlockRef], statuses: Sequence[Status | None]) -> list[LoadResult]:
+        """Each block's result (``None``: never attempted, reported ``NOT_ATTEMPTED``); counts the failed."""
+        ctx = self._ctx
         results = []
         for ref, status in zip(refs, statuses, strict=True):
             if status is not Status.OK:
                 ctx.stats.add("load_failed_keys")
             outcome = LoadOutcome.NOT_ATTEMPTED if status is None else LoadOutcome.from_status(status.value)
             results.append(LoadResult(ref.entry(ctx.tp_rank), outcome))
-        ctx.stats.add("load_keys", len(keys))
-        ctx.stats.add("load_bytes", nbytes)
-        return all(st is Status.OK for st in statuses), results
+        return results
 
     def _read_into(
         self, keys: list[str], destinations: list[Value], nbytes: int, late: list[Future[object]]

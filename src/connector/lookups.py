@@ -214,9 +214,8 @@ class LookupService:
         if batch and self.breaker.before_call() is Admission.REJECT:
             finished.extend((task, "circuit open") for task, _ in batch)
             batch = []
-        if finished:
-            for task, error in finished:
-                self._finish(task, error)
+        for task, error in finished:
+            self._finish(task, error)
         if not batch:
             return
         keys = list(union)
@@ -242,7 +241,7 @@ class LookupService:
             self.breaker.on_success()
         self._slice_started_s = time.perf_counter()  # it waited for the store (the GIL was free most of it)
         # C-level maps (thousands of keys): a Python loop here would hold the GIL without a pause.
-        present = dict(zip(keys, map(operator.is_, statuses, itertools.repeat(Status.OK))))
+        present = dict(zip(keys, map(operator.is_, statuses, itertools.repeat(Status.OK)), strict=True))
         self.num_exists_calls += 1
         self.num_keys_checked += len(keys)
         for task, task_keys in batch:

@@ -67,7 +67,7 @@ class PlannedRefs(Sequence[BlockRef]):
                 BlockRef(
                     p.group_index, gid_of[p.group_index], p.block_index, bid, p.block_hash, p.key_boundary
                 )
-                for p, bid in zip(self.planned, self.block_ids)
+                for p, bid in zip(self.planned, self.block_ids, strict=True)
             )
         return self._expanded
 

@@ -250,7 +250,10 @@ class SavePipeline:
                 if not order:
                     continue
                 values = as_store_buffers(
-                    [snapshots.get(i, p) for i, p in zip(order, (p for sb, _ in held for p in sb.parts))]
+                    [
+                        snapshots.get(i, p)
+                        for i, p in zip(order, (p for sb, _ in held for p in sb.parts), strict=True)
+                    ]
                 )
                 with collect_late_calls() as late:
                     try:

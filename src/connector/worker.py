@@ -261,7 +261,8 @@ class WorkerSide:
         While loads are in flight and none has finished, waits up to ``_LOAD_YIELD_S`` for one. The engine
         thread calls this every step; while a request waits for its load the engine loop spins through empty
         steps, and without this pause the load thread gets the GIL back only once per switch interval
-        after every blocking call (measured: a 30 ms load took 1.2 s inside a request). Waiting releases
+        after every blocking call (a load then takes many times longer: docs/performance.md, "Figures
+        behind design choices"). Waiting releases
         the GIL, so the load runs at full speed; steps with no load in flight never wait.
         """
         probe = self._loads.probe
@@ -278,7 +279,7 @@ class WorkerSide:
         if self._layerwise is not None and not self._layerwise.saves_allowed(meta):
             # A layer-wise load of this step failed: the step computed on its pages, so none of its KV may
             # reach the store (vLLM discards the step for that request and recomputes).
-            for job in meta.saves:
+            for _job in meta.saves:
                 self._ctx.stats.add("layerwise_dropped_saves")
             self._saves.drop(list(meta.saves))
             return

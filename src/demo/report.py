@@ -77,8 +77,9 @@ def render(report: DemoReport, summary_path: Path | None = None) -> str:
         if phase.requests:
             table = format_table([_row(r, phase) for r in phase.requests], _COLUMNS)
             lines.extend("   " + line for line in table.splitlines())
-        for check in phase.checks:
-            lines.append(f"   {'ok  ' if check.ok else 'FAIL'} {check.name}: {check.detail}")
+        lines.extend(
+            f"   {'ok  ' if check.ok else 'FAIL'} {check.name}: {check.detail}" for check in phase.checks
+        )
     lines.append("")
     audit = report.audit
     if audit is None:
@@ -94,10 +95,10 @@ def render(report: DemoReport, summary_path: Path | None = None) -> str:
         )
         if counts:
             lines.append(f"   violations by kind: {counts}")
-        for v in audit.get("violations", [])[:5]:
-            lines.append(
-                f"   line {v.get('line')}: {v.get('kind')} {v.get('request_id')}: {v.get('message')}"
-            )
+        lines.extend(
+            f"   line {v.get('line')}: {v.get('kind')} {v.get('request_id')}: {v.get('message')}"
+            for v in audit.get("violations", [])[:5]
+        )
         lines.append(f"   re-check: hybridkv audit {report.audit_log}")
     if report.error:
         lines.append(f"error: {report.error}")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ipaddress
 import json
 import selectors
@@ -93,10 +94,8 @@ def _check_delay_ms(delay_ms: float) -> None:
 
 
 def _shutdown_quietly(sock: socket.socket, how: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already closed or not connected: nothing to wake or end
         sock.shutdown(how)
-    except OSError:
-        pass  # already closed or not connected: nothing to wake or end
 
 
 class _Connection:

@@ -190,9 +190,10 @@ class OpenAIServer:
                 )
             try:
                 urllib.request.urlopen(f"{self.base_url}/health", timeout=2).close()
-                return
             except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
                 time.sleep(0.5)
+            else:
+                return
         raise RuntimeError(f"server not healthy after {self.start_timeout_s} s; see {self.log_path}")
 
     def complete_ids(self, tokens: Sequence[int], max_tokens: int = 8) -> list[int]:

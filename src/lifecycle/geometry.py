@@ -128,7 +128,9 @@ class Geometry:
         dcp = self.topology.dcp_size
         # Some group (a Mamba state inside a block) asks for fine hits, and no group forbids them.
         enabled = any(g.rules.enables_fine_hits(g, unit, dcp) for g in self.groups)
-        permitted = all(g.rules.permits_fine_hits(span, unit) for g, span in zip(self.groups, self.spans))
+        permitted = all(
+            g.rules.permits_fine_hits(span, unit) for g, span in zip(self.groups, self.spans, strict=True)
+        )
         return enabled and permitted
 
     @cached_property

@@ -195,8 +195,11 @@ class KindRules(abc.ABC):
         """The largest multiple of the hit alignment ``<= boundary`` (itself aligned) whose restore
         needs none of this group's ``failed`` entries."""
 
-    def check_save_boundary(self, geometry: Geometry, group_index: int, boundary: int) -> None:
-        """Assert that an entry of this group may be saved ending at ``boundary`` (a hash boundary)."""
+    def check_save_boundary(  # noqa: B027 -- an optional hook: the default (no constraint) checks nothing
+        self, geometry: Geometry, group_index: int, boundary: int
+    ) -> None:
+        """Assert that an entry of this group may be saved ending at ``boundary`` (a hash boundary); the
+        default checks nothing (a kind whose entries may end at any hash boundary keeps it)."""
 
     def step_back_boundaries(
         self,

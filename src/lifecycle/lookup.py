@@ -525,7 +525,7 @@ class LookupSearch:
         self._pending = None
         self.num_round_trips += 1
         self.num_keys += len(keys)
-        self.known.update(zip(keys, exists))
+        self.known.update(zip(keys, exists, strict=True))
 
     def run(self, exists: ExistsFn) -> LookupResult:
         """Drive the search to its answer with a blocking ``exists`` (tests, benches)."""

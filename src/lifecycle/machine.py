@@ -551,7 +551,7 @@ class RequestLifecycle(_Model):
             )
             self.group_detail = [
                 {"group": g, "hit_tokens": hit, "blocks": blocks}
-                for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks))
+                for g, (hit, blocks) in enumerate(zip(result.group_hit_tokens, plan_blocks, strict=True))
             ]
         self._machine.fire(self, "lookup_hit" if result.is_hit else "lookup_miss")
         return result

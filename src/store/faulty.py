@@ -171,7 +171,7 @@ class FaultyBackend:
 
     @staticmethod
     def _merge(results: list[Status | None], passing: list[int], inner: list[Status]) -> list[Status]:
-        for index, status in zip(passing, inner):
+        for index, status in zip(passing, inner, strict=True):
             results[index] = status
         assert all(status is not None for status in results), "faulty: a key got no result"
         return [status for status in results if status is not None]
@@ -241,7 +241,7 @@ class FaultyBackend:
             if passing
             else []
         )
-        for index, status in zip(passing, inner):
+        for index, status in zip(passing, inner, strict=True):
             if status is Status.OK and self._draw(self.corrupt):
                 self._count("corrupt_get")
                 frame = frames[index]

@@ -56,19 +56,20 @@ caller's buffers. A put writes the payload first, seals the frame (computes its 
 the payload is still in cache, and writes the header last; a get verifies each frame right after reading it
 (``JustInTimeBackend``). What bounds a put of a large value is the page cache, not the code around it: on a
 tmpfs with 4 KiB pages (``huge=never``, the default for /dev/shm) every 4 KiB written costs a page lookup,
-lock and dirtying on top of the copy, so merely overwriting a recycled file's pages runs at ~0.45-0.5x memcpy
-on the dev VM (the bench's ``page_write_ratio``), and a put, which also hashes, at ~0.35-0.45x; a new file also
-has each page allocated and zeroed (~0.2x). On a tmpfs mounted ``huge=within_size`` (or ``always``) a
-recycled file's pages are 2 MiB and the same put runs at ~0.55-0.7x memcpy: mount the store's directory that
-way where the filesystem allows it. Pre-faulting spares would not lift the 4 KiB case: a recycled file's
-pages already exist, the cost is the write path's per page, and writing through a fresh ``mmap`` instead
-spends about as much on setting up page-table entries as it saves (measured on the dev VM). Values below
+lock and dirtying on top of the copy, so merely overwriting a recycled file's pages (the bench's
+``page_write_ratio``) stays well below memcpy, and a new file also has each page allocated and zeroed. On a
+tmpfs mounted ``huge=within_size`` (or ``always``) a recycled file's pages are 2 MiB and the same put runs
+markedly faster: mount the store's directory that way where the filesystem allows it. Pre-faulting spares
+would not lift the 4 KiB case: a recycled file's pages already exist, the cost is the write path's per page,
+and writing through a fresh ``mmap`` instead spends about as much on setting up page-table entries as it
+saves. The figures: docs/performance.md, "The file store's writes". Values below
 ``_RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file, not by page
 faults.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -363,20 +364,16 @@ class FileBackend:
                     except FileNotFoundError:
                         total -= file_size
                 else:
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         path.unlink()
-                    except FileNotFoundError:
-                        pass
                     total -= file_size
                 num_evicted += 1
             spares.sort(key=lambda entry: entry[0])
             for _mtime, file_size, path in spares:  # only when objects alone do not fit: drop spares too
                 if total <= target:
                     break
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                except FileNotFoundError:
-                    pass
                 total -= file_size
                 spare_total -= file_size
             self._set_usage(total, spare_total)
@@ -475,7 +472,7 @@ class FileBackend:
         paths: list[str | None] = []
         sizes = [sum(part.nbytes for part in frame) for frame in frames]
         num_new_bytes = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             path = self.path_of(key)
             if os.path.exists(path):  # insert-if-absent; the link in _publish settles races
                 results.append(Status.OK)
@@ -492,16 +489,18 @@ class FileBackend:
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
         # bytes up front (one locked update), make room if that overflows, and give back what was not
         # published.
-        claims = self._claim_spares([size if path else None for size, path in zip(sizes, paths)])
+        claims = self._claim_spares([size if path else None for size, path in zip(sizes, paths, strict=True)])
         num_claimed = sum(claim is not None for claim in claims)
         num_spare_bytes = sum(claim[1] for claim in claims if claim is not None)
-        num_claimed_frame_bytes = sum(size for size, claim in zip(sizes, claims) if claim is not None)
+        num_claimed_frame_bytes = sum(
+            size for size, claim in zip(sizes, claims, strict=True) if claim is not None
+        )
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
         usage = self._add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
         if num_unclaimed_bytes and usage > self.capacity_bytes and self._make_room(num_unclaimed_bytes):
             self._add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
-        for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths)):
+        for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths, strict=True)):
             if new_path is None:
                 continue
             claim = claims[index]
@@ -557,14 +556,13 @@ class FileBackend:
                 _link_creating_shard(temp, path)
             except FileExistsError:
                 return Status.OK, False  # another writer published first: first writer wins
-            return Status.OK, True
+            else:
+                return Status.OK, True
         except OSError as error:
             return self._status_of(error, "put", key), False
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
-            except FileNotFoundError:
-                pass
 
     def _open_spare(self, temp: str, size: int) -> int | None:
         """Open the claimed spare ``temp`` for overwriting with a ``size``-byte frame, holding its exclusive
@@ -632,7 +630,7 @@ class FileBackend:
         now = time.time()
         clock = time.perf_counter
         open_s = read_s = verify_s = close_s = 0.0
-        for index, (key, frame) in enumerate(zip(keys, frames)):
+        for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             started = clock()
             path = self.path_of(key)
             try:
@@ -804,10 +802,8 @@ class FileBackend:
     def _touch(self, path: str, fd: int | None, mtime: float, now: float) -> None:
         if now - mtime < _TOUCH_INTERVAL_S:
             return
-        try:
+        with contextlib.suppress(OSError):  # evicted meanwhile, or read-only mount: LRU order is best effort
             os.utime(fd if fd is not None else path)
-        except OSError:
-            pass  # evicted meanwhile, or read-only mount: LRU order is best effort
 
     def _status_of(self, error: OSError, op: str, key: str) -> Status:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):

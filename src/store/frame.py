@@ -18,9 +18,8 @@ A reader knows the key and the destination size, so it knows the exact frame siz
 header into its own small buffer and the payload straight into the destination, then checks everything.
 Any mismatch is ``CORRUPT``; the payload is then unusable.
 
-Checksum choice (measured on the 2-core dev VM, 1 MiB buffers; numbers in the store report):
-``xxh3`` runs at 20-48 GB/s, faster than ``np.copyto`` (10-31 GB/s), so framing costs about a third of a copy;
-``crc32`` (zlib) runs at ~3 GB/s and would cut throughput to ~10 % of memcpy; ``blake2b`` runs at ~0.7 GB/s.
+Checksum choice: ``xxh3`` runs faster than ``np.copyto``, so framing costs a fraction of a copy; ``crc32``
+(zlib) and ``blake2b`` are many times slower (see docs/performance.md, "Figures behind design choices").
 ``xxh3`` needs the ``xxhash`` package; without it the default falls back to ``crc32``.
 """
 
@@ -153,6 +152,14 @@ def check_frame(
     expected_length = sum(part.nbytes for part in payload)
     if payload_length != expected_length:
         return f"payload is {payload_length} bytes, destination holds {expected_length}"
+    return _checksum_problem(algo_id, checksum, payload, required=required)
+
+
+def _checksum_problem(
+    algo_id: int, checksum: int, payload: Sequence[memoryview], *, required: ChecksumAlgo
+) -> str | None:
+    """The checksum half of ``check_frame``: ``None`` if the frame's checksum fields and ``payload`` agree
+    (and satisfy the reader's ``required`` checksum), else why not."""
     try:
         algo = ChecksumAlgo(algo_id)
     except ValueError:

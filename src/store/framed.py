@@ -69,8 +69,8 @@ class JustInTimeBackend(Backend, Protocol):
 
     Hashing a whole batch before writing it (or after reading it) streams every byte through the CPU cache
     once more; calling the hook right before (after) each value's copy hashes bytes that are still cached
-    (dev VM, 1 MiB values, 64 MiB batch: tmpfs read + per-value hash is ~15 % faster than read all, then
-    hash all). It also skips the checksum of values that insert-if-absent does not write.
+    (see docs/performance.md, "Figures behind design choices"). It also skips the checksum of values that
+    insert-if-absent does not write.
 
     - ``put_frames_sealed``: each frame's header part is a zeroed placeholder of the header's exact length;
       the backend calls ``seal(index)`` before it copies frame ``index``'s header part anywhere and never
@@ -183,7 +183,7 @@ class FramedStore:
             # Header placeholders; the backend seals each frame next to copying it (see JustInTimeBackend).
             frames = [
                 [memoryview(bytearray(header_size(key))), *value_to_parts(value)]
-                for key, value in zip(keys, values)
+                for key, value in zip(keys, values, strict=True)
             ]
 
             def seal(index: int) -> None:
@@ -192,7 +192,7 @@ class FramedStore:
 
             return self._checked_results("put", keys, backend.put_frames_sealed(keys, frames, seal))  # type: ignore[attr-defined]
         frames = []
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             payload = value_to_parts(value)
             frames.append([memoryview(encode_header(key, checksum, payload)), *payload])
         return self._checked_results("put", keys, backend.put_frames(keys, frames))
@@ -204,7 +204,7 @@ class FramedStore:
         if not keys:
             return []
         frames: list[FrameParts] = []
-        for key, destination in zip(keys, destinations):
+        for key, destination in zip(keys, destinations, strict=True):
             frames.append([memoryview(bytearray(header_size(key))), *destination_to_parts(destination)])
         backend = self._backend
         verified = [False] * len(keys)
@@ -222,7 +222,7 @@ class FramedStore:
         else:
             results = self._checked_results("get_into", keys, backend.get_frames_into(keys, frames))
         # Every OK frame the backend did not verify (all of them for a plain backend) is checked here.
-        for index, (key, frame) in enumerate(zip(keys, frames)):
+        for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             if results[index] is Status.OK and not verified[index] and not self._frame_ok(key, frame):
                 results[index] = Status.CORRUPT
         return results

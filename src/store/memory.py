@@ -47,7 +47,7 @@ def _buffer_of(data: np.ndarray) -> np.ndarray:
 def _join(frame: FrameParts, size: int, data: np.ndarray | None = None) -> np.ndarray:
     """One contiguous copy of the frame (into ``data`` when given: a spare buffer of exactly ``size`` bytes).
     numpy, not ``bytes``: for multi-MiB values numpy's allocator (huge-page advice) faults fresh pages in
-    ~2x faster than ``bytes(...)`` on the dev VM."""
+    faster than ``bytes(...)`` (see docs/performance.md, "Figures behind design choices")."""
     if data is None:
         data = np.empty(_buffer_size(size), dtype=np.uint8)
     if data.nbytes != size:
@@ -165,7 +165,7 @@ class MemoryBackend:
         """``put_frames``, sealing each frame (computing its checksum) right before copying it."""
         table = self._table
         results: list[Status] = []
-        for index, (key, frame) in enumerate(zip(keys, frames)):
+        for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             with table.lock:
                 if key in table.key_to_frame:  # insert-if-absent
                     table.key_to_frame.move_to_end(key)
@@ -208,7 +208,7 @@ class MemoryBackend:
         table = self._table
         pins = table.pins
         results: list[Status] = []
-        for index, (key, frame) in enumerate(zip(keys, frames)):
+        for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             with table.lock:
                 data = table.key_to_frame.get(key)
                 if data is None:

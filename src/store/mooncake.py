@@ -5,7 +5,8 @@ One backend = one Mooncake client that mounts ``segment`` bytes of this process'
 ``hybridkv.store.mooncake_node``). Where puts go (``preferred_segment``):
 
 - ``local`` (default): this client's own segment when it has one (placement on another client's segment
-  goes over TCP and was measured ~10x slower); a pure client has none, so the master allocates.
+  goes over TCP, many times slower: docs/performance.md, "Figures behind design choices"); a pure client has
+  none, so the master allocates.
 - ``none``: the master allocates (``--allocation_strategy``, random by default) across mounted segments.
 - ``HOST:PORT``: that segment (e.g. a storage node's hostname, as its ``ready`` line prints it).
 
@@ -236,7 +237,7 @@ class MooncakeBackend:
         """One status per key: breaker/deadline statuses as they are, else ``classify(index, key, code)``;
         a code it leaves (``None``) is an error, logged if unexpected and mapped by ``status_of_code``."""
         results: list[Status] = []
-        for index, (key, code) in enumerate(zip(keys, codes)):
+        for index, (key, code) in enumerate(zip(keys, codes, strict=True)):
             if isinstance(code, Status):
                 results.append(code)
                 continue
@@ -250,9 +251,9 @@ class MooncakeBackend:
     def exists(self, keys: Sequence[str]) -> list[Status]:
         key_list = list(keys)
         codes = self._guarded("exists", len(key_list), lambda: self._store.batch_is_exist(key_list))
-        # A lookup asks thousands of keys at once: map the codes in C (a Python loop over them holds the GIL
-        # for ~1 ms per 5,000 keys, which the scheduler thread waits out); anything unexpected (a breaker or
-        # deadline status, an error code) takes the logging path.
+        # A lookup asks thousands of keys at once: map the codes in C (a Python loop over them holds the GIL,
+        # which the scheduler thread waits out; docs/performance.md, "Figures behind design choices");
+        # anything unexpected (a breaker or deadline status, an error code) takes the logging path.
         statuses: list[Status | None] = list(map(_EXISTS_STATUS.get, codes))
         if None not in statuses:
             return cast(list[Status], statuses)

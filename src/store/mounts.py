@@ -92,7 +92,7 @@ def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
     found: Mount | None = None
     for mount in mounts:
         point = mount.mount_point
-        holds = point == "/" or path == point or path.startswith(point.rstrip("/") + "/")
+        holds = point in ("/", path) or path.startswith(point.rstrip("/") + "/")
         if holds and (found is None or len(point) >= len(found.mount_point)):
             found = mount
     return found

@@ -33,7 +33,7 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import unquote, urlencode
 
 from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
@@ -67,6 +67,9 @@ class StoreKind:
     process_local: bool
     #: The query parameters it takes besides ``checksum`` (the chaos view adds its own).
     params: tuple[str, ...]
+    #: Why a URL of this kind names no existing store, so that opening it would create one (read-only tools
+    #: refuse then); None when it names one or the kind cannot tell without connecting.
+    absent: Callable[[ParsedUrl], str | None] = lambda _parsed: None
 
 
 def store_kind(url: str) -> StoreKind:
@@ -133,6 +136,19 @@ def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
     params.finish()
     inner, checksum = open_backend(inner_url)
     return faulty(url, inner), checksum
+
+
+def _absent_file_store(parsed: ParsedUrl) -> str | None:
+    directory = Path(unquote(parsed.path))
+    if not (directory / "objects").is_dir():
+        return f"no file store at {str(directory)!r}"
+    return None
+
+
+def absent_store(url: str) -> str | None:
+    """Why ``url`` (through any ``faulty+`` view) names no existing store, or None (see ``StoreKind.absent``)."""
+    inner = url.removeprefix(FAULTY_PREFIX)
+    return store_kind(url).absent(split_url(inner))
 
 
 def _open_memory(parsed: ParsedUrl, params: Params) -> Backend:
@@ -235,7 +251,8 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
 #: The store registry: adding a store is one backend file and one row here.
 STORE_KINDS: Mapping[str, StoreKind] = {kind.scheme: kind for kind in (
     StoreKind("memory",   _open_memory,   StoreTier.HOST,     process_local=True,  params=("capacity",)),
-    StoreKind("file",     _open_file,     StoreTier.DISK,     process_local=False, params=("capacity", "timeout_ms")),
+    StoreKind("file",     _open_file,     StoreTier.DISK,     process_local=False, params=("capacity", "timeout_ms"),
+              absent=_absent_file_store),
     StoreKind("mooncake", _open_mooncake, StoreTier.EXTERNAL, process_local=False,
               params=("metadata", "local_hostname", "segment", "local_buffer", "protocol", "device",
                       "timeout_ms", "breaker_failures", "breaker_reset_s", "preferred_segment")),

@@ -347,7 +347,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             for key in self._keys(load.group_index, load.key_boundary, req.hashes):
                 assert key in self.store, f"planned key {key} does not exist: a hit some rank cannot restore"
                 assert key not in self.invalidated, f"planned key {key} was invalidated by a truncation"
-        for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+        for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans, strict=True)):
             if group.kind is GroupKind.FULL:
                 for i in range(cdiv(boundary, span)):
                     if (i + 1) * span <= local:
@@ -509,7 +509,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         for boundary in range(top - top % alignment, 0, -alignment):
             needed: set[tuple[int, int]] = set()
             blocked = False
-            for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans)):
+            for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans, strict=True)):
                 if group.kind is GroupKind.FULL:
                     needed.update((g, i) for i in range(cdiv(boundary, span)))
                 elif group.kind is GroupKind.SLIDING_WINDOW:

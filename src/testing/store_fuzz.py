@@ -91,9 +91,9 @@ def make_store_machine(
         @initialize()
         def store_starts_empty(self) -> None:
             found = self.store.exists([key for key, _size in pool])
-            stored = [key for (key, _size), status in zip(pool, found) if status is Status.OK]
+            stored = [key for (key, _size), status in zip(pool, found, strict=True) if status is Status.OK]
             assert not stored, f"factory gave a non-empty store: {stored}"
-            for (key, _size), status in zip(pool, found):
+            for (key, _size), status in zip(pool, found, strict=True):
                 if status is not Status.NOT_FOUND:
                     self._check_failure_allowed("exists", key, status)
 
@@ -143,7 +143,7 @@ def make_store_machine(
             ]
             statuses = self.store.put(batch, offered)
             assert len(statuses) == len(batch), f"put returned {len(statuses)} results for {len(batch)} keys"
-            for key, value, status in zip(batch, values, statuses):
+            for key, value, status in zip(batch, values, statuses, strict=True):
                 self._record_put(key, value, status)
 
         @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), split=st.booleans())
@@ -158,7 +158,7 @@ def make_store_machine(
             assert len(statuses) == len(batch), (
                 f"get_into returned {len(statuses)} results for {len(batch)} keys"
             )
-            for key, destination, status in zip(batch, destinations, statuses):
+            for key, destination, status in zip(batch, destinations, statuses, strict=True):
                 data = b"".join(destination) if isinstance(destination, list) else bytes(destination)
                 self._check_read(key, status, data)
 
@@ -180,7 +180,7 @@ def make_store_machine(
             allowed failure. Per key: whether the store answered (``OK`` or ``NOT_FOUND``)."""
             assert len(statuses) == len(batch), f"{op} returned {len(statuses)} results for {len(batch)} keys"
             answered: list[bool] = []
-            for key, status in zip(batch, statuses):
+            for key, status in zip(batch, statuses, strict=True):
                 if status is Status.OK:
                     assert key in self.possible, (
                         f"{op}({key!r}) is OK but the key was never put or was removed"
@@ -201,7 +201,7 @@ def make_store_machine(
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
             answered = self._check_presence("remove", batch, self.store.remove(batch))
-            for key, gone in zip(batch, answered):
+            for key, gone in zip(batch, answered, strict=True):
                 if gone:
                     self.possible.pop(key, None)
                 # (a failed remove: the key may or may not be gone)
@@ -249,13 +249,13 @@ def make_store_machine(
                 thread.start()
             for thread in threads:
                 thread.join()
-            landed = [v for v, s in zip(values, thread_statuses) if s is Status.OK]
+            landed = [v for v, s in zip(values, thread_statuses, strict=True) if s is Status.OK]
             if key in self.certain and not allows_eviction:
                 pass  # insert-if-absent: nothing new may land
             elif landed:
                 self.possible.setdefault(key, set()).update(landed)
                 self.certain.add(key)
-            for value, status in zip(values, thread_statuses):
+            for value, status in zip(values, thread_statuses, strict=True):
                 assert status is not None, f"a writer of {key!r} returned no status"
                 if status is not Status.OK:
                     self._record_put(key, value, status)

@@ -7,7 +7,6 @@ exercise the same ``register`` / ``func`` path either way.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -210,8 +209,7 @@ def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
 def test_bench_ttft_mooncake_rows_next_to_the_file_store(tmp_path: Path) -> None:
     """hybridkv on Mooncake and vLLM's MooncakeStoreConnector (own process) against the bench's own master:
     every engine really hit the external tier, and each overhead is divided by the peer's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mooncake_fixture import assert_loopback_only_namespace
+    from support.mooncake import assert_loopback_only_namespace
 
     assert_loopback_only_namespace()
     out = tmp_path / "ttft.json"

@@ -23,7 +23,7 @@ from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
-from test_scheduler_dcp import _fill, _request, _scheduler
+from support.scheduler import fill_store, make_request, make_scheduler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -47,7 +47,7 @@ def objs(vllm_objs: dict[str, Any]) -> Any:
 
 
 def _audited(vc: Any) -> tuple[Any, Any, MemoryAuditSink]:
-    sched = _scheduler(vc)
+    sched = make_scheduler(vc)
     side = sched.connector.scheduler_side
     side.machine.sink = sink = MemoryAuditSink()
     return sched, side, sink
@@ -82,8 +82,8 @@ class _SlowRemoval:
 def test_a_hit_answered_before_a_reset_is_never_loaded_after_it(objs: dict[str, Any]) -> None:
     sched, side, sink = _audited(objs["vc"])
     store = open_store(objs["store_url"])
-    req = _request("r1", 130, first=5000)
-    _fill(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
+    req = make_request("r1", 130, first=5000)
+    fill_store(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
     # The first allocation fails (a full local cache): the request stays waiting in PARTIAL_HIT.
     allocate = sched.kv_cache_manager.allocate_slots
     calls = {"n": 0}
@@ -118,8 +118,8 @@ def test_the_load_guard_refuses_a_hit_from_before_a_reset(objs: dict[str, Any]) 
     refused (audited), never loaded, even if nothing revoked it."""
     sched, side, sink = _audited(objs["vc"])
     store = open_store(objs["store_url"])
-    req = _request("g1", 130, first=5200)
-    _fill(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
+    req = make_request("g1", 130, first=5200)
+    fill_store(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
     lookup = side.lookup
 
     def reset_between(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -144,19 +144,19 @@ def test_a_reset_moves_the_keys_away_from_engines_on_other_weights(objs: dict[st
     updated = side.scheme
     assert updated.fingerprint != checkpoint, "KV of updated weights is keyed as the checkpoint's"
     # What this engine saves from now on goes out under the rotated keys (the workers key by meta.scheme).
-    sched.add_request(_request("w1", 130, first=5300))
+    sched.add_request(make_request("w1", 130, first=5300))
     out = sched.schedule()
     assert out.kv_connector_metadata.scheme.fingerprint == updated.fingerprint
-    _fill(updated, store, list(_request("w", 130, first=5400).block_hashes), _ENTRIES, RANKS)
+    fill_store(updated, store, list(make_request("w", 130, first=5400).block_hashes), _ENTRIES, RANKS)
 
     # A restart, a replica or an eval engine on the checkpoint never reads it ...
     sched2, side2, _ = _audited(objs["vc"])
     assert side2.scheme.fingerprint == checkpoint
-    sched2.add_request(_request("w2", 130, first=5400))
+    sched2.add_request(make_request("w2", 130, first=5400))
     assert sched2.schedule().kv_connector_metadata.loads == []
     assert side2.lifecycle("w2").state == "MISS"
     # ... while the engine itself hits what it saved after its reset.
-    sched3_req = _request("w3", 130, first=5400)
+    sched3_req = make_request("w3", 130, first=5400)
     sched.add_request(sched3_req)
     out = sched.schedule()
     assert [j.boundary for j in out.kv_connector_metadata.loads if j.req_id == "w3"] == [128]
@@ -177,7 +177,7 @@ def test_replicas_declaring_one_weights_version_share_across_lockstep_resets(obj
 def test_a_finished_request_stops_its_lookup(objs: dict[str, Any]) -> None:
     from hybridkv.connector.lookups import LookupTask
 
-    sched = _scheduler(objs["vc"])
+    sched = make_scheduler(objs["vc"])
     side = sched.connector.scheduler_side
     gate = threading.Event()
     submitted: list[LookupTask] = []
@@ -189,7 +189,7 @@ def test_a_finished_request_stops_its_lookup(objs: dict[str, Any]) -> None:
 
     side.lookups.submit = held  # type: ignore[method-assign]
     side.store = _HeldExists(side.store, gate)
-    req = _request("f1", 130, first=5600)
+    req = make_request("f1", 130, first=5600)
     sched.add_request(req)  # the prefetch starts and hangs in the store
     assert submitted
     from vllm.v1.request import RequestStatus
@@ -214,8 +214,8 @@ class _HeldExists:
 def test_a_request_that_reads_no_cached_prefix_costs_no_lookup(objs: dict[str, Any]) -> None:
     _sched, side, sink = _audited(objs["vc"])
     store = open_store(objs["store_url"])
-    req = _request("p1", 130, first=5800)
-    _fill(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
+    req = make_request("p1", 130, first=5800)
+    fill_store(side.scheme, store, list(req.block_hashes), _ENTRIES, RANKS)
     req.skip_reading_prefix_cache = True  # prompt logprobs, pooling: vLLM itself skips its cache
     assert side.lookup(req, 0) == (0, False)
     assert side.stats.totals.get("lookups", 0) == 0

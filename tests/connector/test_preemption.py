@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.devkit.cluster import Cluster, hybrid_config
-from test_scheduler_matrix import tokens
+from support.scheduler import tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 

@@ -13,71 +13,28 @@ from typing import Any
 import pytest
 from hybridkv.connector.metadata import LoadResult, SaveOutcome, SaveResult
 from hybridkv.devkit.cluster import HASH
-from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.store import open_store
+from support.scheduler import fill_store, make_request, make_scheduler, model_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
-
-
-def _scheduler(vc: Any) -> Any:
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    return Scheduler(vc, _kv_cache_config(), StructuredOutputManager(vc), block_size=32, hash_block_size=HASH)
-
-
-def _request(rid: str, n: int, first: int = 10) -> Any:
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=4, temperature=0)
-    sp.update_from_generation_config({}, eos_token_id=None) if hasattr(
-        sp, "update_from_generation_config"
-    ) else None
-    return Request(
-        rid, list(range(first, first + n)), sp, None, block_hasher=get_request_block_hasher(HASH, sha256)
-    )
-
-
-def _fill(
-    scheme: Any, store: Any, hashes: list[bytes], entries: list[tuple[int, int]], ranks: tuple[int, ...]
-) -> list[str]:
-    keys = [scheme.key(g, r, hashes[b // HASH - 1]) for g, b in entries for r in ranks]
-    assert all(s.is_ok for s in store.put(keys, [b"x"] * len(keys)))
-    return keys
-
-
-def _output(sched_out: Any, worker_meta: Any, finished: set[str], failed: set[str]) -> Any:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    return ModelRunnerOutput(
-        req_ids=[],
-        req_id_to_index={},
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=finished, failed_recving=failed, kv_connector_worker_meta=worker_meta
-        ),
-    )
 
 
 def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[str, Any]) -> None:
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
 
-    sched = _scheduler(vllm_objs["vc"])
+    sched = make_scheduler(vllm_objs["vc"])
     conn = sched.connector
     side = conn.scheduler_side
     scheme = side.scheme
     assert scheme.geometry.spans == (32, 32) and scheme.geometry.topology.dcp_size == 2
     store = open_store(vllm_objs["store_url"])
 
-    req = _request("a", 100)  # 3 hashes: boundaries 32, 64, 96; limit 96
+    req = make_request("a", 100)  # 3 hashes: boundaries 32, 64, 96; limit 96
     hashes = list(req.block_hashes)
     # Full attention everywhere, Mamba state at 96 only on rank 0: no boundary has a state on every rank.
-    _fill(scheme, store, hashes, [(0, 32), (0, 64), (0, 96)], (0, 1))
-    _fill(scheme, store, hashes, [(1, 96)], (0,))
+    fill_store(scheme, store, hashes, [(0, 32), (0, 64), (0, 96)], (0, 1))
+    fill_store(scheme, store, hashes, [(1, 96)], (0,))
     sched.add_request(req)
     out = sched.schedule()
     # A miss: the prefill starts at 0 (split at the Mamba block boundary), nothing loads.
@@ -86,10 +43,10 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert side.stats.totals.get("hit_tokens", 0) == 0
 
     # The same prompt on a fresh engine (no device cache), after the state reached rank 1 too: 96, async.
-    _fill(scheme, store, hashes, [(1, 96)], (1,))
-    sched = _scheduler(vllm_objs["vc"])
+    fill_store(scheme, store, hashes, [(1, 96)], (1,))
+    sched = make_scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
-    req_b = _request("b", 100)
+    req_b = make_request("b", 100)
     sched.add_request(req_b)
     out = sched.schedule()
     assert "b" not in out.num_scheduled_tokens  # waiting for remote KV
@@ -100,7 +57,7 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert side.stats.totals["hit_tokens.g1"] == 96
 
     results = {"b": [LoadResult(b.entry(rank), LoadOutcome.OK) for rank in (0, 1) for b in loads[0].blocks]}
-    sched.update_from_output(out, _output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
+    sched.update_from_output(out, model_output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
     assert side.lifecycle("b").state == "VERIFIED"
     out = sched.schedule()
     assert out.num_scheduled_tokens.get("b") == 4  # 96 loaded + 4 computed
@@ -138,19 +95,19 @@ def _truncate_on_rank1(
     both ranks; the plan loads 128 and rank 1 fails full-attention block 2 (tokens 64..96)."""
     from hybridkv.lifecycle.sink import MemoryAuditSink
 
-    sched = _scheduler(vllm_objs["vc"])
+    sched = make_scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
     side.machine.sink = sink = MemoryAuditSink()
     scheme = side.scheme
     store = open_store(vllm_objs["store_url"])
-    req = _request(rid, 130, first=first)  # 4 hashes: limit 128
+    req = make_request(rid, 130, first=first)  # 4 hashes: limit 128
     hashes = list(req.block_hashes)
-    keys = _fill(scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (0, 128), (1, 64), (1, 128)], (0, 1))
+    keys = fill_store(scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (0, 128), (1, 64), (1, 128)], (0, 1))
     sched.add_request(req)
     out = sched.schedule()
     (job,) = out.kv_connector_metadata.loads
     assert job.boundary == 128
-    sched.update_from_output(out, _output(out, _load_results(job, {(1, 0, 2)}), {rid}, {rid}))
+    sched.update_from_output(out, model_output(out, _load_results(job, {(1, 0, 2)}), {rid}, {rid}))
     lc = side.lifecycle(rid)
     # Full-attention block 2 failed (on one DCP rank: bad for both): boundaries past 64 need it. The
     # retry cap is 64; the Mamba state at 64 is still in the store.
@@ -180,7 +137,7 @@ def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
     assert "c" not in out.num_scheduled_tokens
     lc = side.lifecycle("c")
     assert lc is not None and lc.state == "LOADING" and side.loaded_boundary("c") == 0
-    sched.update_from_output(out, _output(out, _load_results(job, set()), {"c"}, set()))
+    sched.update_from_output(out, model_output(out, _load_results(job, set()), {"c"}, set()))
     assert lc.state == "VERIFIED" and side.loaded_boundary("c") == 64
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("c", 64)]
@@ -209,7 +166,7 @@ def test_a_failed_retry_is_the_last_one(vllm_objs: dict[str, Any]) -> None:
     (job,) = out.kv_connector_metadata.loads
     assert job.boundary == 64
     # The retry's Mamba state at 64 fails on rank 1 too: truncated again, the state is removed.
-    sched.update_from_output(out, _output(out, _load_results(job, {(1, 1, 1)}), {"e"}, {"e"}))
+    sched.update_from_output(out, model_output(out, _load_results(job, {(1, 1, 1)}), {"e"}, {"e"}))
     lc = side.lifecycle("e")
     assert lc.state == "TRUNCATED" and lc.max_boundary == 32 and side.stats.totals["truncations"] == 2
     assert side.wait_maintenance(10)
@@ -238,11 +195,11 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
         def publish(self, events: Any) -> None:
             self.events.extend(events.events)
 
-    sched = _scheduler(vllm_objs["vc"])
+    sched = make_scheduler(vllm_objs["vc"])
     sched.kv_event_publisher = recorder = Recorder()
     side = sched.connector.scheduler_side
     pool = sched.kv_cache_manager.block_pool
-    req = _request("s", 100, first=300)  # a prompt no other test stored
+    req = make_request("s", 100, first=300)  # a prompt no other test stored
     sched.add_request(req)
     out = sched.schedule()
     assert out.kv_connector_metadata.loads == []
@@ -292,7 +249,7 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
 
 
 def test_reset_cache_removes_only_this_namespace(vllm_objs: dict[str, Any]) -> None:
-    sched = _scheduler(vllm_objs["vc"])
+    sched = make_scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
     store = open_store(vllm_objs["store_url"])
     mine = side.scheme.key(0, 0, b"\x07" * 32)
@@ -312,15 +269,15 @@ def test_kv_role_limits_saves_and_loads(
     saved_role = tc.kv_role
     tc.kv_role = role
     try:
-        sched = _scheduler(vllm_objs["vc"])
+        sched = make_scheduler(vllm_objs["vc"])
     finally:
         tc.kv_role = saved_role
     side = sched.connector.scheduler_side
     assert (side.can_save, side.can_load) == (saves, loads)
     store = open_store(vllm_objs["store_url"])
-    req = _request(f"role-{role}", 100, first=1100 if saves else 1300)
+    req = make_request(f"role-{role}", 100, first=1100 if saves else 1300)
     hashes = list(req.block_hashes)
-    _fill(side.scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (1, 96)], (0, 1))
+    fill_store(side.scheme, store, hashes, [(0, 32), (0, 64), (0, 96), (1, 96)], (0, 1))
     sched.add_request(req)
     out = sched.schedule()
     meta = out.kv_connector_metadata
@@ -335,10 +292,10 @@ def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dic
     from hybridkv.lifecycle import State
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    sched = _scheduler(vllm_objs["vc"])
+    sched = make_scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
     pool = sched.kv_cache_manager.block_pool
-    req = _request("d", 100, first=700)  # a prompt no other test stored
+    req = make_request("d", 100, first=700)  # a prompt no other test stored
     sched.add_request(req)
     out = sched.schedule()
     (save,) = out.kv_connector_metadata.saves

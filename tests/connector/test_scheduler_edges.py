@@ -19,7 +19,7 @@ from hybridkv.devkit.cluster import HASH
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
-from test_scheduler_dcp import _fill, _output, _request, _scheduler
+from support.scheduler import fill_store, make_request, make_scheduler, model_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -56,11 +56,11 @@ def _results(job: Any, outcome_of: dict[tuple[int, int, int], LoadOutcome]) -> H
 def _planned_load(objs: dict[str, Any], rid: str, first: int) -> tuple[Any, Any, Any, Any, list[str]]:
     """A fresh engine over a store with full attention at 32..128 and Mamba at 64 and 128 on both ranks;
     a 130-token prompt plans a load of 128."""
-    sched = _scheduler(objs["vc"])
+    sched = make_scheduler(objs["vc"])
     side = sched.connector.scheduler_side
     store = open_store(objs["store_url"])
-    req = _request(rid, 130, first=first)
-    keys = _fill(
+    req = make_request(rid, 130, first=first)
+    keys = fill_store(
         side.scheme,
         store,
         list(req.block_hashes),
@@ -84,7 +84,7 @@ def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict
     (job,) = out.kv_connector_metadata.loads
     # Rank 1 timed out on full-attention block 2 and never attempted the Mamba state at 128.
     wm = _results(job, {(1, 0, 2): LoadOutcome.TIMEOUT, (1, 1, 3): LoadOutcome.NOT_ATTEMPTED})
-    sched.update_from_output(out, _output(out, wm, {"t1"}, {"t1"}))
+    sched.update_from_output(out, model_output(out, wm, {"t1"}, {"t1"}))
     lc = side.lifecycle("t1")
     assert lc.state == "TRUNCATED" and lc.max_boundary == 64  # this request may not use block 2
     assert side.wait_maintenance(10)
@@ -93,8 +93,8 @@ def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict
     assert side.stats.totals.get("invalidated_entries", 0) == 0
 
     # The next engine asking for the same prompt loads the whole 128 again.
-    sched2 = _scheduler(objs["vc"])
-    sched2.add_request(_request("t2", 130, first=3000))
+    sched2 = make_scheduler(objs["vc"])
+    sched2.add_request(make_request("t2", 130, first=3000))
     out2 = sched2.schedule()
     assert [(j.req_id, j.boundary) for j in out2.kv_connector_metadata.loads] == [("t2", 128)]
 
@@ -104,7 +104,7 @@ def test_a_corrupt_block_is_removed_on_every_rank_and_nothing_else(objs: dict[st
     (job,) = out.kv_connector_metadata.loads
     hashes = list(sched.requests["c1"].block_hashes)
     sched.update_from_output(
-        out, _output(out, _results(job, {(1, 0, 2): LoadOutcome.CORRUPT}), {"c1"}, {"c1"})
+        out, model_output(out, _results(job, {(1, 0, 2): LoadOutcome.CORRUPT}), {"c1"}, {"c1"})
     )
     assert side.wait_maintenance(10)
     bad = {side.scheme.key(0, r, hashes[96 // HASH - 1]) for r in RANKS}
@@ -123,7 +123,7 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     side.reset_wait_s = 0.1
     t0 = time.monotonic()
     sched.update_from_output(
-        out, _output(out, _results(job, {(0, 0, 1): LoadOutcome.CORRUPT}), {"h1"}, {"h1"})
+        out, model_output(out, _results(job, {(0, 0, 1): LoadOutcome.CORRUPT}), {"h1"}, {"h1"})
     )
     assert time.monotonic() - t0 < 0.5, "the invalidation removal must not run on the scheduler thread"
     t0 = time.monotonic()
@@ -131,7 +131,7 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     assert time.monotonic() - t0 < 0.5, "reset_cache must answer within its bound"
     assert side.stats.totals["reset_timeouts"] == 1
     # While the removal runs: lookups miss without a store call, and nothing is saved.
-    sched.add_request(_request("h2", 130, first=3400))
+    sched.add_request(make_request("h2", 130, first=3400))
     t0 = time.monotonic()
     out = sched.schedule()
     assert time.monotonic() - t0 < 0.5
@@ -146,7 +146,7 @@ def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
 def _audited(objs: dict[str, Any]) -> tuple[Any, Any, Any, MemoryAuditSink, Any]:
     """A fresh engine whose lifecycle records go to a memory sink: (scheduler, connector, its scheduler
     side, the sink, the test's store)."""
-    sched = _scheduler(objs["vc"])
+    sched = make_scheduler(objs["vc"])
     conn = sched.connector
     side = conn.scheduler_side
     side.machine.sink = sink = MemoryAuditSink()
@@ -155,8 +155,8 @@ def _audited(objs: dict[str, Any]) -> tuple[Any, Any, Any, MemoryAuditSink, Any]
 
 def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[str, Any]) -> None:
     sched, conn, side, sink, store = _audited(objs)
-    req = _request("m1", 130, first=3600)
-    _fill(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (1, 96)], RANKS)
+    req = make_request("m1", 130, first=3600)
+    fill_store(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (1, 96)], RANKS)
     lookup = side.lookup
 
     def trimmed(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -178,15 +178,15 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     )
 
     # Every worker reports the empty job failed at once; vLLM restarts the request from 0 and recomputes.
-    from test_worker import _wait_loads, _worker
+    from support.worker import make_worker, wait_loads
 
-    ws, _, _ = _worker({"vc": objs["vc"]}, objs["store_url"])
+    ws, _, _ = make_worker({"vc": objs["vc"]}, objs["store_url"])
     try:
         ws.start_load(out.kv_connector_metadata)
-        assert _wait_loads(ws) == ({"m1"}, {"m1"})
+        assert wait_loads(ws) == ({"m1"}, {"m1"})
     finally:
         ws.shutdown()
-    sched.update_from_output(out, _output(out, None, {"m1"}, {"m1"}))
+    sched.update_from_output(out, model_output(out, None, {"m1"}, {"m1"}))
     out = sched.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("m1", 0)]
     assert out.kv_connector_metadata.loads == []  # no second hit for this incarnation
@@ -195,8 +195,10 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
 
 def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]) -> None:
     sched, conn, side, sink, store = _audited(objs)
-    req = _request("n1", 130, first=3700)
-    _fill(side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (0, 128), (1, 128)], RANKS)
+    req = make_request("n1", 130, first=3700)
+    fill_store(
+        side.scheme, store, list(req.block_hashes), [(0, 32), (0, 64), (0, 96), (0, 128), (1, 128)], RANKS
+    )
     real_after_alloc = conn.update_state_after_alloc
     null_block = sched.kv_cache_manager.block_pool.null_block
 
@@ -282,10 +284,10 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     store = open_store(objs["store_url"])
     recorder = _Recorder()
     # Engine 1 computes and saves a prompt; "workers" write what the save jobs name, then report.
-    sched = _scheduler(objs["vc"])
+    sched = make_scheduler(objs["vc"])
     sched.kv_event_publisher = recorder
     side = sched.connector.scheduler_side
-    sched.add_request(_request("e1", 100, first=3800))
+    sched.add_request(make_request("e1", 100, first=3800))
     out = sched.schedule()
     (save,) = out.kv_connector_metadata.saves
     scheme = out.kv_connector_metadata.scheme
@@ -305,14 +307,14 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     assert _replay(recorder.events) == _stored_blocks(side, store) != set()
 
     # Engine 2 loads it; rank 1 finds full-attention block 1 corrupt: invalidated, BlockRemoved.
-    sched2 = _scheduler(objs["vc"])
+    sched2 = make_scheduler(objs["vc"])
     sched2.kv_event_publisher = recorder
     side2 = sched2.connector.scheduler_side
-    sched2.add_request(_request("e2", 100, first=3800))
+    sched2.add_request(make_request("e2", 100, first=3800))
     out2 = sched2.schedule()
     (job,) = out2.kv_connector_metadata.loads
     sched2.update_from_output(
-        out2, _output(out2, _results(job, {(1, 0, 1): LoadOutcome.CORRUPT}), {"e2"}, {"e2"})
+        out2, model_output(out2, _results(job, {(1, 0, 1): LoadOutcome.CORRUPT}), {"e2"}, {"e2"})
     )
     assert side2.wait_maintenance(10)
     recorder.events.extend(side2.take_events())
@@ -328,9 +330,9 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
 
 
 def test_a_tail_save_event_covers_the_block_start_to_its_boundary(objs: dict[str, Any]) -> None:
-    sched = _scheduler(objs["vc"])
+    sched = make_scheduler(objs["vc"])
     side = sched.connector.scheduler_side
-    req = _request("tail", 100, first=4000)
+    req = make_request("tail", 100, first=4000)
     # A full-attention entry of block 2 ([64, 96)) stored under boundary 80 (a prompt tail).
     event = side.saves.stored_event(0, 80, b"\x05" * 32, req)
     assert event.token_ids == list(req.all_token_ids[64:80]) and event.block_size == 32

@@ -21,7 +21,6 @@ store), one test per scenario, each with its own prompt:
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 from hybridkv.devkit.cluster import Cluster, hybrid_config
+from support.scheduler import PROMPT, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -41,7 +41,6 @@ GEOMETRIES = [
     pytest.param(("mla_mamba", 8, 8), id="mla+mamba-dcp8"),
 ]
 
-PROMPT = 300
 
 #: Where the retry after a failed full-attention block lands: the largest boundary <= the retry cap at
 #: which the cold runs left every group in the store. full + Mamba 64: the prefill is split at 256, so
@@ -54,11 +53,6 @@ RETRY_HIT = {
     ("mla_mamba", 4): 128,
     ("mla_mamba", 8): 128,
 }
-
-
-def tokens(seed: int, n: int = PROMPT) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 30000) for _ in range(n)]
 
 
 def served_boundary(cl: Cluster, n: int) -> int:

@@ -23,44 +23,16 @@ from hybridkv.connector.worker import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
+from support.worker import make_worker, wait_loads
 
 pytestmark = pytest.mark.vllm
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 
 
-def _worker(
-    vllm_objs: dict[str, Any], store: str, **extra: Any
-) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:
-    vc = vllm_objs["vc"]
-    kvc = kv_cache_config()
-    cfg = ConnectorConfig.from_extra_config({"store": store, **extra}, model="m")
-    ws = WorkerSide(vc, kvc, cfg)
-    gen = torch.Generator().manual_seed(0)
-    caches = {
-        "attn.0": torch.randn(64, 1, 16, 64, generator=gen).to(torch.bfloat16),  # K|V on the last dim
-        "mamba.0": torch.randint(
-            -128, 127, (64, 1, 1, 256), generator=gen, dtype=torch.int8
-        ),  # raw state page
-    }
-    ws.register_kv_caches(caches)
-    scheme = resolve_geometry(vc, kvc, "ns", check_vllm_sizes=True).scheme
-    return ws, caches, scheme
-
-
-def _wait_loads(ws: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, failed = ws.transfer_results()
-        if done:
-            return done, failed
-        time.sleep(0.01)
-    raise AssertionError("load never finished")
-
-
 def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> None:
     url = f"memory://w-{uuid.uuid4().hex[:8]}"
-    ws, caches, scheme = _worker(vllm_objs, url)
+    ws, caches, scheme = make_worker(vllm_objs, url)
     try:
         save = SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32), BlockRef(1, 1, 0, 5, H2, 32)))
         ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
@@ -78,7 +50,7 @@ def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> No
         assert not torch.equal(caches["attn.0"][7], caches["attn.0"][3])
         load = LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32), BlockRef(1, 1, 0, 9, H2, 32)))
         ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
-        assert _wait_loads(ws) == ({"r"}, set())
+        assert wait_loads(ws) == ({"r"}, set())
         assert torch.equal(caches["attn.0"][7], caches["attn.0"][3])
         assert torch.equal(caches["mamba.0"][9], caches["mamba.0"][5])
         wm = ws.worker_meta()
@@ -95,7 +67,7 @@ def test_save_then_load_moves_exact_block_bytes(vllm_objs: dict[str, Any]) -> No
 @pytest.mark.parametrize("fault", ["get_fail=1", "corrupt=1"])
 def test_failed_or_corrupt_load_is_reported_per_request(vllm_objs: dict[str, Any], fault: str) -> None:
     url = f"faulty+memory://w-{uuid.uuid4().hex[:8]}?{fault}&seed=1"
-    ws, _, scheme = _worker(vllm_objs, url)
+    ws, _, scheme = make_worker(vllm_objs, url)
     try:
         if fault == "corrupt=1":  # corrupt needs stored bytes to damage
             ws.enqueue_saves(
@@ -105,7 +77,7 @@ def test_failed_or_corrupt_load_is_reported_per_request(vllm_objs: dict[str, Any
         ws.start_load(
             HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
         )
-        done, failed = _wait_loads(ws)
+        done, failed = wait_loads(ws)
         assert done == {"r"} and failed == {"r"}  # failed is reported AND finished (vLLM's contract)
         wm = ws.worker_meta()
         assert wm is not None and [res.outcome for res in wm.loads["r"]] != [LoadOutcome.OK]
@@ -116,7 +88,7 @@ def test_failed_or_corrupt_load_is_reported_per_request(vllm_objs: dict[str, Any
 
 def test_backpressure_drops_a_wave_instead_of_stalling(vllm_objs: dict[str, Any]) -> None:
     url = f"faulty+memory://w-{uuid.uuid4().hex[:8]}?delay_ms=300"
-    ws, _, scheme = _worker(vllm_objs, url, put_wave_bytes=1)  # budget: 4 bytes in flight
+    ws, _, scheme = make_worker(vllm_objs, url, put_wave_bytes=1)  # budget: 4 bytes in flight
     try:
         jobs = [
             SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),)),
@@ -157,7 +129,7 @@ def test_list_of_tensors_and_non_contiguous_pages_round_trip(vllm_objs: dict[str
         ws.start_load(
             HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 32, (BlockRef(1, 1, 0, 9, H2, 32),))])
         )
-        assert _wait_loads(ws) == ({"r"}, set())
+        assert wait_loads(ws) == ({"r"}, set())
         assert torch.equal(conv[9], conv[5]) and torch.equal(ssm[9], ssm[5])
         assert ws.block_nbytes(1) == 2 * 16 * 2 + 8 * 4 * 4
     finally:
@@ -168,7 +140,7 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
     """vLLM 0.33 sleep hooks: queued saves are written before the memory goes; while asleep loads fail
     (the request recomputes) and saves are dropped; after wake-up loads move bytes again."""
     url = f"memory://w-{uuid.uuid4().hex[:8]}"
-    ws, caches, scheme = _worker(vllm_objs, url)
+    ws, caches, scheme = make_worker(vllm_objs, url)
     try:
         save = SaveJob(1, "r", (BlockRef(0, 0, 0, 3, H1, 32),))
         ws.enqueue_saves(HybridStoreMetadata(scheme=scheme, saves=[save]))
@@ -181,7 +153,7 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
         caches["attn.0"][7].zero_()
         load = LoadJob("asleep", 32, (BlockRef(0, 0, 0, 7, H1, 32),))
         ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
-        done, failed = _wait_loads(ws)
+        done, failed = wait_loads(ws)
         assert done == {"asleep"} and failed == {"asleep"}
         assert not caches["attn.0"][7].any(), "nothing is written into released KV memory"
         ws.enqueue_saves(
@@ -193,7 +165,7 @@ def test_sleep_mode_drains_then_refuses_to_touch_the_kv_cache(vllm_objs: dict[st
         ws.start_load(
             HybridStoreMetadata(scheme=scheme, loads=[LoadJob("awake", 32, (BlockRef(0, 0, 0, 7, H1, 32),))])
         )
-        done, failed = _wait_loads(ws)
+        done, failed = wait_loads(ws)
         assert done == {"awake"} and failed == set()
         assert torch.equal(caches["attn.0"][7], expected)
     finally:
@@ -213,7 +185,7 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     url = f"file://{tmp_path}/store?capacity=64MiB"
-    ws, caches, scheme = _worker(vllm_objs, url)
+    ws, caches, scheme = make_worker(vllm_objs, url)
     try:
         hashes = [bytes([i + 1]) * 32 for i in range(10)]
         src = list(range(1, 11))
@@ -243,7 +215,7 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
             "r", 32, tuple(BlockRef(0, 0, i, b, h, 32) for i, (b, h) in enumerate(zip(dst, hashes)))
         )
         ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
-        assert _wait_loads(ws) == ({"r"}, {"r"})
+        assert wait_loads(ws) == ({"r"}, {"r"})
         assert len(readers) == 2 and any(name.startswith("hybridkv-read") for name in readers), readers
         for i, (s, d) in enumerate(zip(src, dst)):
             if i == 7:
@@ -283,11 +255,11 @@ def test_a_worker_that_cannot_read_its_tp_rank_fails_at_start(
         )
         try:
             with pytest.raises(RuntimeError, match=r"cannot read this worker's tensor-parallel rank"):
-                _worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
+                make_worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
             # The groups up, but not the deployment the config describes (TP 2): a rank of the wrong group.
             parallel_state.initialize_model_parallel(1, 1, backend="gloo")
             with pytest.raises(RuntimeError, match=r"tensor-parallel group has 1 ranks, the config says 2"):
-                _worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
+                make_worker(vllm_objs, f"memory://w-{uuid.uuid4().hex[:8]}")
         finally:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()

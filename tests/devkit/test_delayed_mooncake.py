@@ -12,7 +12,7 @@ import pytest
 from hybridkv.devkit.delayed_mooncake import delayed_mooncake, delayed_mooncake_store
 from hybridkv.store import Status, open_store
 from hybridkv.store.framed import FramedStore
-from mooncake_fixture import assert_loopback_only_namespace
+from support.mooncake import assert_loopback_only_namespace
 
 pytestmark = pytest.mark.mooncake
 

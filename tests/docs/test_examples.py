@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from doc_reader import (
+from hybridkv.cli import build_parser
+from hybridkv.cli import main as cli_main
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.log_events import ConnectorLogEvent
+from hybridkv.connector.stores import open_connector_store
+from hybridkv.lifecycle.machine import State, transition_index
+from hybridkv.lifecycle.sink import RECORD_KEYS
+from hybridkv.store import Status, StoreLogEvent, open_store
+from support.docs import (
     DOC_FILES,
     ROOT,
     Block,
@@ -45,14 +53,6 @@ from doc_reader import (
     iter_links,
     prose_of,
 )
-from hybridkv.cli import build_parser
-from hybridkv.cli import main as cli_main
-from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.machine import State, transition_index
-from hybridkv.lifecycle.sink import RECORD_KEYS
-from hybridkv.store import Status, StoreLogEvent, open_store
 
 # -- kv-transfer-config examples ---------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 import pytest
-from doc_reader import DOCS, names, table_rows
+from support.docs import DOCS, names, table_rows
 
 MESSAGE = "hybridkv load failed; request recomputes"
 

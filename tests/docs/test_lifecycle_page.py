@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from doc_reader import DOCS, all_blocks, audit_examples, names, table_rows
 from hybridkv.audit.diagram import render_mermaid
 from hybridkv.audit.replay import ViolationKind
 from hybridkv.lifecycle.machine import DETAIL_FIELDS, TRANSITIONS, State
+from support.docs import DOCS, all_blocks, audit_examples, names, table_rows
 
 
 def audit_scenario() -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import functools
 import re
 
 import pytest
-from doc_reader import DOCS, all_blocks, names, table_rows
+from support.docs import DOCS, all_blocks, names, table_rows
 
 
 def stat_names() -> set[str]:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from doc_reader import DOCS, README, ROOT, iter_links, names, table_rows
 from hybridkv.connector.config import KNOWN_KEYS, ConnectorConfig, default_store_url, parse_size
+from support.docs import DOCS, README, ROOT, iter_links, names, table_rows
 
 
 def test_readme_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

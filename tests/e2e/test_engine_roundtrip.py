@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_utils import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 from hybridkv.audit.replay import audit_file
 from hybridkv.devkit.tiny_models import build_tiny_model
+from support.engines import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_utils import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 from hybridkv.audit.replay import audit_file
 from hybridkv.connector import inprocess
 from hybridkv.connector.layerwise import LayerwiseLoads
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import build_tiny_model
+from support.engines import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -12,18 +12,15 @@ Run with ``scripts/netns-run .venv/bin/python -m pytest tests/e2e/test_mooncake_
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_utils import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 from hybridkv.audit.replay import audit_file
-from hybridkv.devkit.tiny_models import build_tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridkv.devkit.mooncake import MooncakeMaster
-from mooncake_fixture import new_master
+from hybridkv.devkit.tiny_models import build_tiny_model
+from support.engines import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
+from support.mooncake import new_master
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.vllm]
 

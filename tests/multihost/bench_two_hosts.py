@@ -1,7 +1,8 @@
 """Run ``hybridkv bench crosshost`` on host B against a master + storage node on host A.
 
-``scripts/netns-run .venv/bin/python tests/multihost/bench_two_hosts.py OUT.json`` (root). The same
-topology as the two-host tests; prints the bench's table and writes its JSON report to OUT.json.
+``PYTHONPATH=tests scripts/netns-run .venv/bin/python tests/multihost/bench_two_hosts.py OUT.json`` (root;
+``tests/`` on ``PYTHONPATH`` so the script imports ``support``). The same topology as the two-host tests;
+prints the bench's table and writes its JSON report to OUT.json.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import MODELS_DIR, Cluster
-from hosts import HostPair
+from support.cluster import MODELS_DIR, Cluster
+from support.hosts import HostPair
 
 
 def main(out: str) -> int:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster import Cluster, tiny_model
-from hosts import HostPair
-from mooncake_fixture import assert_loopback_only_namespace
+from support.cluster import Cluster, tiny_model
+from support.hosts import HostPair
+from support.mooncake import assert_loopback_only_namespace
 
 
 @pytest.fixture(scope="module")

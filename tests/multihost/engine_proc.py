@@ -1,6 +1,7 @@
 """One vLLM engine (CPU, in-process core) with HybridStoreConnector, as its own process on one "host".
 
-``python engine_proc.py SPEC.json``. SPEC: ``model``, ``store``, ``namespace``, ``audit_log``, ``out``
+``python engine_proc.py SPEC.json``, ``tests/`` on ``PYTHONPATH`` (``support.cluster`` starts it so: the
+script imports ``support.engines``). SPEC: ``model``, ``store``, ``namespace``, ``audit_log``, ``out``
 (result JSON), ``steps``: a list of ``{"prompt": [token ids], "wait_for": path|null, "done": path|null}``.
 Each step waits until ``wait_for`` exists (the test injects a fault, then creates it), sends the prompt,
 flushes its saves, drops vLLM's device prefix cache (so the next request must go to the store), records
@@ -23,8 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from engine_utils import connectors, engine, generate, reset_local_cache
+from support.engines import connectors, engine, generate, reset_local_cache
 
 
 def _wait_for(path: str, timeout_s: float = 180.0) -> None:

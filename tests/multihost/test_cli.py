@@ -8,8 +8,8 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from hosts import HostPair
-from mooncake_fixture import assert_loopback_only_namespace
+from support.hosts import HostPair
+from support.mooncake import assert_loopback_only_namespace
 
 pytestmark = pytest.mark.mooncake
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import CLIENT_TTL_S, Cluster, prompt
+from support.cluster import CLIENT_TTL_S, Cluster, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.vllm]
 

@@ -1,7 +1,7 @@
 """vLLM engines on two hosts sharing one Mooncake deployment that outlives them.
 
 Host A (10.77.0.1) runs ``mooncake_master`` and a storage node (a 64 MiB segment); engines are pure clients
-(``segment=0``) on host B (10.77.0.2) or A. Only ``lo`` and the veth pair exist (see ``hosts.py``).
+(``segment=0``) on host B (10.77.0.2) or A. Only ``lo`` and the veth pair exist (see ``support/hosts.py``).
 
 - an engine on B saves and exits; a new engine process on B takes the prefix from the store at once, with
   identical greedy tokens;
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, prompt
+from support.cluster import Cluster, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.vllm]
 

@@ -95,11 +95,10 @@ def test_series_match_a_real_vllm_registry() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import prometheus_client
     from hybridkv.devkit.tiny_models import build_tiny_model
+    from support.engines import MODELS_DIR
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    from tests.e2e.engine_utils import MODELS_DIR
 
     model = build_tiny_model("llama", MODELS_DIR)
     config = EngineArgs(

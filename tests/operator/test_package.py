@@ -115,7 +115,7 @@ import json, sys
 from pathlib import Path
 import hybridkv
 assert Path(hybridkv.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), hybridkv.__file__
-from engine_utils import connectors, engine, generate, prompt, reset_local_cache
+from support.engines import connectors, engine, generate, prompt, reset_local_cache
 from hybridkv.devkit.tiny_models import build_tiny_model
 
 model = build_tiny_model("qwen3_next", Path(sys.argv[1]))
@@ -136,14 +136,16 @@ print(json.dumps({"hybridkv": hybridkv.__file__, "connector": connector_file, "s
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_installed_wheel_runs_the_engine_round_trip(dist: Path, tmp_path: Path) -> None:
-    from tests.e2e.engine_utils import MODELS_DIR
+    from support.engines import MODELS_DIR
 
     venv = _fresh_venv(dist, tmp_path)
     python = str(venv / "bin" / "python")
     run_dir = tmp_path / "run"  # not the source tree: nothing there to import from by accident
     run_dir.mkdir()
     (run_dir / "round_trip.py").write_text(_ROUND_TRIP)
-    shutil.copy(ROOT / "tests" / "e2e" / "engine_utils.py", run_dir / "engine_utils.py")  # test helpers only
+    (run_dir / "support").mkdir()  # test helpers only (the script's folder is first on its sys.path)
+    for helper in ("__init__.py", "engines.py"):
+        shutil.copy(ROOT / "tests" / "support" / helper, run_dir / "support" / helper)
     out = _run([python, "round_trip.py", str(MODELS_DIR), str(run_dir)], cwd=run_dir, env=_clean_env())
     result = json.loads(out.strip().splitlines()[-1])
     venv_root = str(venv.resolve())

@@ -23,101 +23,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.serve import (
-    LoadResult,
-    Workload,
-    audit_summary,
-    check_after_load,
-    divergence,
-    run_load,
-)
-from hybridkv.devkit.openai_server import (
-    OpenAIServer,
-    hybridkv_transfer_config,
-    metric,
-    metrics_samples,
-    vllm_bench_serve_command,
-)
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.bench.serve import LoadResult, divergence, run_load
+from hybridkv.devkit.openai_server import metric, metrics_samples, vllm_bench_serve_command
+from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
 
 # Each test starts one server (about 20 s on an idle 2-core host, minutes on a busy one) and sends ~110 requests.
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
-
-#: CI size: 4 sessions x 3 turns, turn prompts of ~200-750 tokens (1-6 blocks of 128).
-WORKLOAD = Workload(
-    num_sessions=4,
-    num_turns=3,
-    concurrency=1,
-    num_system_prompts=2,
-    system_prompt_words=60,
-    user_turn_words=50,
-    max_tokens=8,
-    num_evict_prompts=3,
-    evict_prompt_words=250,
-)
-#: About 12 blocks of 128 tokens for both KV groups together (vLLM: ~1,100 tokens): about a third of the
-#: working set, and the smallest cache that admits a 1,024-token request.
-KV_CACHE_BYTES = 6 << 20
-MAX_MODEL_LEN = 1024
-#: The same OpenMP cores with and without a connector (vLLM reserves one more core when one is configured):
-#: a different thread count rounds differently in bfloat16 and flips greedy ties.
-SAME_CORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-
-
-def _server(
-    tmp_path: Path,
-    store: str | None,
-    audit: Path | None,
-    *,
-    max_num_seqs: int,
-    kv_cache_bytes: int = KV_CACHE_BYTES,
-    name: str = "server",
-) -> OpenAIServer:
-    model = build_tiny_model("qwen3_next", DEFAULT_MODELS_DIR)
-    kv = None
-    if store is not None:
-        kv = hybridkv_transfer_config(store, namespace="serve-load", audit_log=str(audit))
-    return OpenAIServer(
-        model,
-        tmp_path / f"{name}.log",
-        kv_transfer_config=kv,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=kv_cache_bytes,
-        extra_env=SAME_CORES_ENV,
-    )
 
 
 def _tokens(load: LoadResult) -> dict[tuple[str, int, int], list[int]]:
     return {(r.phase, r.session, r.turn): r.token_ids for r in load.records}
 
 
-def _assert_no_errors(load: LoadResult, what: str) -> None:
-    failed = [(r.phase, r.session, r.turn, r.error) for r in load.records if not r.ok]
-    assert not failed, f"{what}: failed requests {failed}"
-    expected = WORKLOAD.num_sessions * WORKLOAD.num_turns + WORKLOAD.num_evict_prompts + 2
-    assert len(load.records) == expected, f"{what}: {len(load.records)} requests, expected {expected}"
-
-
-def _assert_clean_after(server: OpenAIServer, audit: Path) -> None:
-    after = check_after_load(server, None)
-    assert after["running"] == 0 and after["waiting"] == 0, f"requests left after the load: {after}"
-    assert after["reset_attempts"] is not None, "the local prefix cache never reset: blocks stay pinned"
-    rc = server.stop()
-    assert rc is not None, "server did not exit within the timeout after SIGINT"
-    summary = audit_summary(audit)
-    assert summary["audit_ok"] is True, f"audit log violations: {summary}"
-    assert summary["audit_lifecycles"] > 0, "the audit log recorded no lifecycle"
-    assert summary["audit_unterminated"] == 0, f"lifecycles left open after shutdown: {summary}"
-    assert summary["audit_dropped"] == 0, summary
-    log = server.log_text()
-    assert " ERROR " not in log.partition("shutdown triggered")[0], "errors while serving"
-
-
 def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Path) -> None:
     # The reference: no connector, a local cache that keeps every prefix (every resent turn a local hit).
-    reference_server = _server(
+    reference_server = make_server(
         tmp_path, None, None, max_num_seqs=1, kv_cache_bytes=64 << 20, name="reference"
     )
     try:
@@ -125,15 +45,15 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         reference = run_load(reference_server.base_url, WORKLOAD)
     finally:
         reference_server.stop()
-    _assert_no_errors(reference, "reference")
+    assert_no_errors(reference, "reference")
     assert reference.totals["local_hit_tokens"] > 0 and reference.totals["preemptions"] == 0, reference.totals
 
     audit = tmp_path / "audit.jsonl"
-    server = _server(tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3)
+    server = make_server(tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3)
     try:
         server.wait_healthy()
         first = run_load(server.base_url, WORKLOAD)
-        _assert_no_errors(first, "concurrency 1")
+        assert_no_errors(first, "concurrency 1")
         # Resent turns: the conversation so far was evicted locally by the other sessions' turns.
         for turn in first.per_turn[1:]:
             assert turn["external_hit_tokens"] >= 128, f"no external hit on resent turn: {first.per_turn}"
@@ -147,7 +67,7 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         # Every prefix from the store now: the same greedy tokens, request by request.
         server.reset_prefix_cache()
         again = run_load(server.base_url, WORKLOAD)
-        _assert_no_errors(again, "concurrency 1, second pass")
+        assert_no_errors(again, "concurrency 1, second pass")
         assert _tokens(again) == _tokens(first), "greedy tokens depend on where the prefix came from"
         assert again.totals["external_hit_tokens"] > first.totals["external_hit_tokens"], (
             first.totals,
@@ -158,7 +78,7 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         # interleave.
         server.reset_prefix_cache()
         loaded = run_load(server.base_url, replace(WORKLOAD, concurrency=3))
-        _assert_no_errors(loaded, "concurrency 3")
+        assert_no_errors(loaded, "concurrency 3")
         assert loaded.totals["external_hit_tokens"] > 0, loaded.totals
         samples = metrics_samples(server.base_url)
         assert metric(samples, "vllm:hybridkv_load_failed_keys_total") == 0
@@ -181,7 +101,7 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
         result = json.loads((tmp_path / "vllm-bench.json").read_text())
         assert result["completed"] == 4 and result["failed"] == 0, result
-        _assert_clean_after(server, audit)
+        assert_clean_after(server, audit)
     finally:
         server.stop()
 
@@ -195,24 +115,24 @@ def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) ->
         f"faulty+file://{tmp_path}/store?capacity=6MiB"
         "&get_fail=0.15&put_fail=0.1&exists_fail=0.05&corrupt=0.1&seed=3"
     )
-    server = _server(tmp_path, store, audit, max_num_seqs=3)
+    server = make_server(tmp_path, store, audit, max_num_seqs=3)
     try:
         server.wait_healthy()
         first = run_load(server.base_url, WORKLOAD)
-        _assert_no_errors(first, "chaos, concurrency 1")
+        assert_no_errors(first, "chaos, concurrency 1")
         server.reset_prefix_cache()
         again = run_load(server.base_url, WORKLOAD)
-        _assert_no_errors(again, "chaos, concurrency 1, second pass")
+        assert_no_errors(again, "chaos, concurrency 1, second pass")
         # Failed and corrupted loads are recomputed: the tokens never change.
         assert _tokens(again) == _tokens(first), "greedy tokens changed under store faults"
         loaded = run_load(server.base_url, replace(WORKLOAD, concurrency=3))
-        _assert_no_errors(loaded, "chaos, concurrency 3")
+        assert_no_errors(loaded, "chaos, concurrency 3")
         samples = metrics_samples(server.base_url)
         faults = metric(samples, "vllm:hybridkv_load_failed_keys_total") + metric(
             samples, "vllm:hybridkv_save_failed_keys_total"
         )
         assert faults > 0, "the chaos store injected no fault the connector saw"
         assert metric(samples, "vllm:external_prefix_cache_hits_total") > 0, "no hit survived the chaos"
-        _assert_clean_after(server, audit)
+        assert_clean_after(server, audit)
     finally:
         server.stop()

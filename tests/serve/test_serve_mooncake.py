@@ -15,18 +15,14 @@ Run with ``scripts/netns-run .venv/bin/python -m pytest tests/serve/test_serve_m
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hybridkv.bench.serve import run_load
 from hybridkv.devkit.openai_server import metric, metrics_samples
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mooncake_fixture import new_master
-from test_serve_load import WORKLOAD, _assert_clean_after, _assert_no_errors, _server
+from support.mooncake import new_master
+from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
 
 # One master and one server (about 20 s to start on an idle 2-core host), ~35 requests.
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -39,23 +35,23 @@ def test_multi_turn_load_on_mooncake_external_hits_nothing_pinned(
     audit = tmp_path / "audit.jsonl"
     # Each connector half mounts its own segment; the working set (~40 blocks of both groups) fits in one.
     store = master.url(segment="128MiB", local_buffer="32MiB", timeout_ms=2000)
-    server = _server(tmp_path, store, audit, max_num_seqs=3)
+    server = make_server(tmp_path, store, audit, max_num_seqs=3)
     try:
         server.wait_healthy()
         first = run_load(server.base_url, WORKLOAD)
-        _assert_no_errors(first, "mooncake, concurrency 1")
+        assert_no_errors(first, "mooncake, concurrency 1")
         for turn in first.per_turn[1:]:
             assert turn["external_hit_tokens"] >= 128, f"no external hit on resent turn: {first.per_turn}"
         assert first.probe["external_hit_tokens"] >= 128, f"probe reuse missed Mooncake: {first.probe}"
 
         server.reset_prefix_cache()
         loaded = run_load(server.base_url, replace(WORKLOAD, concurrency=3))
-        _assert_no_errors(loaded, "mooncake, concurrency 3")
+        assert_no_errors(loaded, "mooncake, concurrency 3")
         assert loaded.totals["external_hit_tokens"] > 0, loaded.totals
         samples = metrics_samples(server.base_url)
         assert metric(samples, "vllm:hybridkv_load_failed_keys_total") == 0
         assert metric(samples, "vllm:hybridkv_save_failed_keys_total") == 0
-        _assert_clean_after(server, audit)
+        assert_clean_after(server, audit)
     finally:
         server.stop()
         master.stop()

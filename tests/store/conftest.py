@@ -7,7 +7,6 @@ a clear message instead of skipping.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,24 +15,7 @@ import pytest
 from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import open_store
 from hybridkv.store.framed import FramedStore
-from mooncake_fixture import new_master as _new_master
-
-
-def freeze_until_stopped(master: MooncakeMaster) -> None:
-    """Freeze ``master`` (SIGSTOP) and return only once none of its threads can run until ``master.thaw()``.
-
-    ``master.freeze()`` alone is not enough: kill(2) returns before the group stop is complete (each thread
-    stops only when it next runs in the kernel), so under load a master thread can still answer a request
-    sent after ``freeze()`` returned. On a loaded 2-core box most SIGSTOPs had threads still running right
-    after kill(2), and a get after ``freeze()`` once answered ``OK``. ``waitpid(WUNTRACED)`` reports the
-    child stopped only when the whole group stop is complete.
-    """
-    master.freeze()
-    assert master.process is not None, "mooncake_master was never started"
-    _pid, status = os.waitpid(master.process.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), (
-        f"mooncake_master did not stop (wait status {status:#x}); see {master.log_path}"
-    )
+from support.mooncake import new_master as _new_master
 
 
 @pytest.fixture(scope="session")

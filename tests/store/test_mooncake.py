@@ -11,9 +11,7 @@ from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import MooncakeBackend, status_of_code
-from mooncake_fixture import RPC_TIMEOUT_MS
-
-from .conftest import freeze_until_stopped
+from support.mooncake import RPC_TIMEOUT_MS, freeze_until_stopped
 
 pytestmark = pytest.mark.mooncake
 

@@ -1,7 +1,9 @@
 """A two-host Mooncake deployment for tests: master + storage node on host A, engines on A or B.
 
 The processes are the ones ``hybridkv mooncake`` starts (``hybridkv.store.mooncake_node``'s argv helpers),
-inside the namespaces of ``hosts.HostPair``. Engines run ``engine_proc.py`` as new processes.
+inside the namespaces of ``support.hosts.HostPair``. Engines run ``tests/multihost/engine_proc.py`` as new
+processes (``python engine_proc.py SPEC.json``, ``tests/`` on their ``PYTHONPATH`` so the script imports
+``support.engines``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hosts import Host, HostPair, end_process
 from hybridkv.audit.replay import audit_file
 from hybridkv.store.mooncake_node import (
     DEFAULT_METRICS_PORT,
@@ -29,10 +30,13 @@ from hybridkv.store.mooncake_node import (
     node_command,
 )
 
+from support.hosts import Host, HostPair, end_process
+from support.paths import TESTS_DIR, subprocess_env
+
 MODELS_DIR = Path(os.environ.get("HYBRIDKV_TEST_MODELS", "/tmp/hybridkv-test-models"))
 #: 2 full 128-token blocks + a tail: 256 tokens can come from the store, the tail is always computed.
 PROMPT_LEN = 300
-ENGINE_SCRIPT = Path(__file__).with_name("engine_proc.py")
+ENGINE_SCRIPT = TESTS_DIR / "multihost" / "engine_proc.py"
 ENGINE_TIMEOUT_S = 300.0
 #: Short TTLs keep fault tests quick: a dead node's keys vanish 3 s after its last heartbeat.
 CLIENT_TTL_S = 3
@@ -198,7 +202,10 @@ store.close()
         spec_path = self.tmp / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))
         log = self.tmp / f"{name}.log"
-        process = host.popen([sys.executable, str(ENGINE_SCRIPT), str(spec_path)], log, env=_env())
+        # The script imports ``support``: ``tests/`` goes first on its PYTHONPATH.
+        process = host.popen(
+            [sys.executable, str(ENGINE_SCRIPT), str(spec_path)], log, env=subprocess_env(_env())
+        )
         run = EngineRun(name, process, Path(spec["out"]), log, Path(spec["audit_log"]))
         self.engines.append(run)
         return run

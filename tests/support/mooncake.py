@@ -1,4 +1,5 @@
-"""A real ``mooncake_master`` on loopback for tests (shared by ``tests/store``, ``tests/e2e``, ``tests/serve``).
+"""A real ``mooncake_master`` on loopback for tests (shared by ``tests/store``, ``tests/e2e``,
+``tests/serve``, ``tests/devkit``, ``tests/bench``, ``tests/multihost``).
 
 The master is ``hybridkv.devkit.mooncake.MooncakeMaster`` (the product's ``master_command`` argv on free
 loopback ports). Mooncake clients open wildcard listeners that cannot be bound to 127.0.0.1, so Mooncake
@@ -31,6 +32,23 @@ class SuiteMaster(MooncakeMaster):
 
     def url(self, **params: object) -> str:
         return super().url(**{"timeout_ms": RPC_TIMEOUT_MS, **params})
+
+
+def freeze_until_stopped(master: MooncakeMaster) -> None:
+    """Freeze ``master`` (SIGSTOP) and return only once none of its threads can run until ``master.thaw()``.
+
+    ``master.freeze()`` alone is not enough: kill(2) returns before the group stop is complete (each thread
+    stops only when it next runs in the kernel), so under load a master thread can still answer a request
+    sent after ``freeze()`` returned. On a loaded 2-core box most SIGSTOPs had threads still running right
+    after kill(2), and a get after ``freeze()`` once answered ``OK``. ``waitpid(WUNTRACED)`` reports the
+    child stopped only when the whole group stop is complete.
+    """
+    master.freeze()
+    assert master.process is not None, "mooncake_master was never started"
+    _pid, status = os.waitpid(master.process.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), (
+        f"mooncake_master did not stop (wait status {status:#x}); see {master.log_path}"
+    )
 
 
 def new_master(tmp_path_factory: pytest.TempPathFactory) -> MooncakeMaster:

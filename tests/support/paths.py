@@ -1,0 +1,20 @@
+"""Where the tests live, and the environment that lets a script started as a subprocess import ``support``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+#: ``tests/``: the folder ``support`` is a package of.
+TESTS_DIR = Path(__file__).resolve().parents[1]
+ROOT = TESTS_DIR.parent
+
+
+def subprocess_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default ``os.environ``) with ``tests/`` first on ``PYTHONPATH``, for ``python SCRIPT`` runs
+    of the scripts under ``tests/`` that import ``support``."""
+    env = dict(os.environ if base is None else base)
+    rest = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(TESTS_DIR) if not rest else os.pathsep.join([str(TESTS_DIR), rest])
+    return env

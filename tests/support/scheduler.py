@@ -1,0 +1,62 @@
+"""vLLM's real ``Scheduler`` with the connector (no workers) over ``hybridkv.devkit.cluster``'s KV-cache
+config (TP = DCP = 2, full attention + Mamba), and what the scheduler-level tests hand it: requests, store
+contents under the connector's keys, the executor's aggregated worker output; ``tokens``: random prompts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hybridkv.devkit.cluster import HASH
+from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
+
+#: The prompt length of the scheduler-matrix tests.
+PROMPT = 300
+
+
+def make_scheduler(vc: Any) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(vc, _kv_cache_config(), StructuredOutputManager(vc), block_size=32, hash_block_size=HASH)
+
+
+def make_request(rid: str, n: int, first: int = 10) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    sp.update_from_generation_config({}, eos_token_id=None) if hasattr(
+        sp, "update_from_generation_config"
+    ) else None
+    return Request(
+        rid, list(range(first, first + n)), sp, None, block_hasher=get_request_block_hasher(HASH, sha256)
+    )
+
+
+def fill_store(
+    scheme: Any, store: Any, hashes: list[bytes], entries: list[tuple[int, int]], ranks: tuple[int, ...]
+) -> list[str]:
+    keys = [scheme.key(g, r, hashes[b // HASH - 1]) for g, b in entries for r in ranks]
+    assert all(s.is_ok for s in store.put(keys, [b"x"] * len(keys)))
+    return keys
+
+
+def model_output(sched_out: Any, worker_meta: Any, finished: set[str], failed: set[str]) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=[],
+        req_id_to_index={},
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=finished, failed_recving=failed, kv_connector_worker_meta=worker_meta
+        ),
+    )
+
+
+def tokens(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30000) for _ in range(n)]
