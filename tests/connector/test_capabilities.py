@@ -121,10 +121,17 @@ def _mla_vllm_config(attention_backend: str | None) -> Any:
 def test_cpu_mla_backend_turns_loads_off() -> None:
     """``CPU_MLA`` (vLLM's reference CPU MLA backend, prefills only from token 0): vLLM itself turns prefix
     caching off, and the decision says why; vLLM's default MLA backend on an AMX CPU keeps both on."""
+    from vllm.platforms import current_platform
+
     vc = _mla_vllm_config("CPU_MLA")
-    assert vc.model_config.use_mla and vc.cache_config.enable_prefix_caching is False
     reason = load_disabled_reason(vc)
-    assert reason is not None and "CPU_MLA" in reason
+    assert vc.model_config.use_mla and reason is not None and "CPU_MLA" in reason
+    if not current_platform.is_cpu():
+        # vLLM 0.33 ships a CUDA build only: its CPU platform's fix-ups do not run here, prefix caching stays
+        # asked for, and the connector's own check above is what turns loads off.
+        assert vc.cache_config.enable_prefix_caching is True
+        return
+    assert vc.cache_config.enable_prefix_caching is False  # vLLM-CPU's own fix-up
 
     if torch.cpu._is_amx_tile_supported():
         default = _mla_vllm_config(None)
