@@ -10,8 +10,8 @@ turns vLLM's repeated asks into the lifecycle's transitions:
   ``_MAX_WAIT_BUDGETS`` budgets (at least ``_MIN_WAIT_S``) of wall time since the first ask, the lookup
   is a miss ("over lookup budget"); while the store is unusable (circuit open, a call hung) or the
   namespace gate is closed (a reset), at once;
-- repeated asks with unchanged inputs reuse the answer (no store call, no record), unless a reset came
-  between them (the answer's epoch is stale: it is revoked and the request looks up again).
+- repeated asks with unchanged inputs reuse the answer (no store call, no record); a reset between them
+  has already dropped it (``RequestState.forget_facts``, at the reset) and the request looks up again.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ class LookupAnswers:
             return 0, False
         if not r.lc.may_hit:
             return 0, False  # REFUSED: this incarnation recomputes; no store call, no record
-        if r.lc.is_stale:
-            # A namespace reset since this request's lookup: nothing it learnt may answer now.
-            r.forget_facts("namespace reset")
         if r.lc.current in (State.VERIFIED, State.LOADING):
             # VERIFIED: the request was preempted after its load and is back. LOADING: vLLM gave up on the
             # load before every rank reported (nothing to judge). Either way: a new incarnation.

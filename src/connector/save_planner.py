@@ -31,6 +31,7 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
+from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import KIND_RULES, cdiv
 from hybridkv.lifecycle.machine import LifecycleMachine, SaveWave
 from hybridkv.lifecycle.save import plan_save
@@ -98,7 +99,6 @@ class SavePlanner:
         ranks: frozenset[int],
     ) -> None:
         self.geo = geo
-        self.scheme = geo.scheme
         self.machine = machine
         self.stats = stats
         self._publisher = publisher
@@ -171,7 +171,10 @@ class SavePlanner:
     def rebind_scheme(self, geo: ConnectorGeometry) -> None:
         """Plan with ``geo``'s key scheme from now on (a weights tag rotated at a reset)."""
         self.geo = geo
-        self.scheme = geo.scheme
+
+    @property
+    def scheme(self) -> KeyScheme:
+        return self.geo.scheme
 
     def _positional_saves(self, saves: RequestSaves, done: int, bs: Any) -> list[SaveItem]:
         """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""

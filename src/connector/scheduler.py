@@ -74,6 +74,7 @@ from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
+from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
 from hybridkv.lifecycle.sink import AuditSink
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
@@ -110,7 +111,6 @@ class SchedulerSide:
             self.geo = dataclasses.replace(
                 self.geo, scheme=self.geo.scheme.with_weights_tag(cfg.weights_version)
             )
-        self.scheme = self.geo.scheme
         self.store = open_connector_store(cfg)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
@@ -163,6 +163,11 @@ class SchedulerSide:
         )
         if store_kind(cfg.store).process_local and len(self.geo.ranks) > 1:
             log.warning(ConnectorLogEvent.MEMORY_STORE_IS_PROCESS_LOCAL)
+
+    @property
+    def scheme(self) -> KeyScheme:
+        """This engine's key scheme (its geometry's; a reset rotates its weights tag)."""
+        return self.geo.scheme
 
     def bind_block_pool(self, pool: Any) -> None:
         self._block_pool = pool
@@ -360,7 +365,7 @@ class SchedulerSide:
             return
         r.memo, r.load = None, None
         r.abandon_search()
-        if r.lc.may_hit and r.lc.current is not State.EVICTED:
+        if r.lc.may_hit:
             r.lc.refuse(reason)
 
     # ------------------------------------------------------------------ per step
@@ -520,7 +525,7 @@ class SchedulerSide:
     @property
     def reset_epoch(self) -> int:
         """Namespace resets requested so far (a save job remembers the epoch it was created in)."""
-        return self.gate.epoch
+        return self.machine.epoch
 
     def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
         """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``.
@@ -528,7 +533,7 @@ class SchedulerSide:
         A reset since the job was created, or an invalidation removal still pending for a block, may
         remove what was just stored: then nothing (or not that block) is published rather than something
         untrue."""
-        if not self.gate.is_current(epoch):
+        if epoch != self.machine.epoch or self.gate.closed:
             return
         with self._lock:
             self._events.extend(
@@ -638,7 +643,6 @@ class SchedulerSide:
         base = self.cfg.weights_version or f"private-{self._engine_nonce}"
         scheme = self.scheme.with_weights_tag(f"{base}+reset{self._num_weight_tags}")
         self.geo = dataclasses.replace(self.geo, scheme=scheme)
-        self.scheme = scheme
         self.machine.scheme = scheme
         self.saves.rebind_scheme(self.geo)
         log.info(

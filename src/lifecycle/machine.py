@@ -453,7 +453,7 @@ class RequestLifecycle(_Model):
 
     def answer_current(self, _event: EventData) -> bool:
         """The hit was answered in the current reset epoch (no namespace reset since its lookup)."""
-        return self.epoch == self._machine.epoch
+        return not self.is_stale
 
     @property
     def may_hit(self) -> bool:

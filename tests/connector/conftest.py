@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -32,3 +33,18 @@ def lookups_settle(monkeypatch: pytest.MonkeyPatch) -> None:
         return schedule(self)
 
     monkeypatch.setattr(Scheduler, "schedule", settled_schedule)
+
+
+@pytest.fixture
+def objs(vllm_objs: dict[str, Any]) -> Any:
+    """``vllm_objs`` with a store of its own (so entries other tests wrote or removed do not interfere):
+    ``vc``, its ``store_url``, and ``extra`` (the connector's extra config, restored afterwards)."""
+    extra = vllm_objs["vc"].kv_transfer_config.kv_connector_extra_config
+    saved = dict(extra)
+    url = f"memory://own-{uuid.uuid4().hex[:8]}"
+    extra["store"] = url
+    try:
+        yield {"vc": vllm_objs["vc"], "store_url": url, "extra": extra}
+    finally:
+        extra.clear()
+        extra.update(saved)

@@ -32,20 +32,6 @@ RANKS = (0, 1)
 _ENTRIES = [(0, 32), (0, 64), (0, 96), (0, 128), (1, 128)]
 
 
-@pytest.fixture
-def objs(vllm_objs: dict[str, Any]) -> Any:
-    """``vllm_objs`` with a store of its own (entries other tests wrote or removed do not interfere)."""
-    extra = vllm_objs["vc"].kv_transfer_config.kv_connector_extra_config
-    saved = dict(extra)
-    url = f"memory://gates-{uuid.uuid4().hex[:8]}"
-    extra["store"] = url
-    try:
-        yield {"vc": vllm_objs["vc"], "store_url": url, "extra": extra}
-    finally:
-        extra.clear()
-        extra.update(saved)
-
-
 def _audited(vc: Any) -> tuple[Any, Any, MemoryAuditSink]:
     sched = make_scheduler(vc)
     side = sched.connector.scheduler_side

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -24,20 +23,6 @@ from support.scheduler import fill_store, make_request, make_scheduler, model_ou
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
 RANKS = (0, 1)
-
-
-@pytest.fixture
-def objs(vllm_objs: dict[str, Any]) -> Any:
-    """``vllm_objs`` with a store of its own (so entries other tests wrote or removed do not interfere)."""
-    extra = vllm_objs["vc"].kv_transfer_config.kv_connector_extra_config
-    saved = dict(extra)
-    url = f"memory://edges-{uuid.uuid4().hex[:8]}"
-    extra["store"] = url
-    try:
-        yield {"vc": vllm_objs["vc"], "store_url": url}
-    finally:
-        extra.clear()
-        extra.update(saved)
 
 
 def _results(job: Any, outcome_of: dict[tuple[int, int, int], LoadOutcome]) -> HybridStoreWorkerMetadata:
