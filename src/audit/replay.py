@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hybridkv.audit.sinks import DROPPED_EVENT
-from hybridkv.lifecycle.machine import (
+from hybridkv.lifecycle.table import (
     LOAD_INITIAL,
     LOAD_TERMINAL,
     MAX_LOAD_RETRIES,

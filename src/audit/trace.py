@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.lifecycle.machine import TRIGGERS
+from hybridkv.lifecycle.table import TRIGGERS
 
 __all__ = [
     "CONNECTOR_NAME",

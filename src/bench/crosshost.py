@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector import inprocess
 from hybridkv.devkit import tiny_models
+from hybridkv.ops import inprocess
 
 DEFAULT_FAMILY = "qwen3_next"
 DEFAULT_PROMPT_TOKENS = 1000

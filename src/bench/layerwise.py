@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector import inprocess
 from hybridkv.devkit import vllm_harness
+from hybridkv.ops import inprocess
 
 #: the modes compared, in the order of even rounds (odd rounds reverse it)
 MODES: tuple[str, str] = ("layerwise", "async")

@@ -147,7 +147,7 @@ def measure_lookup(
     """One row per prompt length: bare exists, lifecycle alone and the connector's lookup on ``store_url``."""
     from hybridkv.connector.config import ConnectorConfig
     from hybridkv.connector.scheduler import SchedulerSide
-    from hybridkv.lifecycle.machine import State
+    from hybridkv.lifecycle.table import State
 
     vc, kv_cfg = _configs(geometry, store_url, models_dir)
     cfg = ConnectorConfig.from_extra_config(

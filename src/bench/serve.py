@@ -1,7 +1,8 @@
 """``hybridkv bench serve``: the OpenAI server under a multi-turn load, with and without an external KV tier.
 
 Per configuration one server process (``python -m vllm.entrypoints.openai.api_server``) with a local KV cache
-deliberately smaller than the working set, driven over HTTP by ``concurrency`` client threads:
+deliberately smaller than the working set, driven over HTTP by ``concurrency`` client threads (the official
+``openai`` SDK, through ``hybridkv.devkit.openai_server.stream_request``):
 
 - **multi-turn**: ``num_sessions`` conversations of ``num_turns`` turns through ``/v1/chat/completions``
   (streamed, greedy). Each turn resends the whole conversation: one of ``num_system_prompts`` system prompts
@@ -255,7 +256,7 @@ def counters(samples: Mapping[str, float]) -> dict[str, float]:
     names = {re.sub(r"\{.*", "", key) for key in samples}
     for name in sorted(names):
         match = re.fullmatch(r"vllm:hybridkv_(\w+)_total", name)
-        if match and match.group(1) != "group_hit_tokens":
+        if match and match.group(1) != "group_loaded_blocks":
             out[f"hybridkv_{match.group(1)}"] = metric(samples, name)
     return out
 

@@ -53,11 +53,13 @@ from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
-from hybridkv.connector import inprocess
 from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.mooncake import MooncakeMaster, running_master
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
+from hybridkv.ops import inprocess
+from hybridkv.store.file import FileBackend
+from hybridkv.store.file_probe import ReadProbe
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
 
@@ -398,12 +400,17 @@ def measure_hybridkv(
 
 def _load_phase_seconds(probe: LoadProbe, store: Any) -> dict[str, float]:
     """The worker's load-phase totals (``probe``, installed in its worker: summed since then) and, on a file
-    store, the store's own read-phase totals (``FileBackend.read_timings``, prefixed ``file_``: summed
-    since the engine started); seconds (``*jobs``/``*keys``: counts)."""
+    store, the store's own read-phase totals (prefixed ``file_``) from the ``ReadProbe`` this hangs into its
+    ``FileBackend`` on the first call (production runs none): summed since then; seconds
+    (``*jobs``/``*keys``: counts)."""
     out = {name: float(value) for name, value in probe.totals().items()}
-    read_timings = getattr(getattr(store, "backend", None), "read_timings", None)
-    if isinstance(read_timings, dict):
-        out |= {f"file_{name}": float(value) for name, value in read_timings.items()}
+    backend = getattr(store, "backend", None)
+    if isinstance(backend, FileBackend):
+        read_probe = backend.read_probe
+        if read_probe is None:
+            read_probe = ReadProbe()
+            backend.install_read_probe(read_probe)
+        out |= {f"file_{name}": float(value) for name, value in read_probe.totals().items()}
     return out
 
 
@@ -757,7 +764,8 @@ PROFILE_SOURCES = {
     "queue_ms": "worker: start_load_kv -> the load thread takes the job (the worker's LoadProbe)",
     "store_ms": "worker: wall time inside the store's get_into (read + verify, all reader threads)",
     "open_ms": "file store: open + shared lock + name check, summed over keys and reader threads "
-    "(FileBackend.read_timings; thread time, so with several readers it can exceed store_ms)",
+    "(the ReadProbe the bench hangs into its FileBackend; thread time, so with several readers it can "
+    "exceed store_ms)",
     "readv_ms": "file store: readv of the frames straight into the KV pages, summed over reader threads",
     "verify_ms": "file store: the frame check (xxh3 over the bytes just read), summed over reader threads",
     "close_ms": "file store: mtime touch + close, summed over reader threads",

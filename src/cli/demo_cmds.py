@@ -101,8 +101,8 @@ class _Progress:
 def handler(args: argparse.Namespace) -> int:
     """Run the demo; print tables (or JSON); return the exit code."""
     from hybridkv.bench.report import write_json
-    from hybridkv.connector.inprocess import prepare_inprocess_environment
     from hybridkv.demo import DEFAULT_CHAOS, DemoOptions, render, run_demo
+    from hybridkv.ops.inprocess import prepare_inprocess_environment
 
     options = DemoOptions(
         model_family=args.model_family,

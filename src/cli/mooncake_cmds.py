@@ -1,7 +1,7 @@
-"""``hybridkv mooncake master|node|up``: start a Mooncake deployment that outlives engines.
+"""``hybridkv mooncake master|node|up`` and ``hybridkv bench crosshost``: argument parsing, printing and
+exit codes over :mod:`hybridkv.ops.mooncake_deploy` (processes, signals, URL hints).
 
-- ``master --host ADDR``: ``mooncake_master`` with RPC and metrics bound to ``ADDR`` (no 0.0.0.0 where
-  Mooncake lets us choose), the read lease and client TTL set, no HTTP metadata server (P2PHANDSHAKE).
+- ``master --host ADDR``: ``mooncake_master`` bound to ``ADDR``.
 - ``node --master ADDR:PORT --host ADDR --segment 4GiB``: a storage node mounting that much DRAM.
 - ``up --host ADDR --segment 4GiB``: both on this host; prints the store URL engines use, then waits
   (Ctrl-C / SIGTERM stops both).
@@ -13,30 +13,18 @@ host's own address (Mooncake advertises it to peers).
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import sys
-import time
-from types import FrameType
 
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.ops import mooncake_deploy
 from hybridkv.store import StoreError
 from hybridkv.store.mooncake_node import (
     DEFAULT_CLIENT_TTL_S,
     DEFAULT_LEASE_TTL,
     DEFAULT_METRICS_PORT,
     DEFAULT_RPC_PORT,
-    MIN_SEGMENT_BYTES,
-    READY_PREFIX,
-    master_command,
-    node_command,
-    serve_storage_node,
 )
-from hybridkv.store.params import format_size, parse_size
 from hybridkv.tables import format_table
-
-#: Placeholder in the printed URL: each engine host puts its own reachable address there.
-ENGINE_HOST = "ENGINE_HOST"
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -108,32 +96,18 @@ def _node_arguments(parser: argparse.ArgumentParser, *, host: bool = True) -> No
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
+    """``mooncake`` without an action: the help on stderr, the usage exit code."""
     parser.print_help(sys.stderr)
     return EXIT_USAGE
 
 
-def _sizes(args: argparse.Namespace) -> tuple[int, int]:
-    segment_bytes = parse_size(args.segment, what="--segment")
-    if segment_bytes < MIN_SEGMENT_BYTES:
-        raise StoreError(
-            f"bad --segment {args.segment!r}: Mooncake mounts at least {format_size(MIN_SEGMENT_BYTES)}"
-        )
-    return segment_bytes, parse_size(args.local_buffer, what="--local-buffer")
-
-
-def engine_url_hint(master: str) -> str:
-    return f"mooncake://{master}?segment=0&local_hostname={ENGINE_HOST}&timeout_ms=2000"
-
-
 def _print_urls(master: str, metrics: str | None) -> None:
-    print(f"store URL for engines: {engine_url_hint(master)}", flush=True)
-    print(f"  (replace {ENGINE_HOST} with each engine host's own address)", flush=True)
-    if metrics is not None:
-        print(f"master metrics: http://{metrics}/metrics", flush=True)
+    for line in mooncake_deploy.url_hints(master, metrics):
+        print(line, flush=True)
 
 
 def _master_argv(args: argparse.Namespace) -> list[str]:
-    return master_command(
+    return mooncake_deploy.master_argv(
         args.host,
         port=args.port,
         metrics_port=args.metrics_port,
@@ -143,74 +117,59 @@ def _master_argv(args: argparse.Namespace) -> list[str]:
 
 
 def handle_master(args: argparse.Namespace) -> int:
+    """``mooncake master``: print the URL hints, run the master; its exit status (2 for bad input)."""
     try:
         argv = _master_argv(args)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     _print_urls(f"{args.host}:{args.port}", f"{args.host}:{args.metrics_port}")
-    return subprocess.call(argv)
+    return mooncake_deploy.run_master(argv)
 
 
 def handle_node(args: argparse.Namespace) -> int:
+    """``mooncake node``: print the URL hint, serve a storage node; its exit status (2 for bad input)."""
     try:
-        segment_bytes, local_buffer_bytes = _sizes(args)
+        segment_bytes, local_buffer_bytes = mooncake_deploy.segment_sizes(args.segment, args.local_buffer)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     _print_urls(args.master, None)
-    return serve_storage_node(
+    return mooncake_deploy.run_node(
         args.master, args.host, segment_bytes=segment_bytes, local_buffer_bytes=local_buffer_bytes
     )
 
 
 def handle_up(args: argparse.Namespace) -> int:
+    """``mooncake up``: a master and a node on this host until SIGTERM / SIGINT (0); 1 when either does not
+    start or exits; 2 for bad input."""
     try:
-        segment_bytes, local_buffer_bytes = _sizes(args)
-        master_argv = _master_argv(args)
-        node_argv = node_command(
-            f"{args.host}:{args.port}",
+        segment_bytes, local_buffer_bytes = mooncake_deploy.segment_sizes(args.segment, args.local_buffer)
+        deployment = mooncake_deploy.LocalDeployment(
             args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            lease_ttl=args.lease_ttl,
+            client_ttl_s=args.client_ttl,
             segment_bytes=segment_bytes,
             local_buffer_bytes=local_buffer_bytes,
         )
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    master = subprocess.Popen(master_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # the master listens within ~0.2 s; the node retries its connection anyway
-    node = subprocess.Popen(node_argv, stdout=subprocess.PIPE, text=True)
-    stopping = False
-
-    def stop(_signum: int, _frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        assert node.stdout is not None
-        line = node.stdout.readline()
-        if not line.startswith(READY_PREFIX):
-            print(f"error: storage node did not start (exit {node.wait()})", file=sys.stderr)
+    with deployment:
+        node_address = deployment.wait_ready()
+        if node_address is None:
+            print(
+                f"error: storage node did not start (exit {deployment.node_exit_status()})", file=sys.stderr
+            )
             return EXIT_PROBLEM
-        print(f"storage node {line.split()[1]} mounted {args.segment}", flush=True)
-        _print_urls(f"{args.host}:{args.port}", f"{args.host}:{args.metrics_port}")
-        while not stopping and master.poll() is None and node.poll() is None:
-            time.sleep(0.2)
-        if master.poll() is not None or node.poll() is not None:
+        print(f"storage node {node_address} mounted {args.segment}", flush=True)
+        _print_urls(deployment.master_address, deployment.metrics_address)
+        if not deployment.wait_stopped():
             print("error: the master or the storage node exited", file=sys.stderr)
             return EXIT_PROBLEM
         return EXIT_OK
-    finally:
-        for process in (node, master):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(10)
 
 
 def handle_bench(args: argparse.Namespace) -> int:

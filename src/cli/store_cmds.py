@@ -1,19 +1,17 @@
-"""``hybridkv store ls|stats|clear URL`` and ``hybridkv bench store``."""
+"""``hybridkv store ls|stats|clear URL`` and ``hybridkv bench store``: argument parsing, printing and exit
+codes over :mod:`hybridkv.ops.store_admin` (and, for the bench, :mod:`hybridkv.bench.store`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from hybridkv.connector.identity import parse_manifest_key, read_manifest
-from hybridkv.lifecycle.keys import parse_block_key
-from hybridkv.store import Store, StoreError, open_store
+from hybridkv.ops import store_admin
+from hybridkv.store import StoreError
 from hybridkv.store.params import parse_size
 from hybridkv.tables import format_table
 
@@ -72,104 +70,50 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
+    """``store`` without an action: the help on stderr, the usage exit code."""
     parser.print_help(sys.stderr)
     return EXIT_USAGE
 
 
 def handle_ls(args: argparse.Namespace) -> int:
+    """``store ls URL [--prefix P] [--json]``: the deployments table and the keys; 2 for a bad store."""
     try:
-        with open_store(args.url) as store:
-            keys = sorted(store.iter_keys(args.prefix))
-            deployments = _deployments(store, keys)
+        listing = store_admin.list_store(args.url, args.prefix)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
-        print(
-            json.dumps(
-                {"url": args.url, "prefix": args.prefix, "deployments": deployments, "keys": keys}, indent=2
-            )
-        )
-        return EXIT_OK
-    if deployments:
-        rows = [{name: _cell(row.get(name)) for name in _DEPLOYMENT_COLUMNS} for row in deployments]
-        print(format_table(rows, _DEPLOYMENT_COLUMNS))
-        print()
-    print("\n".join(keys) if keys else f"(no keys under {args.prefix!r})")
+        print(json.dumps(listing, indent=2))
+    else:
+        print(store_admin.render_listing(listing))
     return EXIT_OK
 
 
-_DEPLOYMENT_COLUMNS = [
-    "namespace",
-    "fingerprint",
-    "num_keys",
-    "model",
-    "revision",
-    "weights",
-    "dtype",
-    "kv_cache_dtype",
-    "quantization",
-    "tp",
-    "dcp",
-]
-
-
-def _cell(value: object) -> object:
-    return "-" if value is None or value == "" else value
-
-
-def _deployments(store: Store, keys: list[str]) -> list[dict[str, Any]]:
-    """One row per ``hkv1/<namespace>/<fingerprint>/`` among ``keys``: its number of block entries and its
-    manifest's fields (model, weights identity, dtypes, geometry) when the engine that wrote it left one.
-    Keys that are neither a block entry nor a manifest (another tool's) belong to no deployment."""
-    num_keys: dict[tuple[str, str], int] = {}
-    manifests: dict[tuple[str, str], str] = {}
-    for key in keys:
-        block = parse_block_key(key)
-        if block is not None:
-            deployment = (block.namespace, block.fingerprint)
-            num_keys[deployment] = num_keys.get(deployment, 0) + 1
-            continue
-        manifest_of = parse_manifest_key(key)
-        if manifest_of is not None:
-            manifests[manifest_of] = key
-    rows = []
-    for deployment in sorted(num_keys.keys() | manifests.keys()):
-        record = read_manifest(store, manifests[deployment]) if deployment in manifests else None
-        row: dict[str, Any] = dict(record or {})
-        row.update(namespace=deployment[0], fingerprint=deployment[1], num_keys=num_keys.get(deployment, 0))
-        rows.append(row)
-    return rows
-
-
 def handle_stats(args: argparse.Namespace) -> int:
+    """``store stats URL [--json]``: the backend's stats; 2 for a bad store."""
     try:
-        with open_store(args.url) as store:
-            stats = store.stats()
+        stats = store_admin.store_stats(args.url)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    payload = dataclasses.asdict(stats)
     if args.json:
-        print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+        print(json.dumps(stats, indent=2, sort_keys=True, default=str))
     else:
-        extra = payload.pop("extra")
-        rows = [{"field": name, "value": value} for name, value in {**payload, **extra}.items()]
-        print(format_table(rows, ["field", "value"]))
+        print(store_admin.render_stats(stats))
     return EXIT_OK
 
 
 def handle_clear(args: argparse.Namespace) -> int:
+    """``store clear URL [--prefix P] [--json]``: remove the keys, say how many; 2 for a bad store."""
     try:
-        with open_store(args.url) as store:
-            num_removed = store.remove_prefix(args.prefix)
+        cleared = store_admin.clear_store(args.url, args.prefix)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
-        print(json.dumps({"url": args.url, "prefix": args.prefix, "num_removed": num_removed}))
+        print(json.dumps(cleared))
     else:
-        print(f"removed {num_removed} keys")
+        print(store_admin.render_clear(cleared))
     return EXIT_OK
 
 

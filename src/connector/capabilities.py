@@ -14,7 +14,10 @@ is called with the config vLLM hands the connector, i.e. after vLLM's own config
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = ["BACKENDS_WITHOUT_EXTERNAL_KV", "load_disabled_reason"]
 
@@ -26,7 +29,7 @@ __all__ = ["BACKENDS_WITHOUT_EXTERNAL_KV", "load_disabled_reason"]
 BACKENDS_WITHOUT_EXTERNAL_KV: frozenset[str] = frozenset({"CPU_MLA"})
 
 
-def _backend_name(vllm_config: Any) -> str | None:
+def _backend_name(vllm_config: VllmConfig) -> str | None:
     """The MLA attention backend the config selects explicitly (its enum name), or None: vLLM picks one, or
     the model has no MLA (vLLM then ignores an MLA backend named in the config)."""
     if not getattr(vllm_config.model_config, "use_mla", False):
@@ -38,7 +41,7 @@ def _backend_name(vllm_config: Any) -> str | None:
     return str(getattr(backend, "name", backend))
 
 
-def load_disabled_reason(vllm_config: Any) -> str | None:
+def load_disabled_reason(vllm_config: VllmConfig) -> str | None:
     """Why the engine of ``vllm_config`` cannot use loaded KV (one sentence for operators), or None if it can.
 
     Loads are off when vLLM has prefix caching disabled (``cache_config.enable_prefix_caching`` false after

@@ -27,9 +27,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
+    import torch
     from hybridkv.connector.scheduler import SchedulerSide
     from hybridkv.connector.worker import WorkerSide
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -116,12 +126,12 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ------------------------------------------------------------------ worker role
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
     # -- sleep mode (vLLM 0.33; 0.32 never calls these) ------------------------------------------------
     @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         return True  # the external tier lives outside the KV cache; the worker drains before it is released
 
     def unregister_kv_caches(self) -> None:
@@ -141,7 +151,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         self.worker_side.resume()
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridStoreMetadata), f"unexpected metadata {type(meta).__name__}"
         self.worker_side.start_load(meta)
@@ -151,7 +161,9 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.config.layerwise:
             self.worker_side.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return None  # saves are whole blocks, enqueued in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -215,7 +227,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         kv_cache_manager.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
 
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.scheduler_side.bind_block_pool(gpu_block_pool)
 
     def settle_saves(self, timeout: float = SETTLE_TIMEOUT_S) -> bool:
@@ -294,8 +306,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side.finished_partial_tail(request, partial_tail_offloads, block_ids)
         return False  # the save job pins its own blocks
 
-    def take_events(self) -> list[Any]:
-        events: list[Any] = self.scheduler_side.take_events()
+    def take_events(self) -> list[KVCacheEvent]:
+        events: list[KVCacheEvent] = self.scheduler_side.take_events()
         return events
 
     def has_pending_push_work(self) -> bool:
@@ -328,10 +340,10 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
-        metric_types: dict[Any, Any],
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
+    ) -> KVConnectorPromMetrics:
         from hybridkv.connector.stats import build_prom
 
         return build_prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -28,12 +28,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.lifecycle.keys import KEY_VERSION, KeyScheme
 from hybridkv.store import Status, Store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +135,7 @@ def _local_model_path(model: str, revision: str | None) -> Path | None:
         return None
 
 
-def model_identity(vllm_config: Any) -> ModelIdentity:
+def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
     """Resolve the identity of the model ``vllm_config`` serves (stat calls and small reads only).
 
     Weights not found locally: ``weights="unresolved"`` and a ``MODEL_IDENTITY_UNRESOLVED`` warning."""

@@ -44,7 +44,7 @@ import structlog
 import torch
 from hybridkv.connector.datapath import BlockMover, Fence
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult
+from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult, load_outcome
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
@@ -127,10 +127,10 @@ class LayerwiseLoads:
 
     def register(self, movers: dict[int, BlockMover], layers: dict[int, list[LayerTensors]]) -> None:
         """The groups' movers and, per group, its layers in layer order (``register_kv_caches``)."""
-        for sgid, mover in movers.items():
-            covered = sorted(i for layer in layers[sgid] for i in layer.tensor_indices)
+        for group_index, mover in movers.items():
+            covered = sorted(i for layer in layers[group_index] for i in layer.tensor_indices)
             assert covered == list(range(len(mover.tensors))), (
-                f"group {sgid}: layers name tensors {covered}, the mover has {len(mover.tensors)}"
+                f"group {group_index}: layers name tensors {covered}, the mover has {len(mover.tensors)}"
             )
         self._movers, self._layers = movers, layers
         if any(m.device.type == "cuda" for m in movers.values()):
@@ -148,8 +148,8 @@ class LayerwiseLoads:
         jobs = list(meta.loads)
         layer_ready = {
             layer.name: threading.Event()
-            for sgid in sorted({ref.sgid for job in jobs for ref in job.blocks})
-            for layer in self._layers[sgid]
+            for group_index in sorted({ref.group_index for job in jobs for ref in job.blocks})
+            for layer in self._layers[group_index]
         }
         step = _Step(meta, meta.scheme, jobs, fence, layer_ready, time.monotonic() + LAYERWISE_WAIT_S)
         step.failed_block_ids, step.carried_results = carried
@@ -268,20 +268,27 @@ class LayerwiseLoads:
             for job in step.jobs
             if job.blocks
         }
-        for sgid in sorted({ref.sgid for job in step.jobs for ref in job.blocks}):
-            self._run_group(step, sgid, rank, results)
+        for group_index in sorted({ref.group_index for job in step.jobs for ref in job.blocks}):
+            self._run_group(step, group_index, rank, results)
         with step.lock:
             if not step.abandoned:  # else the engine thread already judged the step (every job failed)
                 step.results = results
 
-    def _run_group(self, step: _Step, sgid: int, rank: int, results: dict[str, list[LoadResult]]) -> None:
-        mover = self._movers[sgid]
+    def _run_group(
+        self, step: _Step, group_index: int, rank: int, results: dict[str, list[LoadResult]]
+    ) -> None:
+        mover = self._movers[group_index]
         # (job, position in job.blocks) of every block of this group, in job order
-        where = [(job, i) for job in step.jobs for i, ref in enumerate(job.blocks) if ref.sgid == sgid]
+        where = [
+            (job, i)
+            for job in step.jobs
+            for i, ref in enumerate(job.blocks)
+            if ref.group_index == group_index
+        ]
         refs = [job.blocks[i] for job, i in where]
-        keys = [step.scheme.key(sgid, rank, ref.block_hash) for ref in refs]
+        keys = [step.scheme.key(group_index, rank, ref.block_hash) for ref in refs]
         # Layer-major host buffers: buffers[k][row] is block ``refs[row]``'s page of tensor k.
-        whole = self._spare.pop(sgid, None)
+        whole = self._spare.pop(group_index, None)
         if whole is None or whole[0].shape[0] < len(refs):
             pin = mover.device.type == "cuda"
             whole = [
@@ -302,14 +309,16 @@ class LayerwiseLoads:
             # The call still writes ``buffers``: keep them alive until it returned; never commit them.
             self._on_late_calls(list(late), buffers.clear)
         for (job, i), ref, status in zip(where, refs, statuses, strict=True):
-            results[job.req_id][i] = LoadResult(ref.entry(rank), LoadOutcome.from_status(status.value))
+            results[job.req_id][i] = LoadResult(ref.entry(rank), load_outcome(status))
             if status is not Status.OK:
                 self._stats.add("load_failed_keys")
         self._stats.add("load_keys", len(keys))
         if late:
             return  # the buffers go with the late call (never reused)
         if sum(b.numel() for b in whole) <= _MAX_SPARE_BYTES:
-            self._spare[sgid] = whole  # free again once this group's commit below returned (same thread)
+            self._spare[group_index] = (
+                whole  # free again once this group's commit below returned (same thread)
+            )
         ok_jobs = {
             job.req_id
             for job in step.jobs
@@ -318,13 +327,13 @@ class LayerwiseLoads:
         rows = [row for row, (job, _) in enumerate(where) if job.req_id in ok_jobs]
         if not rows:
             return
-        self._commit_layers(step, sgid, mover, [refs[row].block_id for row in rows], rows, buffers)
+        self._commit_layers(step, group_index, mover, [refs[row].block_id for row in rows], rows, buffers)
         self._stats.add("load_bytes", len(rows) * mover.block_nbytes)
 
     def _commit_layers(
         self,
         step: _Step,
-        sgid: int,
+        group_index: int,
         mover: BlockMover,
         block_ids: list[int],
         rows: list[int],
@@ -341,7 +350,7 @@ class LayerwiseLoads:
             index = index.to(device)
             if step.fence is not None:
                 stream.wait_event(step.fence)  # after whatever the compute stream queued for these blocks
-        for layer in self._layers[sgid]:
+        for layer in self._layers[group_index]:
             with step.lock:
                 if step.abandoned:
                     return

@@ -32,7 +32,7 @@ import structlog
 from hybridkv.connector.datapath import Fence, StagedBlocks
 from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult
+from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, load_outcome
 from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.ownership import LateOwnership, Quarantine, may_answer_late
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
@@ -192,7 +192,7 @@ class LoadPipeline:
             try:
                 started = time.perf_counter() if probe is not None else 0.0
                 for idxs in batches:
-                    mover = ctx.sgid_to_mover[refs[idxs[0]].sgid]
+                    mover = ctx.group_to_mover[refs[idxs[0]].group_index]
                     sb = mover.scatter_targets(
                         [refs[i].block_id for i in idxs],
                         after=fence,
@@ -211,7 +211,7 @@ class LoadPipeline:
                     got = self._read_into(
                         [keys[i] for i in order],
                         destinations,
-                        sum(ctx.block_nbytes(refs[i].sgid) for i in order),
+                        sum(ctx.block_nbytes(refs[i].group_index) for i in order),
                         late,
                     )
                 finally:
@@ -230,7 +230,7 @@ class LoadPipeline:
                 for sb, idxs in held:
                     flags = [statuses[i] is Status.OK for i in idxs]
                     sb.commit(flags)
-                    nbytes += sum(flags) * ctx.block_nbytes(refs[idxs[0]].sgid)
+                    nbytes += sum(flags) * ctx.block_nbytes(refs[idxs[0]].group_index)
                 if probe is not None:
                     probe.add("commit_s", time.perf_counter() - read_ended)
             finally:
@@ -248,8 +248,7 @@ class LoadPipeline:
         for ref, status in zip(refs, statuses, strict=True):
             if status is not Status.OK:
                 ctx.stats.add("load_failed_keys")
-            outcome = LoadOutcome.NOT_ATTEMPTED if status is None else LoadOutcome.from_status(status.value)
-            results.append(LoadResult(ref.entry(ctx.tp_rank), outcome))
+            results.append(LoadResult(ref.entry(ctx.tp_rank), load_outcome(status)))
         return results
 
     def _read_into(

@@ -26,7 +26,8 @@ from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.request_state import LookupInputs, RequestState
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.lookup import LookupSearch
-from hybridkv.lifecycle.machine import LifecycleMachine, State
+from hybridkv.lifecycle.machine import LifecycleMachine
+from hybridkv.lifecycle.table import State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["LookupAnswers"]

@@ -14,7 +14,7 @@ multiprocess executor's message queue), so results are small named tuples of int
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, overload
 
@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class BlockRef:
     """One group block: which group, where in the block table, which physical block, which key."""
 
-    sgid: int
-    gid: int
+    group_index: int
+    vllm_group_index: int
     index: int  # block-table position (tokens [index*span, (index+1)*span)); Mamba: cdiv(boundary, span) - 1
     block_id: int
     block_hash: bytes  # the hash that keys the entry (at ``key_boundary``)
@@ -37,7 +37,7 @@ class BlockRef:
 
     def entry(self, tp_rank: int) -> EntryId:
         """This block's stored entry on ``tp_rank``."""
-        return EntryId(tp_rank, self.sgid, self.index, self.key_boundary)
+        return EntryId(tp_rank, self.group_index, self.index, self.key_boundary)
 
 
 class PlannedRefs(Sequence[BlockRef]):
@@ -49,23 +49,28 @@ class PlannedRefs(Sequence[BlockRef]):
     is pickled) or on the scheduler's rare failure path.
     """
 
-    __slots__ = ("_expanded", "block_ids", "gid_of_sgid", "planned")
+    __slots__ = ("_expanded", "block_ids", "group_to_vllm_group", "planned")
 
     def __init__(
-        self, planned: Sequence[PlannedBlock], block_ids: Sequence[int], gid_of_sgid: Sequence[int]
+        self, planned: Sequence[PlannedBlock], block_ids: Sequence[int], group_to_vllm_group: Sequence[int]
     ) -> None:
         assert len(planned) == len(block_ids), f"{len(planned)} planned blocks but {len(block_ids)} block ids"
         self.planned = tuple(planned)
         self.block_ids = tuple(block_ids)
-        self.gid_of_sgid = tuple(gid_of_sgid)
+        self.group_to_vllm_group = tuple(group_to_vllm_group)
         self._expanded: tuple[BlockRef, ...] | None = None
 
     def _refs(self) -> tuple[BlockRef, ...]:
         if self._expanded is None:
-            gid_of = self.gid_of_sgid
+            vllm_group_of = self.group_to_vllm_group
             self._expanded = tuple(
                 BlockRef(
-                    p.group_index, gid_of[p.group_index], p.block_index, bid, p.block_hash, p.key_boundary
+                    p.group_index,
+                    vllm_group_of[p.group_index],
+                    p.block_index,
+                    bid,
+                    p.block_hash,
+                    p.key_boundary,
                 )
                 for p, bid in zip(self.planned, self.block_ids, strict=True)
             )
@@ -95,10 +100,10 @@ class PlannedRefs(Sequence[BlockRef]):
         return f"PlannedRefs({len(self)} blocks)"
 
     def __getstate__(self) -> tuple[tuple[PlannedBlock, ...], tuple[int, ...], tuple[int, ...]]:
-        return self.planned, self.block_ids, self.gid_of_sgid  # the compact form only
+        return self.planned, self.block_ids, self.group_to_vllm_group  # the compact form only
 
     def __setstate__(self, state: tuple[tuple[PlannedBlock, ...], tuple[int, ...], tuple[int, ...]]) -> None:
-        self.planned, self.block_ids, self.gid_of_sgid = state
+        self.planned, self.block_ids, self.group_to_vllm_group = state
         self._expanded = None
 
 
@@ -143,18 +148,38 @@ class SaveOutcome(enum.Enum):
     TRANSPORT_ERROR = "transport_error"
     DROPPED = "dropped"
 
-    @classmethod
-    def from_status(cls, status: Status) -> SaveOutcome:
-        """The outcome of a store ``put`` (or ``exists``) status; anything unexpected is a transport error."""
-        return _PUT_STATUS_TO_OUTCOME.get(status, SaveOutcome.TRANSPORT_ERROR)
+
+class StatusMeaning(NamedTuple):
+    """What one store status means for the entry of a load and for the entry of a save."""
+
+    load: LoadOutcome
+    save: SaveOutcome
 
 
-_PUT_STATUS_TO_OUTCOME: dict[Status, SaveOutcome] = {
-    Status.OK: SaveOutcome.OK,
-    Status.NO_SPACE: SaveOutcome.NO_SPACE,
-    Status.TIMEOUT: SaveOutcome.TIMEOUT,
-    Status.TRANSFER_FAILED: SaveOutcome.TRANSPORT_ERROR,
+#: The one mapping from a store call's per-key :class:`Status` to the worker's outcomes. Only
+#: ``NOT_FOUND`` and ``CORRUPT`` are definite load faults (they invalidate the entry, hard rule 3); a
+#: ``put`` answers neither, so for a save they read as transport errors. Every ``Status`` has a row.
+STATUS_MEANINGS: Mapping[Status, StatusMeaning] = {
+    Status.OK: StatusMeaning(LoadOutcome.OK, SaveOutcome.OK),
+    Status.NOT_FOUND: StatusMeaning(LoadOutcome.MISSING, SaveOutcome.TRANSPORT_ERROR),
+    Status.CORRUPT: StatusMeaning(LoadOutcome.CORRUPT, SaveOutcome.TRANSPORT_ERROR),
+    Status.NO_SPACE: StatusMeaning(LoadOutcome.TRANSPORT_ERROR, SaveOutcome.NO_SPACE),
+    Status.TIMEOUT: StatusMeaning(LoadOutcome.TIMEOUT, SaveOutcome.TIMEOUT),
+    Status.TRANSFER_FAILED: StatusMeaning(LoadOutcome.TRANSPORT_ERROR, SaveOutcome.TRANSPORT_ERROR),
 }
+assert set(STATUS_MEANINGS) == set(Status), (
+    f"store statuses without a meaning: {set(Status) - set(STATUS_MEANINGS)}"
+)
+
+
+def load_outcome(status: Status | None) -> LoadOutcome:
+    """The outcome of one planned entry of a load: ``None`` (never read) is ``NOT_ATTEMPTED``."""
+    return LoadOutcome.NOT_ATTEMPTED if status is None else STATUS_MEANINGS[status].load
+
+
+def save_outcome(status: Status) -> SaveOutcome:
+    """The outcome of one entry of a save job's ``put``."""
+    return STATUS_MEANINGS[status].save
 
 
 class LoadResult(NamedTuple):

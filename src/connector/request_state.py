@@ -27,7 +27,8 @@ from hybridkv.connector.lookups import LookupTask
 from hybridkv.connector.metadata import LoadJob, LoadResult
 from hybridkv.connector.save_planner import RequestSaves
 from hybridkv.lifecycle.lookup import LookupSearch
-from hybridkv.lifecycle.machine import RequestLifecycle, State
+from hybridkv.lifecycle.machine import RequestLifecycle
+from hybridkv.lifecycle.table import State
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -31,7 +31,7 @@ import numpy as np
 import structlog
 from hybridkv.connector.datapath import Fence, StagedBlocks
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult
+from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult, save_outcome
 from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.ownership import LateOwnership, Quarantine, may_answer_late
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
@@ -82,7 +82,7 @@ class SavePipeline:
         fence = ctx.fence()
         budget = ctx.cfg.put_wave_bytes * MAX_WAVES_IN_FLIGHT
         for job in jobs:
-            nbytes = sum(ctx.block_nbytes(ref.sgid) for ref in job.blocks)
+            nbytes = sum(ctx.block_nbytes(ref.group_index) for ref in job.blocks)
             with self._lock:
                 admitted = admit and (
                     self._num_inflight_bytes == 0 or self._num_inflight_bytes + nbytes <= budget
@@ -121,9 +121,9 @@ class SavePipeline:
             return {}
         snapshots: _Snapshots = {}
         for i, ref in enumerate(job.blocks):
-            group = ctx.geo.groups[ref.sgid]
+            group = ctx.geo.groups[ref.group_index]
             if KIND_RULES[group.kind].stores_partial_tails and ref.key_boundary % group.span:
-                snapshots[i] = ctx.sgid_to_mover[ref.sgid].snapshot(ref.block_id)
+                snapshots[i] = ctx.group_to_mover[ref.group_index].snapshot(ref.block_id)
         self.num_tail_snapshots += len(snapshots)  # engine thread only
         return snapshots
 
@@ -191,17 +191,20 @@ class SavePipeline:
         wave: list[int] = []
         wave_bytes = 0
         for i in todo:
-            sgid = job.blocks[i].sgid
+            group_index = job.blocks[i].group_index
             # CUDA: a wave is one group's batch that fits one staging slab.
             if (
                 wave
                 and staged
-                and (sgid != job.blocks[wave[0]].sgid or len(wave) >= ctx.sgid_to_mover[sgid].max_blocks)
+                and (
+                    group_index != job.blocks[wave[0]].group_index
+                    or len(wave) >= ctx.group_to_mover[group_index].max_blocks
+                )
             ):
                 put_wave(wave)
                 wave, wave_bytes = [], 0
             wave.append(i)
-            wave_bytes += ctx.block_nbytes(sgid)
+            wave_bytes += ctx.block_nbytes(group_index)
             if wave_bytes >= ctx.cfg.put_wave_bytes:
                 put_wave(wave)
                 wave, wave_bytes = [], 0
@@ -235,7 +238,7 @@ class SavePipeline:
             held: list[tuple[StagedBlocks, list[int]]] = []
             try:
                 for idxs in batches:
-                    mover = ctx.sgid_to_mover[job.blocks[idxs[0]].sgid]
+                    mover = ctx.group_to_mover[job.blocks[idxs[0]].group_index]
                     sb = mover.gather(
                         [job.blocks[i].block_id for i in idxs],
                         after=fence,
@@ -272,9 +275,9 @@ class SavePipeline:
             if any(st is Status.NO_SPACE for st in statuses):
                 ctx.stats.add("put_wave_drops")
             for i, st in zip(order, statuses, strict=True):
-                status[i] = SaveOutcome.from_status(st)
+                status[i] = save_outcome(st)
                 if st.is_ok:
                     ctx.stats.add("save_keys")
-                    ctx.stats.add("save_bytes", ctx.block_nbytes(job.blocks[i].sgid))
+                    ctx.stats.add("save_bytes", ctx.block_nbytes(job.blocks[i].group_index))
                 else:
                     ctx.stats.add("save_failed_keys")

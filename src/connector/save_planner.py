@@ -20,7 +20,7 @@ when a namespace reset or an invalidation may have removed them since.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hybridkv.connector.metadata import (
     HybridStoreWorkerMetadata,
@@ -37,9 +37,13 @@ from hybridkv.lifecycle.machine import LifecycleMachine, SaveWave
 from hybridkv.lifecycle.save import plan_save
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import KVConnectorBlockState
     from vllm.v1.request import Request
 
-#: (sgid, block index or key boundary, block id): one block to save, before it becomes a ``BlockRef``
+#: (group_index, block index or key boundary, block id): one block to save, before it becomes a ``BlockRef``
 SaveItem = tuple[int, int, int]
 
 
@@ -51,8 +55,8 @@ class StoredPublisher(Protocol):
         """The number of namespace resets requested so far."""
         ...
 
-    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
-        """Publish ``(sgid, block hash, BlockStored)`` for a wave created in reset epoch ``epoch``."""
+    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, BlockStored]]) -> None:
+        """Publish ``(group_index, block hash, BlockStored)`` for a wave created in reset epoch ``epoch``."""
         ...
 
 
@@ -65,7 +69,7 @@ class RequestSaves:
     saved_upto: dict[int, int] | None = None
     #: tokens restored from this store, so saves skip them
     loaded_boundary: int = 0
-    #: (sgid, key boundary) of full-attention prompt tails already saved
+    #: (group_index, key boundary) of full-attention prompt tails already saved
     tails_saved: set[tuple[int, int]] = field(default_factory=set)
 
     def restart(self) -> None:
@@ -79,7 +83,7 @@ class RequestSaves:
 class _Job:
     job: SaveJob
     wave: SaveWave
-    pinned: list[Any]
+    pinned: list[KVCacheBlock]
     request: Request
     #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
     epoch: int
@@ -103,14 +107,14 @@ class SavePlanner:
         self.stats = stats
         self._publisher = publisher
         self._all_ranks = ranks
-        self._by_gid = {g.gid: g for g in geo.groups}
+        self._by_vllm_group = {g.vllm_group_index: g for g in geo.groups}
         self._jobs: dict[int, _Job] = {}
         #: jobs created between steps (finish-time tails), sent with the next step's metadata
         self._unsent: list[SaveJob] = []
         self._next_job = 1
-        self._pool: Any = None
+        self._pool: BlockPool | None = None
 
-    def bind_block_pool(self, pool: Any) -> None:
+    def bind_block_pool(self, pool: BlockPool) -> None:
         """vLLM's block pool: source blocks are pinned through it while their job is in flight."""
         self._pool = pool
 
@@ -119,7 +123,7 @@ class SavePlanner:
         self,
         saves: RequestSaves,
         num_done_tokens: int,
-        block_state: Any,
+        block_state: KVConnectorBlockState,
         state_offloads: list[tuple[int, int, int]],
         loading_boundary: int,
     ) -> SaveJob | None:
@@ -127,7 +131,7 @@ class SavePlanner:
 
         ``num_done_tokens``: the request's computed tokens at the end of this step. ``block_state``:
         the step's ``kv_connector_block_state`` (the request's block table). ``state_offloads``: its
-        ``boundary_state_offloads`` (gid, block id, boundary). ``loading_boundary``: the boundary of the
+        ``boundary_state_offloads`` (vllm_group_index, block id, boundary). ``loading_boundary``: the boundary of the
         load in flight for the request (0: none); boundaries up to it come from this store.
         """
         items = self._positional_saves(saves, num_done_tokens, block_state)
@@ -176,21 +180,21 @@ class SavePlanner:
     def scheme(self) -> KeyScheme:
         return self.geo.scheme
 
-    def _positional_saves(self, saves: RequestSaves, done: int, bs: Any) -> list[SaveItem]:
-        """(sgid, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
+    def _positional_saves(self, saves: RequestSaves, done: int, bs: KVConnectorBlockState) -> list[SaveItem]:
+        """(group_index, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
         req = saves.request
         unit = self.scheme.geometry.hash_unit
         upto = min(done, req.num_prompt_tokens, len(req.block_hashes) * unit)
         if saves.saved_upto is None:
             # Blocks before the first scheduled position came from the device cache or from this store.
             first = max(req.num_computed_tokens, saves.loaded_boundary)
-            saves.saved_upto = {g.sgid: first // g.span for g in self.geo.groups}
+            saves.saved_upto = {g.group_index: first // g.span for g in self.geo.groups}
         table = None
         out: list[SaveItem] = []
         for g in self.geo.groups:
             if not KIND_RULES[g.kind].positional_saves:
                 continue
-            start, stop = saves.saved_upto[g.sgid], upto // g.span
+            start, stop = saves.saved_upto[g.group_index], upto // g.span
             if stop <= start:
                 continue
             if table is None:
@@ -198,35 +202,35 @@ class SavePlanner:
                 if table is None:
                     return out
             for idx in range(start, stop):
-                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
                 if bid != 0:  # SWA: 0 = already slid out of the window and freed
-                    out.append((g.sgid, (idx + 1) * g.span, bid))
-            saves.saved_upto[g.sgid] = stop
+                    out.append((g.group_index, (idx + 1) * g.span, bid))
+            saves.saved_upto[g.group_index] = stop
         return out
 
     def _boundary_saves(
         self, saves: RequestSaves, offloads: list[tuple[int, int, int]], loading_boundary: int
     ) -> list[SaveItem]:
-        """(sgid, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
+        """(group_index, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
         req = saves.request
         geometry = self.scheme.geometry
         limit = min(req.num_prompt_tokens, len(req.block_hashes) * geometry.hash_unit)
         out = []
-        for gid, bid, boundary in offloads:
-            g = self._by_gid.get(gid)
+        for vllm_group_index, bid, boundary in offloads:
+            g = self._by_vllm_group.get(vllm_group_index)
             if g is None or KIND_RULES[g.kind].positional_saves or bid == 0:
                 continue
             if boundary % geometry.hit_alignment or boundary > limit:
                 continue  # no lookup can ask for it
             if boundary <= max(saves.loaded_boundary, loading_boundary):
                 continue  # came from this store
-            out.append((g.sgid, boundary, bid))
+            out.append((g.group_index, boundary, bid))
         return out
 
     def _tail_saves(
         self, saves: RequestSaves, states: list[SaveItem], table: tuple[list[int], ...] | None
     ) -> list[SaveItem]:
-        """(sgid, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
+        """(group_index, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
 
         A Mamba state at a boundary ``b`` inside a full-attention block (fine-grained geometries: Mamba
         block > hash unit, or full attention widened by DCP) is only reachable if that block is stored
@@ -242,31 +246,33 @@ class SavePlanner:
             for g in self.geo.groups:
                 if not KIND_RULES[g.kind].stores_partial_tails or boundary % g.span == 0:
                     continue
-                if (g.sgid, boundary) in saves.tails_saved:
+                if (g.group_index, boundary) in saves.tails_saved:
                     continue
                 idx = boundary // g.span
-                bid = table[g.gid][idx] if idx < len(table[g.gid]) else 0
+                bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
                 if bid == 0:
                     continue
-                saves.tails_saved.add((g.sgid, boundary))
-                out.append((g.sgid, boundary, bid))
+                saves.tails_saved.add((g.group_index, boundary))
+                out.append((g.group_index, boundary, bid))
         return out
 
     def _new_job(self, saves: RequestSaves, items: list[SaveItem]) -> SaveJob:
         """A save job for ``items``: its lifecycle wave started, its source blocks pinned."""
         request = saves.request
         by_group: dict[int, list[int]] = {}
-        for sgid, boundary, _ in items:
-            by_group.setdefault(sgid, []).append(boundary)
+        for group_index, boundary, _ in items:
+            by_group.setdefault(group_index, []).append(boundary)
         plan = plan_save(self.scheme, list(request.block_hashes), by_group)
-        bid_of = {(sgid, boundary): bid for sgid, boundary, bid in items}
+        bid_of = {(group_index, boundary): bid for group_index, boundary, bid in items}
         block_ids = [bid_of[(b.group_index, b.key_boundary)] for b in plan.blocks]
         job = SaveJob(
-            self._next_job, request.request_id, PlannedRefs(plan.blocks, block_ids, self.geo.gid_of_sgid)
+            self._next_job,
+            request.request_id,
+            PlannedRefs(plan.blocks, block_ids, self.geo.group_to_vllm_group),
         )
         self._next_job += 1
         wave = self.machine.new_save_wave(request.request_id, job.job_id, plan)
-        pinned: list[Any] = []
+        pinned: list[KVCacheBlock] = []
         if self._pool is not None:
             # One pin per physical block (a DCP-sharded block is several planned entries).
             pinned = [self._pool.blocks[bid] for bid in dict.fromkeys(block_ids)]
@@ -311,11 +317,11 @@ class SavePlanner:
             ],
         )
 
-    def stored_event(self, sgid: int, end: int, block_hash: bytes, request: Request) -> Any:
-        """vLLM's ``BlockStored`` for the entry of group ``sgid`` stored under key boundary ``end``."""
+    def stored_event(self, group_index: int, end: int, block_hash: bytes, request: Request) -> BlockStored:
+        """vLLM's ``BlockStored`` for the entry of group ``group_index`` stored under key boundary ``end``."""
         from vllm.distributed.kv_events import BlockStored
 
-        g = self.geo.groups[sgid]
+        g = self.geo.groups[group_index]
         # The block's tokens up to the key boundary: [block start, end) (a prompt tail or Mamba state at
         # a boundary inside a block covers less than a span).
         start = (cdiv(end, g.span) - 1) * g.span
@@ -328,7 +334,7 @@ class SavePlanner:
             lora_id=None,
             medium="STORAGE",
             lora_name=None,
-            group_idx=g.gid,
+            group_idx=g.vllm_group_index,
         )
 
     # ------------------------------------------------------------------ inspection and lifetime

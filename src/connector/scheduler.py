@@ -49,10 +49,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -66,23 +65,29 @@ from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
-    PlannedRefs,
 )
 from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.request_state import RequestState
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
-from hybridkv.connector.stats import StatsBox
+from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, StatsBox
+from hybridkv.connector.store_events import StoreEvents
 from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.keys import KeyScheme
-from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 from hybridkv.lifecycle.sink import AuditSink
+from hybridkv.lifecycle.table import State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
 from hybridkv.store.url import store_kind
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -102,7 +107,7 @@ RESET_WAIT_S = 1.0
 class SchedulerSide:
     """Scheduler-role state. One per engine core; driven from the scheduler thread only."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
         self.geo: ConnectorGeometry = resolve_geometry(
             vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=True
@@ -117,12 +122,11 @@ class SchedulerSide:
         self.stats = StatsBox()
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
-        self._events: list[Any] = []
+        self.events = StoreEvents(self.geo)
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
         self._all_ranks = frozenset(self.geo.ranks)
-        self._block_pool: Any = None  # vLLM's block pool (``bind_block_pool``)
-        self._kv_cache_manager: Any = None  # vLLM's KV cache manager (``bind_kv_cache_manager``)
+        self.prefix_cache = PrefixCacheGuard(self.geo)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
         self.lookups = LookupService(
             self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
@@ -134,10 +138,6 @@ class SchedulerSide:
         )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
         self._maintenance = Maintenance()
-        #: guards what maintenance callbacks share with the scheduler thread (events, removals pending)
-        self._lock = threading.Lock()
-        #: (sgid, block hash) of blocks whose invalidation removal has not returned yet
-        self._removals_pending: set[tuple[int, bytes]] = set()
         self.reset_wait_s = RESET_WAIT_S
         #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
         self._num_weight_tags = 0
@@ -148,6 +148,7 @@ class SchedulerSide:
         from hybridkv.connector.capabilities import load_disabled_reason
 
         tc = vllm_config.kv_transfer_config
+        assert tc is not None, "HybridStoreConnector runs only with a kv_transfer_config"
         self.can_save = bool(tc.is_kv_producer)
         # Never load into an engine that cannot use loaded KV (wrong tokens, not an error); saves go on.
         loads_off = load_disabled_reason(vllm_config) if tc.is_kv_consumer else None
@@ -169,49 +170,12 @@ class SchedulerSide:
         """This engine's key scheme (its geometry's; a reset rotates its weights tag)."""
         return self.geo.scheme
 
-    def bind_block_pool(self, pool: Any) -> None:
-        self._block_pool = pool
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        self.prefix_cache.block_pool = pool
         self.saves.bind_block_pool(pool)
 
-    def bind_kv_cache_manager(self, manager: Any) -> None:
-        self._kv_cache_manager = manager
-
-    def _cache_after_verdict(self, request: Request, block_ids: set[int], first_block: int) -> None:
-        """Layer-wise mode: keep a load's blocks out of vLLM's prefix cache until its verdict is in.
-
-        vLLM caches a synchronous load's blocks when it allocates them (the external tokens count as
-        computed), so a request scheduled later in the same step could take them as a local hit and, if the
-        load then fails and its recompute spans steps, attend over pages not yet rewritten. Their hashes go
-        now, and the request's cached-block count of the attention group goes back to ``first_block`` (its
-        local hit): vLLM caches them again at the request's next allocation, which comes after the step's
-        verdict (layer-wise needs async scheduling off) -- once verified, or as the recompute rewrites them.
-        Where vLLM's manager does not have that count, the blocks simply stay uncached (correct, fewer local
-        hits)."""
-        managers = getattr(getattr(self._kv_cache_manager, "coordinator", None), "single_type_managers", ())
-        gid = self.geo.groups[0].gid
-        manager = managers[gid] if gid < len(managers) else None
-        counts = getattr(manager, "num_cached_block", None)
-        rows = getattr(manager, "req_to_blocks", None)
-        rid = request.request_id
-        if isinstance(counts, dict) and isinstance(rows, dict) and rid in counts and rid in rows:
-            # Every block this allocation cached past the local hit (the loaded ones and those this step
-            # computes), so that vLLM's next caching pass starts from the local hit with none still hashed.
-            num_cached = counts[rid]
-            block_ids = block_ids | {
-                blk.block_id for blk in rows[rid][first_block:num_cached] if not blk.is_null
-            }
-            counts[rid] = min(num_cached, first_block)
-        self._uncache(block_ids)
-
-    def _uncache(self, block_ids: set[int]) -> None:
-        """Layer-wise mode: take blocks whose load failed out of vLLM's prefix cache.
-
-        vLLM caches a synchronous load's blocks when it allocates them, and on a load error under
-        ``recompute`` it keeps them cached for the request that recomputes them. Until then their pages
-        hold whatever the failed load left, so no other request may find them: once their hashes are gone,
-        later requests recompute or load those tokens instead. (The blocks stay the request's own.)"""
-        if self._block_pool is not None and block_ids:
-            self._block_pool.evict_blocks(block_ids)
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self.prefix_cache.kv_cache_manager = manager
 
     def track(self, request: Request) -> None:
         """Start following a request (``on_new_request``): its prompt blocks may be saved, and its lookup
@@ -271,14 +235,14 @@ class SchedulerSide:
                 )
             return
         lc = r.lc
-        refs, reason = self._bind_plan(request, lc, blocks, num_external_tokens)
+        refs, reason = bind_plan(self.geo, lc, blocks, num_external_tokens)
         if refs is None:
             assert reason is not None
             self._decline_allocated(
                 request, r, reason, self._external_block_ids(r, blocks, num_external_tokens)
             )
             return
-        assert lc.lookup is not None and lc.lookup.plan is not None  # _bind_plan checked it
+        assert lc.lookup is not None and lc.lookup.plan is not None  # bind_plan checked it
         boundary = lc.lookup.plan.boundary
         if not lc.start_load():  # the guard ``answer_current``: a reset since the lookup
             self._decline_allocated(
@@ -293,60 +257,20 @@ class SchedulerSide:
         self._pending_loads.append(job)
         if self.cfg.layerwise:
             # No other request may take these blocks as a local hit before the load's verdict.
-            self._cache_after_verdict(
+            self.prefix_cache.cache_after_verdict(
                 request, set(refs.block_ids), lc.lookup.plan.num_computed_tokens // self.geo.groups[0].span
             )
         self.stats.add("hit_tokens", num_external_tokens)
-        for g in self.geo.groups:
-            self.stats.add(f"hit_tokens.g{g.sgid}", num_external_tokens)
-
-    def _bind_plan(
-        self, request: Request, lc: RequestLifecycle, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> tuple[PlannedRefs | None, str | None]:
-        """The plan's blocks on the request's real block table, or why vLLM's allocation does not fit."""
-        if lc.current is not State.PARTIAL_HIT or lc.lookup is None or lc.lookup.plan is None:
-            return None, f"{num_external_tokens} external tokens allocated in state {lc.state} without a plan"
-        plan = lc.lookup.plan
-        planned = plan.boundary - plan.num_computed_tokens
-        if planned != num_external_tokens:
-            return None, (
-                f"vLLM allocated {num_external_tokens} external tokens, the plan has {planned} "
-                f"(boundary {plan.boundary}, local {plan.num_computed_tokens})"
-            )
-        table = blocks.get_block_ids()
-        block_ids: list[int] = []
-        # One slice lookup per group (the plan keeps each group's block-table positions, computed on the
-        # lookup thread): a 128K-token hit has thousands of planned blocks.
-        for group_index, indexes in enumerate(plan.block_indexes_by_group):
-            if not indexes:
-                continue
-            info = self.geo.groups[group_index]
-            row = table[info.gid] if info.gid < len(table) else []
-            if indexes[-1] < len(row):
-                ids = itemgetter(*indexes)(row) if len(indexes) > 1 else (row[indexes[0]],)
-                if 0 not in ids:
-                    block_ids.extend(ids)
-                    continue
-            bad = next(i for i in indexes if i >= len(row) or row[i] == 0)
-            return None, (
-                f"group {info.gid} ({info.kind.value}) block {bad} is not allocated "
-                f"(null block) in the load plan for boundary {plan.boundary}"
-            )
-        return PlannedRefs(plan.loads, block_ids, self.geo.gid_of_sgid), None
 
     def _external_block_ids(
         self, r: RequestState | None, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> tuple[int, ...]:
-        """Layer-wise mode: the block ids vLLM allocated for a hit's external tokens (its one group), from the
-        local hit the lookup was asked with (0 when unknown: then the local blocks too, which only costs
-        their recompute). Empty in async mode, where a declined hit fails request-level."""
+        """Layer-wise mode: the block ids of a declined hit's external tokens (``external_block_ids``).
+        Empty in async mode, where a declined hit fails request-level."""
         if not self.cfg.layerwise:
             return ()
-        span = self.geo.groups[0].span
         num_local = r.memo[0][1] if r is not None and r.memo is not None else 0
-        row = blocks.get_block_ids()[0]
-        first, end = num_local // span, -(-(num_local + num_external_tokens) // span)
-        return tuple(bid for bid in row[first:end] if bid != 0)
+        return external_block_ids(self.geo, blocks, num_local, num_external_tokens)
 
     def _decline_allocated(
         self, request: Request, r: RequestState | None, reason: str, declined_block_ids: tuple[int, ...] = ()
@@ -358,7 +282,7 @@ class SchedulerSide:
         vLLM discards the step for the request and recomputes those blocks. No later lookup of this
         incarnation hits."""
         self._pending_loads.append(LoadJob(request.request_id, 0, (), declined_block_ids))
-        self._uncache(set(declined_block_ids))
+        self.prefix_cache.uncache(set(declined_block_ids))
         self.stats.add("hit_declined")
         log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
         if r is None:
@@ -453,6 +377,8 @@ class SchedulerSide:
         job = r.end_load()
         if resolution.verified:
             r.saves.loaded_boundary = job.boundary
+            for group_index, num_blocks in Counter(ref.group_index for ref in job.blocks).items():
+                self.stats.add(f"{PER_GROUP_LOADED_BLOCKS}{group_index}", num_blocks)
             return
         # vLLM discards what this load wrote and restarts the request from 0 computed tokens (layer-wise
         # mode: from its first loaded block, the local hit): nothing came from the store, and positional
@@ -460,11 +386,11 @@ class SchedulerSide:
         # the local hit), so invalidated entries get re-saved.
         r.saves.restart()
         if self.cfg.layerwise:
-            self._uncache({ref.block_id for ref in job.blocks})
+            self.prefix_cache.uncache({ref.block_id for ref in job.blocks})
         self.stats.add("truncations")
         self.stats.add("load_transient_faults", resolution.num_transient_faults)
         if resolution.invalid_keys:
-            hash_of = {(ref.sgid, ref.index, ref.key_boundary): ref.block_hash for ref in job.blocks}
+            hash_of = {(ref.group_index, ref.index, ref.key_boundary): ref.block_hash for ref in job.blocks}
             bad = {
                 (e.group_index, hash_of[(e.group_index, e.block_index, e.key_boundary)])
                 for e in resolution.invalid_entries
@@ -492,42 +418,32 @@ class SchedulerSide:
     def _invalidate(self, keys: list[str], blocks: list[tuple[int, bytes]]) -> None:
         """Remove known-bad entries off the scheduler thread; ``BlockRemoved`` once the removal returned.
 
-        ``blocks``: (sgid, block hash) of the invalidated blocks. While their removal is pending, save
+        ``blocks``: (group_index, block hash) of the invalidated blocks. While their removal is pending, save
         waves that finish for them publish nothing (the removal may land after their put)."""
-        with self._lock:
-            self._removals_pending.update(blocks)
+        self.events.removal_started(blocks)
 
         def removed(fut: concurrent.futures.Future[Any]) -> None:
             exc = fut.exception()
-            with self._lock:
-                self._removals_pending.difference_update(blocks)
-                if exc is None:
-                    self._events.extend(self._removed_event(sgid, block_hash) for sgid, block_hash in blocks)
+            self.events.removal_ended(blocks, removed=exc is None)
             if exc is not None:
                 log.warning(ConnectorLogEvent.INVALIDATION_FAILED, error=repr(exc), num_keys=len(keys))
                 return
             self.stats.add("invalidated_entries", sum(1 for st in fut.result() if st.is_ok))
 
         if self._submit_maintenance(lambda: self.store.remove(keys), removed) is None:
-            with self._lock:
-                self._removals_pending.difference_update(blocks)
+            self.events.removal_ended(blocks, removed=False)
             log.warning(ConnectorLogEvent.INVALIDATION_DROPPED, num_keys=len(keys))
 
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
         return self._maintenance.wait(timeout)
 
-    def _removed_event(self, sgid: int, block_hash: bytes) -> Any:
-        from vllm.distributed.kv_events import BlockRemoved
-
-        return BlockRemoved(block_hashes=[block_hash], medium="STORAGE", group_idx=self.geo.groups[sgid].gid)
-
     @property
     def reset_epoch(self) -> int:
         """Namespace resets requested so far (a save job remembers the epoch it was created in)."""
         return self.machine.epoch
 
-    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, Any]]) -> None:
+    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, BlockStored]]) -> None:
         """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``.
 
         A reset since the job was created, or an invalidation removal still pending for a block, may
@@ -535,17 +451,10 @@ class SchedulerSide:
         untrue."""
         if epoch != self.machine.epoch or self.gate.closed:
             return
-        with self._lock:
-            self._events.extend(
-                event
-                for sgid, block_hash, event in stored
-                if (sgid, block_hash) not in self._removals_pending
-            )
+        self.events.stored(stored)
 
-    def take_events(self) -> list[Any]:
-        with self._lock:
-            ev, self._events = self._events, []
-        return ev
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.events.take()
 
     # ------------------------------------------------------------------ lifetime
     def request_finished(self, request: Request) -> None:
@@ -606,13 +515,11 @@ class SchedulerSide:
             return removed
 
         def cleared(fut: concurrent.futures.Future[Any]) -> None:
-            from vllm.distributed.kv_events import AllBlocksCleared
-
             exc = fut.exception()
-            with self._lock:
-                self.gate.end_reset(ok=exc is None)
-                if exc is None:
-                    self._events.append(AllBlocksCleared())
+            if exc is None:
+                self.events.all_cleared(reopen=lambda: self.gate.end_reset(ok=True))
+            else:
+                self.gate.end_reset(ok=False)
             if exc is None:
                 log.info(ConnectorLogEvent.RESET_CACHE, prefix=prefix, removed=fut.result())
             else:

@@ -3,11 +3,11 @@
 All values are counters since the previous collection; ``aggregate`` sums them (scheduler + every worker).
 The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states, e.g. ``breaker_open``: 0 or 1, sent by
 the scheduler whenever the lookup circuit breaker changed state) and the per-store-group counter
-``hit_tokens.g<N>`` (``PER_GROUP_HIT_TOKENS``). ``add`` refuses any other name, so these tables are the
+``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``). ``add`` refuses any other name, so these tables are the
 whole vocabulary (``docs/metrics.md`` lists them).
 
 Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
-``hit_tokens.g<N>`` as ``vllm:hybridkv_group_hit_tokens_total{group="N"}``, the gauge as
+``loaded_blocks.g<N>`` as ``vllm:hybridkv_group_loaded_blocks_total{group="N"}``, the gauge as
 ``vllm:hybridkv_breaker_open``; all with vLLM's per-engine labels.
 """
 
@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
+
 
 def is_stat_name(name: str) -> bool:
-    """Whether ``name`` is a counter or gauge of the tables below (``hit_tokens.g<N>``: any group ``N``)."""
+    """Whether ``name`` is a counter or gauge of the tables below (``loaded_blocks.g<N>``: any group ``N``)."""
     if name in PROM_COUNTERS or name in GAUGES:
         return True
-    group = name.removeprefix(PER_GROUP_HIT_TOKENS)
+    group = name.removeprefix(PER_GROUP_LOADED_BLOCKS)
     return group != name and group.isdigit()
 
 
@@ -79,8 +87,10 @@ def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
     return HybridStoreStats(data=dict(data or {}))
 
 
-#: The per-store-group counter: ``hit_tokens.g<N>`` counts group ``N``'s external-hit tokens.
-PER_GROUP_HIT_TOKENS = "hit_tokens.g"
+#: The per-store-group counter: ``loaded_blocks.g<N>`` counts the blocks of store group ``N`` that verified
+#: loads restored (a full-attention group restores a block per ``block_size`` tokens of the hit, a Mamba group
+#: one state, a sliding-window group only the blocks of its window), counted once per request at the verdict.
+PER_GROUP_LOADED_BLOCKS = "loaded_blocks.g"
 
 #: gauge name in the stats dict -> (Prometheus metric name, help)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -157,12 +167,12 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
 
 
 def build_prom(
-    vllm_config: Any,
-    metric_types: dict[Any, Any],
+    vllm_config: VllmConfig,
+    metric_types: dict[type[PromMetric], type[PromMetricT]],
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
-) -> Any:
-    """A ``KVConnectorPromMetrics`` exporting every counter above plus per-group hit tokens."""
+) -> KVConnectorPromMetrics:
+    """A ``KVConnectorPromMetrics`` exporting every counter above plus the per-group loaded blocks."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
     class HybridStorePromMetrics(KVConnectorPromMetrics):
@@ -190,13 +200,13 @@ def build_prom(
             for children in self._gauges.values():
                 for child in children.values():
                     child.set(0)
-            hit: Any = self._counter_cls(
-                name="vllm:hybridkv_group_hit_tokens",
-                documentation="External-hit tokens, per store group (each group restores the same tokens).",
+            per_group: Any = self._counter_cls(
+                name="vllm:hybridkv_group_loaded_blocks",
+                documentation="Blocks restored by verified loads, per store group.",
                 labelnames=[*labelnames, "group"],
             )
-            self._hit = hit
-            self._hit_children: dict[tuple[int, str], Any] = {}
+            self._per_group = per_group
+            self._per_group_children: dict[tuple[int, str], Any] = {}
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for key, value in transfer_stats_data.items():
@@ -207,12 +217,12 @@ def build_prom(
                     continue
                 if key in self._counters:
                     self._counters[key][engine_idx].inc(value)
-                elif key.startswith(PER_GROUP_HIT_TOKENS):
-                    group = key.removeprefix(PER_GROUP_HIT_TOKENS)
-                    child = self._hit_children.get((engine_idx, group))
+                elif key.startswith(PER_GROUP_LOADED_BLOCKS):
+                    group = key.removeprefix(PER_GROUP_LOADED_BLOCKS)
+                    child = self._per_group_children.get((engine_idx, group))
                     if child is None:
-                        child = self._hit.labels(*self.per_engine_labelvalues[engine_idx], group)
-                        self._hit_children[(engine_idx, group)] = child
+                        child = self._per_group.labels(*self.per_engine_labelvalues[engine_idx], group)
+                        self._per_group_children[(engine_idx, group)] = child
                     child.inc(value)
 
     return HybridStorePromMetrics()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.identity import ModelIdentity, manifest, model_identity, write_manifest
@@ -24,15 +24,19 @@ from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import GroupKind, GroupSpec
 from hybridkv.store import Status, Store
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class GroupInfo:
-    """Where a store group's bytes live: ``sgid`` = lifecycle group index, ``gid`` = vLLM group index."""
+    """Where a store group's bytes live: ``group_index`` = lifecycle group index, ``vllm_group_index`` = vLLM group index."""
 
-    sgid: int
-    gid: int
+    group_index: int
+    vllm_group_index: int
     kind: GroupKind
     spec_name: str
     span: int
@@ -50,9 +54,9 @@ class ConnectorGeometry:
         return self.scheme.geometry
 
     @cached_property
-    def gid_of_sgid(self) -> tuple[int, ...]:
+    def group_to_vllm_group(self) -> tuple[int, ...]:
         """vLLM's KV cache group id of each store group (by store group index)."""
-        return tuple(g.gid for g in self.groups)
+        return tuple(g.vllm_group_index for g in self.groups)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -79,7 +83,7 @@ class ConnectorGeometry:
 
     def _group_lines(self) -> list[str]:
         return [
-            f"{x.sgid}:{x.kind.value}/{x.spec_name} span={x.span} layers={len(x.layer_names)}"
+            f"{x.group_index}:{x.kind.value}/{x.spec_name} span={x.span} layers={len(x.layer_names)}"
             for x in self.groups
         ]
 
@@ -127,10 +131,10 @@ def _layout(spec: Any) -> str:
     return f"{type(spec).__name__}(" + ",".join(fields) + ")"
 
 
-def _mamba_group(spec: Any, inner: Any, gid: int) -> GroupSpec:
+def _mamba_group(spec: Any, inner: Any, vllm_group_index: int) -> GroupSpec:
     if getattr(inner, "mamba_cache_mode", "align") != "align":
         raise ValueError(
-            f"group {gid} ({type(inner).__name__}): Mamba prefix caching needs mamba_cache_mode 'align', "
+            f"group {vllm_group_index} ({type(inner).__name__}): Mamba prefix caching needs mamba_cache_mode 'align', "
             f"got {inner.mamba_cache_mode!r}"
         )
     return GroupSpec.mamba(int(spec.block_size), layout=_layout(inner))
@@ -161,7 +165,7 @@ def _spec_to_group() -> tuple[tuple[type, Callable[[Any, Any, int], GroupSpec]],
 
 
 def resolve_geometry(
-    vllm_config: Any, kv_cache_config: Any, namespace: str, *, check_vllm_sizes: bool
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str, *, check_vllm_sizes: bool
 ) -> ConnectorGeometry:
     """Build the key scheme; raise ``ValueError`` naming any group or size this connector cannot serve.
 
@@ -187,28 +191,30 @@ def resolve_geometry(
     cacheable = tuple(kv_cache_config.prefix_cacheable_group_ids)
     specs: list[GroupSpec] = []
     infos: list[GroupInfo] = []
-    for sgid, gid in enumerate(cacheable):
-        group = kv_cache_config.kv_cache_groups[gid]
+    for group_index, vllm_group_index in enumerate(cacheable):
+        group = kv_cache_config.kv_cache_groups[vllm_group_index]
         spec = group.kv_cache_spec
         inner = spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             inner_specs = list(spec.kv_cache_specs.values())
             assert inner_specs and all(type(s) is type(inner_specs[0]) for s in inner_specs), (
-                f"group {gid}: mixed per-layer specs {sorted({type(s).__name__ for s in inner_specs})}"
+                f"group {vllm_group_index}: mixed per-layer specs {sorted({type(s).__name__ for s in inner_specs})}"
             )
             inner = inner_specs[0]
         name = type(inner).__name__
         build = next((build for spec_type, build in _spec_to_group() if isinstance(inner, spec_type)), None)
         if build is None:
-            raise ValueError(f"group {gid}: KV-cache spec {name} is not supported by HybridStoreConnector")
-        gs = build(spec, inner, gid)
+            raise ValueError(
+                f"group {vllm_group_index}: KV-cache spec {name} is not supported by HybridStoreConnector"
+            )
+        gs = build(spec, inner, vllm_group_index)
         if dcp > 1 and not gs.rules.supports_dcp:
             raise ValueError(
-                f"group {gid}: {name} ({gs.kind.value}) cannot run under decode context parallelism (dcp={dcp})"
+                f"group {vllm_group_index}: {name} ({gs.kind.value}) cannot run under decode context parallelism (dcp={dcp})"
             )
         specs.append(gs)
         span = int(resolve_dcp_kv_block_size(spec, dcp))
-        infos.append(GroupInfo(sgid, gid, gs.kind, name, span, tuple(group.layer_names)))
+        infos.append(GroupInfo(group_index, vllm_group_index, gs.kind, name, span, tuple(group.layer_names)))
     if not specs:
         raise ValueError("HybridStoreConnector: the model has no prefix-cacheable KV-cache group")
 
@@ -225,7 +231,9 @@ def resolve_geometry(
         other_group_spans=other_spans,
     )
     for info, span in zip(infos, geometry.spans, strict=True):
-        assert info.span == span, f"group {info.gid}: vLLM span {info.span} != lifecycle span {span}"
+        assert info.span == span, (
+            f"group {info.vllm_group_index}: vLLM span {info.span} != lifecycle span {span}"
+        )
     if check_vllm_sizes:
         vh = kv_cache_config.hash_block_size
         va = kv_cache_config.cache_hit_alignment_tokens

@@ -31,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -59,6 +59,10 @@ from hybridkv.connector.worker_context import (
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Store
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
 log = structlog.get_logger(__name__)
 
 #: Longest pause of one engine step waiting for an in-flight load (see ``WorkerSide.transfer_results``).
@@ -70,7 +74,7 @@ _CLOSE_STORE_MIN_S = 1.0
 class WorkerSide:
     """Worker-role state. One per worker process (TP rank); the connector's worker hooks call it."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ConnectorConfig) -> None:
         # Layer names and group order only: keys come from the scheduler's KeyScheme in the metadata.
         geo: ConnectorGeometry = resolve_geometry(
             vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=False
@@ -147,14 +151,14 @@ class WorkerSide:
         """Open full-attention tails copied in ``wait_for_save`` (host path)."""
         return self._saves.num_tail_snapshots
 
-    def block_nbytes(self, sgid: int) -> int:
-        """Bytes of one block of store group ``sgid`` (all its layers)."""
-        return self._ctx.block_nbytes(sgid)
+    def block_nbytes(self, group_index: int) -> int:
+        """Bytes of one block of store group ``group_index`` (all its layers)."""
+        return self._ctx.block_nbytes(group_index)
 
-    def group_tensors(self, sgid: int) -> list[torch.Tensor]:
-        """The registered KV cache tensors of store group ``sgid``, in the group's layer order; index one
+    def group_tensors(self, group_index: int) -> list[torch.Tensor]:
+        """The registered KV cache tensors of store group ``group_index``, in the group's layer order; index one
         with a block id for that block's page (inspection: tests and tools)."""
-        return list(self._ctx.sgid_to_mover[sgid].tensors)
+        return list(self._ctx.group_to_mover[group_index].tensors)
 
     # ------------------------------------------------------------------ benchmark hooks
     def install_load_probe(self, probe: LoadProbe | None) -> None:
@@ -179,7 +183,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ layout
     def register_kv_caches(
         self,
-        kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]],
+        kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
         *,
         staging: StagingContext | None = None,
     ) -> None:
@@ -196,16 +200,17 @@ class WorkerSide:
         assert ctx.tp_rank % dcp == ctx.dcp_rank, (
             f"dcp rank {ctx.dcp_rank} != tp rank {ctx.tp_rank} % dcp {dcp}"
         )
-        sgid_to_layers, device = group_tensors(ctx.geo, kv_caches)
+        group_to_layers, device = group_tensors(ctx.geo, kv_caches)
         if staging is not None:
             ctx.staging = staging
         elif device.type == "cuda":
-            ctx.staging = staging_for(device, sgid_to_layers, ctx.cfg)
-        ctx.sgid_to_mover = {
-            sgid: BlockMover(layers, staging=ctx.staging) for sgid, layers in sgid_to_layers.items()
+            ctx.staging = staging_for(device, group_to_layers, ctx.cfg)
+        ctx.group_to_mover = {
+            group_index: BlockMover(layers, staging=ctx.staging)
+            for group_index, layers in group_to_layers.items()
         }
         if self._layerwise is not None:
-            self._layerwise.register(ctx.sgid_to_mover, layer_tensors(ctx.geo, sgid_to_layers))
+            self._layerwise.register(ctx.group_to_mover, layer_tensors(ctx.geo, group_to_layers))
         log.info(
             ConnectorLogEvent.WORKER_GEOMETRY,
             tp_rank=ctx.tp_rank,
@@ -214,11 +219,11 @@ class WorkerSide:
             device=str(device),
             staging_bytes=ctx.staging.pool.budget_bytes if ctx.staging is not None else 0,
             copy_kernel={
-                sgid: sorted(m.kernel_directions) or m.kernel_unsupported
-                for sgid, m in ctx.sgid_to_mover.items()
+                group_index: sorted(m.kernel_directions) or m.kernel_unsupported
+                for group_index, m in ctx.group_to_mover.items()
                 if m.is_staged
             },
-            block_bytes={g.sgid: ctx.block_nbytes(g.sgid) for g in ctx.geo.groups},
+            block_bytes={g.group_index: ctx.block_nbytes(g.group_index) for g in ctx.geo.groups},
             **ctx.geo.describe(),
         )
 

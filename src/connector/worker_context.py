@@ -9,7 +9,7 @@ of about one PUT wave each (:func:`staging_for`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -50,7 +50,7 @@ class WorkerContext:
     tp_rank: int = 0
     dcp_rank: int = 0
     #: store group id -> the group's block mover
-    sgid_to_mover: dict[int, BlockMover] = field(default_factory=dict)
+    group_to_mover: dict[int, BlockMover] = field(default_factory=dict)
     #: CUDA caches (or a staging context given to ``register_kv_caches``): the staged path's slabs; else None
     staging: StagingContext | None = None
 
@@ -58,9 +58,9 @@ class WorkerContext:
     def is_staged(self) -> bool:
         return self.staging is not None
 
-    def block_nbytes(self, sgid: int) -> int:
-        """Bytes of one block of store group ``sgid`` (all its layers)."""
-        return int(self.sgid_to_mover[sgid].block_nbytes)
+    def block_nbytes(self, group_index: int) -> int:
+        """Bytes of one block of store group ``group_index`` (all its layers)."""
+        return int(self.group_to_mover[group_index].block_nbytes)
 
     def fence(self) -> Fence:
         """CUDA: an event on the current (compute) stream; transfers queued after it wait for it."""
@@ -68,7 +68,7 @@ class WorkerContext:
 
     def keys(self, scheme: KeyScheme, refs: Sequence[BlockRef]) -> list[str]:
         """This rank's store key of each block."""
-        return [scheme.key(ref.sgid, self.tp_rank, ref.block_hash) for ref in refs]
+        return [scheme.key(ref.group_index, self.tp_rank, ref.block_hash) for ref in refs]
 
     def load_results(self, job: LoadJob, outcome: LoadOutcome) -> list[LoadResult]:
         return [LoadResult(ref.entry(self.tp_rank), outcome) for ref in job.blocks]
@@ -84,12 +84,12 @@ class WorkerContext:
         """
         by_group: dict[int, list[int]] = {}
         for i in positions:
-            by_group.setdefault(refs[i].sgid, []).append(i)
+            by_group.setdefault(refs[i].group_index, []).append(i)
         if self.staging is None:
             return [list(by_group.values())]
         rounds: list[list[list[int]]] = []
-        for sgid, idxs in by_group.items():
-            cap = self.sgid_to_mover[sgid].max_blocks
+        for group_index, idxs in by_group.items():
+            cap = self.group_to_mover[group_index].max_blocks
             rounds.extend([idxs[a : a + cap]] for a in range(0, len(idxs), cap))
         return rounds
 
@@ -163,39 +163,39 @@ def kernel_directions(cuda_copy: str) -> frozenset[str]:
 
 
 def group_tensors(
-    geo: ConnectorGeometry, kv_caches: dict[str, torch.Tensor | Sequence[torch.Tensor]]
+    geo: ConnectorGeometry, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
 ) -> tuple[dict[int, list[list[torch.Tensor]]], torch.device]:
     """Per store group, each layer's tensors in the group's layer order (a list-of-tensors layer keeps its
     list), and the one device they all live on (CPU when there are none)."""
-    sgid_to_layers: dict[int, list[list[torch.Tensor]]] = {}
+    group_to_layers: dict[int, list[list[torch.Tensor]]] = {}
     devices: set[torch.device] = set()
     for g in geo.groups:
         per_layer: list[list[torch.Tensor]] = []
         for name in g.layer_names:
-            assert name in kv_caches, f"group {g.gid}: layer {name!r} has no registered KV cache"
+            assert name in kv_caches, f"group {g.vllm_group_index}: layer {name!r} has no registered KV cache"
             t = kv_caches[name]
-            tensors: list[torch.Tensor] = list(t) if isinstance(t, (list, tuple)) else [t]  # type: ignore[list-item]
+            tensors: list[torch.Tensor] = [t] if isinstance(t, torch.Tensor) else list(t)
             for x in tensors:
                 assert x.device.type in ("cpu", "cuda"), (
                     f"layer {name!r}: HybridStoreConnector needs host or CUDA KV, got {x.device}"
                 )
                 devices.add(x.device)
             per_layer.append(tensors)
-        sgid_to_layers[g.sgid] = per_layer
+        group_to_layers[g.group_index] = per_layer
     assert len(devices) <= 1, f"KV caches on several devices: {sorted(map(str, devices))}"
-    return sgid_to_layers, next(iter(devices)) if devices else torch.device("cpu")
+    return group_to_layers, next(iter(devices)) if devices else torch.device("cpu")
 
 
 def staging_for(
-    device: torch.device, sgid_to_layers: dict[int, list[list[torch.Tensor]]], cfg: ConnectorConfig
+    device: torch.device, group_to_layers: dict[int, list[list[torch.Tensor]]], cfg: ConnectorConfig
 ) -> StagingContext:
     """The staging context of CUDA caches: :data:`STAGING_SLABS` pinned slabs, each one PUT wave (a wave
     ends at the first block that reaches ``put_wave_bytes``), with one slab pinned already."""
     block_max = max(
         sum(int(x[0].numel()) * x.element_size() for layer in layers for x in layer)
-        for layers in sgid_to_layers.values()
+        for layers in group_to_layers.values()
     )
-    num_tensors = max(sum(len(layer) for layer in layers) for layers in sgid_to_layers.values())
+    num_tensors = max(sum(len(layer) for layer in layers) for layers in group_to_layers.values())
     slab = cfg.put_wave_bytes + block_max + 256 * num_tensors
     staging = StagingContext(
         device,
@@ -212,16 +212,16 @@ def staging_for(
 
 
 def layer_tensors(
-    geo: ConnectorGeometry, sgid_to_layers: dict[int, list[list[torch.Tensor]]]
+    geo: ConnectorGeometry, group_to_layers: dict[int, list[list[torch.Tensor]]]
 ) -> dict[int, list[LayerTensors]]:
     """Per store group, its layers by name with the indices of their tensors in the group's mover."""
-    sgid_to_layer_tensors: dict[int, list[LayerTensors]] = {}
+    group_to_layer_tensors: dict[int, list[LayerTensors]] = {}
     for g in geo.groups:
         first = 0
-        sgid_to_layer_tensors[g.sgid] = []
-        for name, tensors in zip(g.layer_names, sgid_to_layers[g.sgid], strict=True):
-            sgid_to_layer_tensors[g.sgid].append(
+        group_to_layer_tensors[g.group_index] = []
+        for name, tensors in zip(g.layer_names, group_to_layers[g.group_index], strict=True):
+            group_to_layer_tensors[g.group_index].append(
                 LayerTensors(name, tuple(range(first, first + len(tensors))))
             )
             first += len(tensors)
-    return sgid_to_layer_tensors
+    return group_to_layer_tensors

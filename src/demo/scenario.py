@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector import inprocess
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import FAMILIES, build_tiny_model
+from hybridkv.ops import inprocess
 
 __all__ = [
     "DEFAULT_CHAOS",

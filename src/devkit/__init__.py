@@ -7,7 +7,7 @@ Mooncake are optional; import the submodules directly:
 - ``hybridkv.devkit.net``              -- a free loopback TCP port, the loopback-only-namespace check
 - ``hybridkv.devkit.mooncake``         -- a ``mooncake_master`` child on 127.0.0.1 (kill / freeze / restart)
 - ``hybridkv.devkit.tiny_models``      -- random-weight model families built locally (no download)
-- ``hybridkv.devkit.vllm_harness``     -- config builders and engine steps over ``hybridkv.connector.inprocess``
+- ``hybridkv.devkit.vllm_harness``     -- config builders and engine steps over ``hybridkv.ops.inprocess``
 - ``hybridkv.devkit.cluster``          -- a simulated TP x DCP cluster over one store (scheduler level)
 - ``hybridkv.devkit.openai_server``    -- vLLM's OpenAI server in a child process, with the connector
 - ``hybridkv.devkit.delay_proxy``      -- a loopback TCP proxy adding a fixed one-way delay

@@ -86,14 +86,14 @@ def _prefix_values(tokens: list[int]) -> list[int]:
     return out
 
 
-def kv_value(prefix: list[int], p: int, rank: int, sgid: int) -> int:
-    """What slot ``p`` of group ``sgid`` holds on ``rank`` after a forward (any request, same prefix)."""
-    return (prefix[p] + 7919 * rank + 104729 * sgid) % _MOD + 1
+def kv_value(prefix: list[int], p: int, rank: int, group_index: int) -> int:
+    """What slot ``p`` of group ``group_index`` holds on ``rank`` after a forward (any request, same prefix)."""
+    return (prefix[p] + 7919 * rank + 104729 * group_index) % _MOD + 1
 
 
-def state_value(prefix: list[int], end: int, rank: int, sgid: int) -> int:
+def state_value(prefix: list[int], end: int, rank: int, group_index: int) -> int:
     """The Mamba state after ``end`` tokens on ``rank``."""
-    return (prefix[end - 1] * 3 + 11 * rank + 13 * sgid) % _MOD + 1
+    return (prefix[end - 1] * 3 + 11 * rank + 13 * group_index) % _MOD + 1
 
 
 def hybrid_config(
@@ -223,7 +223,7 @@ class Cluster:
             ws = WorkerSide(vc, kv_cache_config, cfg)
             caches: dict[str, Any] = {}
             for g in self.geo.groups:
-                spec = kv_cache_config.kv_cache_groups[g.gid].kv_cache_spec
+                spec = kv_cache_config.kv_cache_groups[g.vllm_group_index].kv_cache_spec
                 name = g.layer_names[0]
                 if g.kind.value == "mamba":
                     caches[name] = [
@@ -346,11 +346,11 @@ class Cluster:
         prefix = self.prefixes[rid]
         for g in self.geo.groups:
             cache = self.caches[rank][g.layer_names[0]]
-            ids = table[g.gid]
+            ids = table[g.vllm_group_index]
             if g.kind.value == "mamba":
                 idx = -(-end // g.span) - 1
                 if idx < len(ids) and ids[idx]:
-                    v = state_value(prefix, end, rank, g.sgid)
+                    v = state_value(prefix, end, rank, g.group_index)
                     cache[0][ids[idx]] = v
                     cache[1][ids[idx]] = v
                 continue
@@ -361,7 +361,7 @@ class Cluster:
                     continue
                 bid = ids[p // g.span]
                 if bid:
-                    cache[bid, off // shards] = kv_value(prefix, p, rank, g.sgid)
+                    cache[bid, off // shards] = kv_value(prefix, p, rank, g.group_index)
 
     def _wait_loads(
         self, ws: Any, expected: set[str], timeout: float = 10.0, *, settle: bool = False
@@ -394,8 +394,8 @@ class Cluster:
             for g in self.geo.groups:
                 cache = self.caches[rank][g.layer_names[0]]
                 if g.kind.value == "mamba":
-                    bid = table[g.gid][-(-boundary // g.span) - 1]
-                    want = state_value(prefix, boundary, rank, g.sgid)
+                    bid = table[g.vllm_group_index][-(-boundary // g.span) - 1]
+                    want = state_value(prefix, boundary, rank, g.group_index)
                     assert bool((cache[0][bid] == want).all() and (cache[1][bid] == want).all()), (
                         f"{rid}: rank {rank} Mamba state at {boundary} not restored"
                     )
@@ -408,11 +408,11 @@ class Cluster:
                     off = p % g.span
                     if off % shards != rank % shards:
                         continue
-                    bid = table[g.gid][p // g.span]
-                    assert bid, f"{rid}: group {g.gid} position {p} has no block"
+                    bid = table[g.vllm_group_index][p // g.span]
+                    assert bid, f"{rid}: group {g.vllm_group_index} position {p} has no block"
                     got = int(cache[bid, off // shards])
-                    assert got == kv_value(prefix, p, rank, g.sgid), (
-                        f"{rid}: rank {rank} group {g.gid} slot {p} = {got}, not the recomputed value"
+                    assert got == kv_value(prefix, p, rank, g.group_index), (
+                        f"{rid}: rank {rank} group {g.vllm_group_index} slot {p} = {got}, not the recomputed value"
                     )
         self.loads_checked[rid] = boundary
 

@@ -1,4 +1,8 @@
-"""vLLM's OpenAI-compatible server as a child process, and a small HTTP client for it (standard library only).
+"""vLLM's OpenAI-compatible server as a child process, and clients for it.
+
+The OpenAI API (``/v1/completions``, ``/v1/chat/completions``) is asked through the official ``openai`` SDK
+(installed with vLLM; imported when first used, so importing this module stays light); vLLM's own endpoints
+(``/health``, ``/metrics``, ``/reset_prefix_cache``) through ``http_json`` (standard library).
 
 Shared by the serve tests and ``hybridkv bench serve``. The server is started in module form,
 ``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console script of the CPU build cannot
@@ -12,7 +16,8 @@ Contracts:
 - ``kv_transfer_config=None`` runs without a KV connector (vLLM's local prefix cache only).
 - ``metrics_samples`` parses ``/metrics`` into ``{'name{labels}': value}``; ``metric`` sums samples by name
   and a label subset.
-- ``stream_request`` sends a streamed request and times the first content chunk (TTFT).
+- ``openai_client(base_url)`` is one shared ``openai.OpenAI`` per server URL and timeout (no retries).
+- ``stream_request`` sends a streamed request through it and times the first content chunk (TTFT).
 - ``vllm_bench_serve_command`` is vLLM's own ``vllm bench serve`` in module form.
 """
 
@@ -30,10 +35,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, TYPE_CHECKING, Any, Self
 
 from hybridkv.devkit.net import free_port
+
+if TYPE_CHECKING:
+    import openai
 
 __all__ = [
     "HOST",
@@ -43,6 +52,7 @@ __all__ = [
     "hybridkv_transfer_config",
     "metric",
     "metrics_samples",
+    "openai_client",
     "stream_request",
     "vllm_bench_serve_command",
     "wait_metric",
@@ -197,18 +207,18 @@ class OpenAIServer:
         raise RuntimeError(f"server not healthy after {self.start_timeout_s} s; see {self.log_path}")
 
     def complete_ids(self, tokens: Sequence[int], max_tokens: int = 8) -> list[int]:
-        """Greedy ``/v1/completions`` of a token-id prompt; the generated token ids."""
-        body = {
-            "model": "tiny",
-            "prompt": list(tokens),
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        out = http_json(f"{self.base_url}/v1/completions", body)
-        ids: list[int] = out["choices"][0]["token_ids"]
-        return ids
+        """Greedy ``/v1/completions`` of a token-id prompt; the generated token ids (raises on an error)."""
+        out = openai_client(self.base_url, 120.0).completions.create(
+            model="tiny",
+            prompt=list(tokens),
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        ids = _extra(out.choices[0], "token_ids")
+        if ids is None:
+            raise RuntimeError(f"/v1/completions answered without token_ids: {out.model_dump_json()[:300]}")
+        return [int(i) for i in ids]
 
     def reset_prefix_cache(self, attempts: int = 20, *, reset_external: bool = False) -> int:
         """``POST /reset_prefix_cache`` until it succeeds (vLLM refuses while blocks are in use); returns the
@@ -263,10 +273,38 @@ class StreamResult:
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
 
 
-def _top_logprobs(choice: Mapping[str, Any]) -> list[list[tuple[str, float]]]:
-    """The per-token top log-probabilities of one streamed choice: chat (``logprobs.content``) or
-    completions (``logprobs.top_logprobs``)."""
-    logprobs = choice.get("logprobs") or {}
+@lru_cache(maxsize=32)
+def openai_client(base_url: str, timeout: float = 600.0) -> openai.OpenAI:
+    """The ``openai`` SDK's client of the server at ``base_url`` (``http://host:port``), one per URL and
+    timeout (thread-safe: it keeps a connection pool); no retries, the key vLLM ignores."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", timeout=timeout, max_retries=0)
+
+
+def _extra(model: Any, name: str) -> Any:
+    """A field the SDK's types do not declare (vLLM's ``token_ids``...): pydantic keeps it in ``model_extra``."""
+    extra = getattr(model, "model_extra", None) or {}
+    return extra.get(name, getattr(model, name, None))
+
+
+@lru_cache(maxsize=2)
+def _sdk_params(chat: bool) -> frozenset[str]:
+    """The body fields the SDK's ``create`` takes as arguments (the others go in ``extra_body``)."""
+    import inspect
+
+    from openai.resources.chat.completions import Completions as ChatCompletions
+    from openai.resources.completions import Completions
+
+    create = (ChatCompletions if chat else Completions).create
+    reserved = {"self", "stream", "stream_options", "extra_headers", "extra_query", "extra_body", "timeout"}
+    return frozenset(inspect.signature(create).parameters) - reserved
+
+
+def _top_logprobs(logprobs: Mapping[str, Any] | None) -> list[list[tuple[str, float]]]:
+    """The per-token top log-probabilities of one streamed choice's ``logprobs`` (as a dict): chat
+    (``content``) or completions (``top_logprobs``)."""
+    logprobs = logprobs or {}
     if "content" in logprobs:
         per_token = [
             [(str(top["token"]), float(top["logprob"])) for top in entry.get("top_logprobs") or ()]
@@ -283,60 +321,63 @@ def _top_logprobs(choice: Mapping[str, Any]) -> list[list[tuple[str, float]]]:
 def stream_request(
     base_url: str, path: str, body: Mapping[str, Any], *, timeout: float = 600.0
 ) -> StreamResult:
-    """POST ``body`` with ``stream: true`` to ``path`` (``/v1/completions`` or ``/v1/chat/completions``) and
-    read the server-sent events. TTFT is the time to the first chunk that carries content (text or token
-    ids). Asks for ``return_token_ids`` and the usage block (and, when ``body`` asks for ``logprobs``, for
-    tokens named by id in them); never raises on an HTTP or protocol error (it
-    is reported in ``error``)."""
-    payload = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    """Send ``body`` streamed to ``path`` (``/v1/completions`` or ``/v1/chat/completions``) through the
+    ``openai`` SDK (``openai_client``) and read the chunks. TTFT is the time to the first chunk that carries
+    content (text or token ids). Asks for ``return_token_ids`` and the usage block (and, when ``body`` asks
+    for ``logprobs``, for tokens named by id in them); fields the SDK does not know (``ignore_eos``...) go
+    in its ``extra_body``. Never raises on an HTTP or protocol error (it is reported in ``error``); raises
+    ``ValueError`` on another ``path``."""
+    import openai
+
+    chat = {"/v1/chat/completions": True, "/v1/completions": False}.get(path)
+    if chat is None:
+        raise ValueError(f"stream_request: {path!r} is neither /v1/completions nor /v1/chat/completions")
+    payload = {**body, "return_token_ids": True}
     if body.get("logprobs"):
         payload["return_tokens_as_token_ids"] = True
-    host, _, port = base_url.removeprefix("http://").partition(":")
+    known = _sdk_params(chat)
+    kwargs = {k: v for k, v in payload.items() if k in known}
+    extra_body = {
+        k: v for k, v in payload.items() if k not in known and k not in ("stream", "stream_options")
+    }
+    client = openai_client(base_url, timeout)
+    create = client.chat.completions.create if chat else client.completions.create
     start = time.perf_counter()
     result = StreamResult(ok=False)
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        connection.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            result.error = f"HTTP {response.status}: {response.read()[:300]!r}"
-            return result
-        text_parts: list[str] = []
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                result.error = str(event["error"])[:300]
-                return result
-            result.response_id = result.response_id or str(event.get("id") or "")
-            usage = event.get("usage")
-            if usage:
-                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                result.completion_tokens = int(usage.get("completion_tokens") or 0)
-            for choice in event.get("choices") or ():
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                ids = choice.get("token_ids") or []
-                if (piece or ids) and result.ttft_s is None:
-                    result.ttft_s = time.perf_counter() - start
-                text_parts.append(piece or "")
-                result.token_ids.extend(int(i) for i in ids)
-                result.top_logprobs.extend(_top_logprobs(choice))
+        stream = create(stream=True, stream_options={"include_usage": True}, extra_body=extra_body, **kwargs)
+        with stream:
+            text_parts: list[str] = []
+            for chunk in stream:
+                result.response_id = result.response_id or str(chunk.id or "")
+                if chunk.usage is not None:
+                    result.prompt_tokens = int(chunk.usage.prompt_tokens or 0)
+                    result.completion_tokens = int(chunk.usage.completion_tokens or 0)
+                for choice in chunk.choices or ():
+                    delta = getattr(choice, "delta", None)
+                    piece = delta.content if delta is not None else getattr(choice, "text", None)
+                    ids = _extra(choice, "token_ids") or []
+                    if (piece or ids) and result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - start
+                    text_parts.append(piece or "")
+                    result.token_ids.extend(int(i) for i in ids)
+                    if choice.logprobs is not None:
+                        result.top_logprobs.extend(_top_logprobs(choice.logprobs.model_dump()))
         result.text = "".join(text_parts)
         result.ok = result.ttft_s is not None
         if not result.ok:
             result.error = "stream ended without content"
-    except (OSError, http.client.HTTPException, ValueError) as error:
-        result.error = f"{type(error).__name__}: {error}"
+    except openai.APIStatusError as error:  # an answer other than 200
+        result.error = f"HTTP {error.status_code}: {error.response.text[:300]!r}"
+    except openai.APIConnectionError as error:  # refused, reset, timed out (the cause says which)
+        cause = f" ({error.__cause__!r})" if error.__cause__ is not None else ""
+        result.error = f"{type(error).__name__}: {error}{cause}"[:300]
+    except openai.APIError as error:  # an error event in the stream: its ``error`` object
+        result.error = str(error.body if error.body is not None else error)[:300]
+    except (openai.OpenAIError, OSError, ValueError) as error:  # ValueError: a chunk that is not JSON
+        result.error = f"{type(error).__name__}: {error}"[:300]
     finally:
         result.latency_s = time.perf_counter() - start
-        connection.close()
     return result
 
 

@@ -1,7 +1,7 @@
 """Engine steps and config builders over the in-process engine, shared by the tests, benchmarks and demo.
 
 The engine itself (``inprocess_engine``, ``connector_halves``, ``connector_transfer_config``,
-``engine_kwargs``, ``prepare_inprocess_environment``) is the product's :mod:`hybridkv.connector.inprocess`
+``engine_kwargs``, ``prepare_inprocess_environment``) is the product's :mod:`hybridkv.ops.inprocess`
 (``hybridkv describe`` runs on it). Here: config builders for the connector's halves without an engine
 (``connector_vllm_config``, ``resolve_cache_block_sizes``, ``block_hashed_request``) and the steps every
 caller of an engine needs: a greedy request, settling queued saves, dropping vLLM's device prefix cache
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.inprocess import connector_halves, connector_transfer_config
+from hybridkv.ops.inprocess import connector_halves, connector_transfer_config
 
 __all__ = [
     "block_hashed_request",

@@ -6,7 +6,8 @@
 - ``lookup``: the agreed boundary (vLLM's fixed point) from one batch of keys, or a bounded search.
 - ``load``: load plans, load outcomes, the verdict of a finished load and the retry cap.
 - ``save``: save plans and which blocks count as stored.
-- ``machine``: the transition table (data) and the shared ``transitions`` driver.
+- ``table``: the transition table (data): states, triggers, ``TRANSITIONS``, ``TRIGGERS``.
+- ``machine``: the shared ``transitions`` driver that runs the table, and the per-request models.
 - ``sink``: what the machine emits its one-record-per-transition audit trail to (``AuditSink``), and an
   in-memory sink. The file sink, the replay checker, the trace export and the diagrams are tools over the
   table and live in ``hybridkv.audit``.
@@ -18,16 +19,15 @@ from hybridkv.lifecycle.kinds import KIND_RULES, GroupKind, GroupSpec, KindRules
 from hybridkv.lifecycle.load import LoadOutcome, LoadPlan, LoadResolution, retry_cap
 from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, LookupSearch, plan_lookup
 from hybridkv.lifecycle.machine import (
-    TRANSITIONS,
     GuardRejected,
     IllegalTransition,
     LifecycleMachine,
     RequestLifecycle,
     SaveWave,
-    State,
 )
 from hybridkv.lifecycle.save import SavePlan, plan_save
 from hybridkv.lifecycle.sink import AuditSink, MemoryAuditSink
+from hybridkv.lifecycle.table import TRANSITIONS, State
 
 __all__ = [
     "KEY_VERSION",

@@ -47,23 +47,6 @@ class LoadOutcome(enum.Enum):
         """The entry is known bad: remove it from the store (hard rule 3)."""
         return self is LoadOutcome.MISSING or self is LoadOutcome.CORRUPT
 
-    @classmethod
-    def from_status(cls, status: str) -> LoadOutcome:
-        """The outcome of a worker's per-block store status (``hybridkv.store.Status`` value, or
-        ``"not_attempted"``). Unknown statuses are transport errors: they never delete an entry."""
-        return _STATUS_TO_OUTCOME.get(status, LoadOutcome.TRANSPORT_ERROR)
-
-
-_STATUS_TO_OUTCOME: dict[str, LoadOutcome] = {
-    "ok": LoadOutcome.OK,
-    "not_found": LoadOutcome.MISSING,
-    "corrupt": LoadOutcome.CORRUPT,
-    "timeout": LoadOutcome.TIMEOUT,
-    "transfer_failed": LoadOutcome.TRANSPORT_ERROR,
-    "no_space": LoadOutcome.TRANSPORT_ERROR,
-    "not_attempted": LoadOutcome.NOT_ATTEMPTED,
-}
-
 
 @dataclass(frozen=True)
 class LoadResolution:

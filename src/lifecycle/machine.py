@@ -1,25 +1,10 @@
-"""The per-request lifecycle: one transition table (data), one shared ``transitions`` machine.
+"""The per-request lifecycle at run time: one shared ``transitions`` machine that runs the table.
 
-Load side (one per request incarnation; a preempted request that comes back starts again at ``NEW``)::
-
-    NEW -> LOOKUP -> MISS | PARTIAL_HIT -> LOADING -> VERIFIED | TRUNCATED -(one retry)-> LOOKUP ... -> EVICTED
-                                PARTIAL_HIT -> MISS (declined by vLLM, or revoked by a namespace reset)
-                         any live state -> REFUSED (the connector refused what vLLM allocated; no later hit)
-
-A truncation records a retry cap (``LoadResolution.retry_cap``: the largest boundary no failed entry
-stands in the way of); the retry is an ordinary lookup bounded by it, which may hit and load an earlier
-boundary; a second truncation ends in ``REFUSED``. Every fact a lookup answers from carries the reset
-epoch it was learnt in (``RequestLifecycle.epoch``): a hit answered before a namespace reset is revoked,
-never loaded after it.
-
-Save side (one per request and save wave)::
-
-    QUEUED -> PUTTING -> STORED | FAILED        QUEUED | PUTTING -> DROPPED (backpressure: no rank wrote)
+The table itself (states, triggers, transitions, per-trigger audit fields) is data in
+``hybridkv.lifecycle.table``, the one place transitions are written; this module only runs it.
 
 Contracts:
 
-- ``TRANSITIONS`` is the only place transitions are declared; the machine, the audit replay and the
-  diagrams are all built from it.
 - One ``transitions.Machine`` (``auto_transitions=False``, ``send_event=True``, ``queued=True``) serves
   every model: models are never added to it (``add_model`` is O(models) per call); each trigger is
   dispatched through the machine's own ``Event`` objects, which run conditions, the state change and
@@ -32,231 +17,39 @@ Contracts:
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
 from hybridkv.lifecycle.load import LoadOutcome, LoadResolution
 from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, LookupSearch, plan_lookup
 from hybridkv.lifecycle.save import SavePlan
+from hybridkv.lifecycle.table import (
+    DETAIL_FIELD_SETS,
+    DETAIL_FIELDS,
+    DETAIL_REQUIRED,
+    INDEX,
+    LOAD_INITIAL,
+    MAX_LOAD_RETRIES,
+    SAVE_INITIAL,
+    STATE_OF_NAME,
+    TRANSITIONS,
+    TRIGGER_TO_DESTS,
+    State,
+)
 from transitions import EventData, Machine
 
 if TYPE_CHECKING:
     from hybridkv.lifecycle.sink import AuditSink
 
 __all__ = [
-    "DETAIL_FIELDS",
-    "LOAD_INITIAL",
-    "LOAD_TERMINAL",
-    "MAX_LOAD_RETRIES",
-    "SAVE_INITIAL",
-    "SAVE_TERMINAL",
-    "TRANSITIONS",
-    "TRIGGERS",
     "GuardRejected",
     "IllegalTransition",
     "LifecycleMachine",
-    "ReplayCount",
     "RequestLifecycle",
     "SaveWave",
-    "State",
-    "TransitionSpec",
-    "Trigger",
-    "TriggerRow",
-    "transition_index",
 ]
-
-
-class State(enum.Enum):
-    """Every lifecycle state (load side, then save side)."""
-
-    NEW = "NEW"
-    LOOKUP = "LOOKUP"
-    MISS = "MISS"
-    PARTIAL_HIT = "PARTIAL_HIT"
-    LOADING = "LOADING"
-    VERIFIED = "VERIFIED"
-    TRUNCATED = "TRUNCATED"
-    REFUSED = "REFUSED"
-    EVICTED = "EVICTED"
-    QUEUED = "QUEUED"
-    PUTTING = "PUTTING"
-    STORED = "STORED"
-    FAILED = "FAILED"
-    DROPPED = "DROPPED"
-
-
-class Trigger(enum.StrEnum):
-    """Every trigger of the table (a ``str``: audit records carry the value)."""
-
-    START_LOOKUP = "start_lookup"
-    REASK = "reask"
-    LOOKUP_HIT = "lookup_hit"
-    LOOKUP_MISS = "lookup_miss"
-    REVOKE = "revoke"
-    START_LOAD = "start_load"
-    DECLINE = "decline"
-    REFUSE = "refuse"
-    LOAD_VERIFIED = "load_verified"
-    LOAD_FAILED = "load_failed"
-    RETRY = "retry"
-    GIVE_UP = "give_up"
-    EVICT = "evict"
-    START_PUT = "start_put"
-    PUT_STORED = "put_stored"
-    PUT_FAILED = "put_failed"
-    DROP = "drop"
-
-
-class ReplayCount(enum.Enum):
-    """What ``hybridkv audit``'s replay counts for a trigger's record (besides its per-trigger count)."""
-
-    #: per group: a hit or a miss (``hit_tokens`` beyond the local hit or not)
-    GROUP_HIT_OR_MISS = "group_hit_or_miss"
-    #: per group with blocks: a verified load
-    GROUP_VERIFIED = "group_verified"
-    #: a truncation (and per failed group); lowers the lifecycle's retry cap
-    TRUNCATION = "truncation"
-    #: a retry (more than ``MAX_LOAD_RETRIES`` in one incarnation is a loop)
-    RETRY = "retry"
-    #: no later load of this incarnation (a ``load_started`` after it is a loop)
-    ENDS_LOADS = "ends_loads"
-
-
-@dataclass(frozen=True)
-class TriggerRow:
-    """Everything about one trigger besides where it leads (that is ``TRANSITIONS``)."""
-
-    trigger: Trigger
-    #: the fields of its audit record's ``detail``: a record carries all of them or (``detail_optional``)
-    #: none; ``fire`` refuses anything else
-    detail: tuple[str, ...] = ()
-    detail_optional: bool = False
-    #: vLLM's proposed lifecycle-trace counterpart: (event, role, transfer mode); None: none
-    trace: tuple[str, str, str] | None = None
-    replay: frozenset[ReplayCount] = frozenset()
-
-
-@dataclass(frozen=True)
-class TransitionSpec:
-    """One row of the table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
-
-    trigger: Trigger
-    sources: tuple[State, ...]
-    dest: State
-    #: The audit record's ``event`` (past-tense verb).
-    event: str
-    #: Names of predicate methods on the model (all must be true).
-    conditions: tuple[str, ...] = ()
-
-    def as_transitions_dict(self) -> dict[str, Any]:
-        return {
-            "trigger": self.trigger,
-            "source": [s.name for s in self.sources],
-            "dest": self.dest.name,
-            "conditions": list(self.conditions),
-        }
-
-
-_S = State
-_T = Trigger
-_STATE_OF_NAME: dict[str, State] = {state.name: state for state in State}  # ``State[name]`` is slower
-#: Retries of a truncated load (then MISS for the rest of the incarnation).
-MAX_LOAD_RETRIES = 1
-LOAD_INITIAL = State.NEW
-SAVE_INITIAL = State.QUEUED
-LOAD_TERMINAL = frozenset({State.EVICTED})
-SAVE_TERMINAL = frozenset({State.STORED, State.FAILED, State.DROPPED})
-_LOAD_LIVE = (_S.NEW, _S.LOOKUP, _S.MISS, _S.PARTIAL_HIT, _S.LOADING, _S.VERIFIED, _S.TRUNCATED, _S.REFUSED)
-#: States a refusal can come from: every live one but ``REFUSED`` itself.
-_REFUSABLE = tuple(s for s in _LOAD_LIVE if s is not _S.REFUSED)
-
-# fmt: off
-TRANSITIONS: tuple[TransitionSpec, ...] = (
-    # -- load side ---------------------------------------------------------------------------------
-    TransitionSpec(_T.START_LOOKUP,  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
-    TransitionSpec(_T.START_LOOKUP,  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted"),
-    TransitionSpec(_T.REASK,         (_S.LOOKUP,),                 _S.LOOKUP,      "lookup_reasked"),
-    TransitionSpec(_T.LOOKUP_HIT,    (_S.LOOKUP,),                 _S.PARTIAL_HIT, "hit_found"),
-    TransitionSpec(_T.LOOKUP_MISS,   (_S.LOOKUP,),                 _S.MISS,        "miss_reported"),
-    TransitionSpec(_T.REVOKE,        (_S.PARTIAL_HIT,),            _S.MISS,        "hit_revoked"),
-    TransitionSpec(_T.START_LOAD,    (_S.PARTIAL_HIT,),            _S.LOADING,     "load_started", ("answer_current",)),
-    TransitionSpec(_T.DECLINE,       (_S.PARTIAL_HIT,),            _S.MISS,        "hit_declined"),
-    TransitionSpec(_T.REFUSE,        _REFUSABLE,                   _S.REFUSED,     "hit_refused"),
-    TransitionSpec(_T.LOAD_VERIFIED, (_S.LOADING,),                _S.VERIFIED,    "load_verified"),
-    TransitionSpec(_T.LOAD_FAILED,   (_S.LOADING,),                _S.TRUNCATED,   "load_truncated"),
-    TransitionSpec(_T.RETRY,         (_S.TRUNCATED,),              _S.LOOKUP,      "retry_started", ("has_retry_budget",)),
-    TransitionSpec(_T.GIVE_UP,       (_S.TRUNCATED,),              _S.REFUSED,     "retries_exhausted", ("retries_spent",)),
-    TransitionSpec(_T.EVICT,         _LOAD_LIVE,                   _S.EVICTED,     "request_evicted"),
-    # -- save side (per wave) ----------------------------------------------------------------------
-    TransitionSpec(_T.START_PUT,     (_S.QUEUED,),                 _S.PUTTING,     "put_started"),
-    TransitionSpec(_T.PUT_STORED,    (_S.PUTTING,),                _S.STORED,      "put_stored"),
-    TransitionSpec(_T.PUT_FAILED,    (_S.PUTTING,),                _S.FAILED,      "put_failed"),
-    TransitionSpec(_T.DROP,          (_S.QUEUED, _S.PUTTING),      _S.DROPPED,     "save_dropped"),
-)
-# fmt: on
-
-
-_LOAD, _TRUNC = frozenset({ReplayCount.GROUP_HIT_OR_MISS}), frozenset({ReplayCount.TRUNCATION})
-_CONSUMER, _PRODUCER = ("consumer", "pull"), ("producer", "push")
-# fmt: off
-#: One row per trigger: its ``detail`` fields, trace counterpart and replay counts.
-TRIGGERS: Mapping[Trigger, TriggerRow] = {row.trigger: row for row in (
-    TriggerRow(_T.START_LOOKUP),
-    TriggerRow(_T.REASK,         ("num_tokens", "num_computed_tokens")),
-    TriggerRow(_T.LOOKUP_HIT,    trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
-    TriggerRow(_T.LOOKUP_MISS,   ("reason",), detail_optional=True, trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
-    TriggerRow(_T.REVOKE,        ("reason", "epoch")),
-    TriggerRow(_T.START_LOAD,    trace=("transfer_started", *_CONSUMER)),
-    TriggerRow(_T.DECLINE,       ("reason",), detail_optional=True),
-    TriggerRow(_T.REFUSE,        ("reason",), replay=frozenset({ReplayCount.ENDS_LOADS})),
-    TriggerRow(_T.LOAD_VERIFIED, trace=("transfer_completed", *_CONSUMER), replay=frozenset({ReplayCount.GROUP_VERIFIED})),
-    TriggerRow(_T.LOAD_FAILED,   ("planned_boundary", "retry_cap", "num_failed_entries", "num_invalid_keys",
-                                  "num_transient_faults", "failed_groups"),
-               trace=("transfer_failed", *_CONSUMER), replay=_TRUNC),
-    TriggerRow(_T.RETRY,         ("max_boundary",), replay=frozenset({ReplayCount.RETRY})),
-    TriggerRow(_T.GIVE_UP,       replay=frozenset({ReplayCount.ENDS_LOADS})),
-    TriggerRow(_T.EVICT,         ("reason",), detail_optional=True),
-    TriggerRow(_T.START_PUT,     trace=("transfer_started", *_PRODUCER)),
-    TriggerRow(_T.PUT_STORED,    trace=("transfer_completed", *_PRODUCER)),
-    TriggerRow(_T.PUT_FAILED,    ("num_stored_blocks", "num_blocks"), trace=("transfer_failed", *_PRODUCER)),
-    TriggerRow(_T.DROP,          ("reason",), detail_optional=True, trace=("transfer_failed", *_PRODUCER)),
-)}
-# fmt: on
-assert set(TRIGGERS) == set(Trigger) == {spec.trigger for spec in TRANSITIONS}, (
-    f"TRIGGERS, Trigger and TRANSITIONS name different triggers: rows {sorted(set(Trigger) - set(TRIGGERS))} "
-    f"missing, table {sorted(set(Trigger) - {spec.trigger for spec in TRANSITIONS})} unused"
-)
-#: trigger -> the fields of its audit record's ``detail`` (triggers not listed carry none): ``TRIGGERS``'s.
-DETAIL_FIELDS: Mapping[str, tuple[str, ...]] = {
-    t.value: row.detail for t, row in TRIGGERS.items() if row.detail
-}
-_DETAIL_FIELD_SETS = {trigger: frozenset(fields) for trigger, fields in DETAIL_FIELDS.items()}
-#: triggers whose record must carry its ``detail`` (not optional)
-_DETAIL_REQUIRED = frozenset(t.value for t, row in TRIGGERS.items() if row.detail and not row.detail_optional)
-
-
-def transition_index() -> dict[tuple[str, State], TransitionSpec]:
-    """``(trigger, source) -> row``; the table never has two rows for one pair."""
-    index: dict[tuple[str, State], TransitionSpec] = {}
-    for spec in TRANSITIONS:
-        for source in spec.sources:
-            assert (spec.trigger, source) not in index, (
-                f"TRANSITIONS has two rows for trigger {spec.trigger!r} from {source.name}"
-            )
-            index[(spec.trigger, source)] = spec
-    return index
-
-
-_INDEX = transition_index()
-_TRIGGER_TO_DESTS: dict[str, tuple[str, ...]] = {}
-for _spec in TRANSITIONS:
-    _TRIGGER_TO_DESTS.setdefault(_spec.trigger, ())
-    if _spec.dest.name not in _TRIGGER_TO_DESTS[_spec.trigger]:
-        _TRIGGER_TO_DESTS[_spec.trigger] += (_spec.dest.name,)
 
 
 class IllegalTransition(RuntimeError):
@@ -329,7 +122,7 @@ class LifecycleMachine:
         (``IllegalTransition`` from a state the table does not allow, ``GuardRejected`` when a condition
         of its row refused)."""
         if not self.try_fire(model, trigger, **detail):
-            spec = _INDEX[(trigger, State[model.state])]
+            spec = INDEX[(trigger, State[model.state])]
             raise GuardRejected(model.request_id, trigger, model.state, spec.dest.name, spec.conditions)
 
     def try_fire(self, model: _Model, trigger: str, **detail: Any) -> bool:
@@ -337,10 +130,10 @@ class LifecycleMachine:
         row refused it (the guards are the only check: callers ask the table, never the model's fields).
         A trigger illegal in the current state raises ``IllegalTransition``."""
         src = model.state
-        spec = _INDEX.get((trigger, _STATE_OF_NAME[src]))
+        spec = INDEX.get((trigger, STATE_OF_NAME[src]))
         if spec is None:
-            raise IllegalTransition(model.request_id, trigger, src, _TRIGGER_TO_DESTS.get(trigger, ()))
-        assert (not detail and trigger not in _DETAIL_REQUIRED) or detail.keys() == _DETAIL_FIELD_SETS.get(
+            raise IllegalTransition(model.request_id, trigger, src, TRIGGER_TO_DESTS.get(trigger, ()))
+        assert (not detail and trigger not in DETAIL_REQUIRED) or detail.keys() == DETAIL_FIELD_SETS.get(
             trigger
         ), (
             f"request {model.request_id!r}: {trigger!r} carries detail fields {sorted(detail)}, "
@@ -370,7 +163,7 @@ class LifecycleMachine:
         transition = event_data.transition
         assert transition is not None, "a successful trigger always has a transition"
         trigger = event_data.event.name
-        spec = _INDEX[(trigger, State[transition.source])]
+        spec = INDEX[(trigger, State[transition.source])]
         sink.emit(
             spec.event,
             request_id=model.request_id,
@@ -412,7 +205,7 @@ class _Model:
 
     @property
     def current(self) -> State:
-        return _STATE_OF_NAME[self.state]
+        return STATE_OF_NAME[self.state]
 
 
 class RequestLifecycle(_Model):

@@ -38,8 +38,9 @@ from hybridkv.lifecycle.keys import EntryId, KeyScheme
 from hybridkv.lifecycle.kinds import GroupKind, GroupSpec, cdiv
 from hybridkv.lifecycle.load import LoadOutcome, LoadPlan
 from hybridkv.lifecycle.lookup import plan_lookup
-from hybridkv.lifecycle.machine import MAX_LOAD_RETRIES, LifecycleMachine, RequestLifecycle, State
+from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 from hybridkv.lifecycle.sink import MemoryAuditSink
+from hybridkv.lifecycle.table import MAX_LOAD_RETRIES, State
 
 #: Load states the connector may refuse from (every live one but REFUSED).
 _REFUSABLE = (

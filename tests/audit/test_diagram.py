@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hybridkv.audit.diagram import render_dot, render_mermaid
 from hybridkv.cli import main
-from hybridkv.lifecycle.machine import TRANSITIONS, State
+from hybridkv.lifecycle.table import TRANSITIONS, State
 
 DIAGRAMS = Path(__file__).resolve().parents[2] / "docs" / "diagrams"
 

@@ -112,12 +112,12 @@ def test_stats_roundtrip_through_a_dict() -> None:
     from hybridkv.connector import HybridStoreConnector
 
     s = HybridStoreStats()
-    s.add("hit_tokens.g0", 256)
+    s.add("loaded_blocks.g0", 256)
     s.add("load_bytes", 1000)
     t = HybridStoreConnector.build_kv_connector_stats(s.to_dict())
     assert t is not None and not t.is_empty()
     t.aggregate(HybridStoreStats(data={"load_bytes": 24, "truncations": 1}))
-    assert t.reduce() == {"hit_tokens.g0": 256, "load_bytes": 1024, "truncations": 1}
+    assert t.reduce() == {"loaded_blocks.g0": 256, "load_bytes": 1024, "truncations": 1}
     t.reset()
     assert t.is_empty()
 
@@ -132,11 +132,13 @@ def test_prometheus_counters_follow_the_stats(vllm_objs: dict[str, Any]) -> None
         ["model_name", "engine"],
         {0: ["m", "0"]},
     )
-    prom.observe({"lookups": 3, "load_bytes": 4096, "hit_tokens.g1": 256, "truncations": 0})
+    prom.observe({"lookups": 3, "load_bytes": 4096, "loaded_blocks.g1": 256, "truncations": 0})
     labels = {"model_name": "m", "engine": "0"}
     assert REGISTRY.get_sample_value("vllm:hybridkv_lookups_total", labels) == 3
     assert REGISTRY.get_sample_value("vllm:hybridkv_load_bytes_total", labels) == 4096
-    assert REGISTRY.get_sample_value("vllm:hybridkv_group_hit_tokens_total", {**labels, "group": "1"}) == 256
+    assert (
+        REGISTRY.get_sample_value("vllm:hybridkv_group_loaded_blocks_total", {**labels, "group": "1"}) == 256
+    )
     assert REGISTRY.get_sample_value("vllm:hybridkv_truncations_total", labels) == 0
 
 

@@ -11,9 +11,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli.describe_cmds import render_text
 from hybridkv.connector.identity import UNRESOLVED, UNRESOLVED_DETAIL, model_identity
 from hybridkv.connector.log_events import ConnectorLogEvent
+from hybridkv.ops.describe import render_text
 from structlog.testing import capture_logs
 
 

@@ -119,7 +119,7 @@ def test_prompt_tail_inside_a_full_attention_block_is_saved(handoff: str) -> Non
         full_tail = [
             (ref.index, ref.key_boundary)
             for ref in out.kv_connector_metadata.loads[0].blocks
-            if ref.sgid == 0 and ref.key_boundary % 64
+            if ref.group_index == 0 and ref.key_boundary % 64
         ]
         assert full_tail == [(5, 352)]
         warm.step()

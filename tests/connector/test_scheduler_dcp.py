@@ -52,13 +52,15 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
     assert "b" not in out.num_scheduled_tokens  # waiting for remote KV
     loads = out.kv_connector_metadata.loads
     assert [(ld.req_id, ld.boundary) for ld in loads] == [("b", 96)]
-    plan = sorted((b.sgid, b.index) for b in loads[0].blocks)
+    plan = sorted((b.group_index, b.index) for b in loads[0].blocks)
     assert plan == [(0, 0), (0, 1), (0, 2), (1, 2)], plan  # 3 full blocks; Mamba block cdiv(96,32)-1
-    assert side.stats.totals["hit_tokens.g1"] == 96
+    assert side.stats.totals["hit_tokens"] == 96
 
     results = {"b": [LoadResult(b.entry(rank), LoadOutcome.OK) for rank in (0, 1) for b in loads[0].blocks]}
     sched.update_from_output(out, model_output(out, HybridStoreWorkerMetadata(loads=results), {"b"}, set()))
     assert side.lifecycle("b").state == "VERIFIED"
+    # Counted per group at the verdict: 3 full-attention blocks, 1 Mamba state.
+    assert (side.stats.totals["loaded_blocks.g0"], side.stats.totals["loaded_blocks.g1"]) == (3, 1)
     out = sched.schedule()
     assert out.num_scheduled_tokens.get("b") == 4  # 96 loaded + 4 computed
     # Preempted and back: a new incarnation looks up again (the verified one is closed, not reused).
@@ -68,14 +70,15 @@ def test_hit_needs_every_group_on_every_rank_then_loads_verify(vllm_objs: dict[s
 
 
 def _load_results(job: Any, bad: set[tuple[int, int, int]]) -> Any:
-    """Both ranks' per-block results for ``job``; (rank, sgid, index) in ``bad`` fail as corrupt."""
+    """Both ranks' per-block results for ``job``; (rank, group_index, index) in ``bad`` fail as corrupt."""
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
 
     return HybridStoreWorkerMetadata(
         loads={
             job.req_id: [
                 LoadResult(
-                    b.entry(rank), LoadOutcome.CORRUPT if (rank, b.sgid, b.index) in bad else LoadOutcome.OK
+                    b.entry(rank),
+                    LoadOutcome.CORRUPT if (rank, b.group_index, b.index) in bad else LoadOutcome.OK,
                 )
                 for rank in (0, 1)
                 for b in job.blocks
@@ -132,7 +135,7 @@ def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
     out = sched.schedule()
     (job,) = out.kv_connector_metadata.loads
     assert (job.req_id, job.boundary) == ("c", 64)  # the state at 64 and full blocks 0, 1
-    plan = sorted((b.sgid, b.index, b.key_boundary) for b in job.blocks)
+    plan = sorted((b.group_index, b.index, b.key_boundary) for b in job.blocks)
     assert plan == [(0, 0, 32), (0, 1, 64), (1, 1, 64)], plan
     assert "c" not in out.num_scheduled_tokens
     lc = side.lifecycle("c")
@@ -143,7 +146,7 @@ def test_rank_failure_truncates_invalidates_and_retries_an_earlier_boundary(
     assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("c", 64)]
     assert out.kv_connector_metadata.loads == []
     # Saves skip the loaded prefix: full-attention blocks from 64 on, Mamba hand-offs past 64.
-    saved = sorted((b.sgid, b.key_boundary) for j in out.kv_connector_metadata.saves for b in j.blocks)
+    saved = sorted((b.group_index, b.key_boundary) for j in out.kv_connector_metadata.saves for b in j.blocks)
     assert saved and all(end > 64 for _, end in saved), saved
     trail = _trail(sink, "c")
     assert trail == [
@@ -206,16 +209,16 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
     saves = out.kv_connector_metadata.saves
     assert len(saves) == 1
     blocks = saves[0].blocks
-    full = sorted((b.index, b.key_boundary) for b in blocks if b.sgid == 0)
-    mamba = sorted((b.index, b.key_boundary) for b in blocks if b.sgid == 1)
+    full = sorted((b.index, b.key_boundary) for b in blocks if b.group_index == 0)
+    mamba = sorted((b.index, b.key_boundary) for b in blocks if b.group_index == 1)
     assert full == [(0, 32), (1, 64), (2, 96)], full  # prompt blocks completed by this 96-token chunk
     # Mamba: only the exact hand-off vLLM gives (the state at the chunk end), in block cdiv(96, 32) - 1.
     assert mamba == [(2, 96)], mamba
-    offloaded = next(b for b in blocks if b.sgid == 1)
+    offloaded = next(b for b in blocks if b.group_index == 1)
     assert offloaded.block_id != 0
     table = sched.kv_cache_manager.get_block_ids("s")
     for b in blocks:
-        if b.sgid == 0:
+        if b.group_index == 0:
             assert table[0][b.index] == b.block_id
         assert pool.blocks[b.block_id].ref_cnt >= 2, "a save source block must be pinned"
 
@@ -240,7 +243,9 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
     report((1,))
     events = [e for e in recorder.events if type(e).__name__ == "BlockStored"]
     assert all(e.medium == "STORAGE" for e in events)
-    assert sorted((e.group_idx, e.block_size) for e in events) == sorted((b.gid, 32) for b in blocks)
+    assert sorted((e.group_idx, e.block_size) for e in events) == sorted(
+        (b.vllm_group_index, 32) for b in blocks
+    )
     assert not side.has_pending_push_work()
     for b in blocks:
         assert pool.blocks[b.block_id].ref_cnt == refs_before[b.block_id] - 1, (

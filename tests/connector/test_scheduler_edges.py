@@ -26,11 +26,11 @@ RANKS = (0, 1)
 
 
 def _results(job: Any, outcome_of: dict[tuple[int, int, int], LoadOutcome]) -> HybridStoreWorkerMetadata:
-    """Both ranks' per-block results for ``job``; (rank, sgid, index) -> outcome, else ``OK``."""
+    """Both ranks' per-block results for ``job``; (rank, group_index, index) -> outcome, else ``OK``."""
     return HybridStoreWorkerMetadata(
         loads={
             job.req_id: [
-                LoadResult(b.entry(rank), outcome_of.get((rank, b.sgid, b.index), LoadOutcome.OK))
+                LoadResult(b.entry(rank), outcome_of.get((rank, b.group_index, b.index), LoadOutcome.OK))
                 for rank in RANKS
                 for b in job.blocks
             ]
@@ -192,7 +192,7 @@ def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
         groups = [list(group) for group in blocks.blocks]
-        full = side.geo.groups[0].gid
+        full = side.geo.groups[0].vllm_group_index
         groups[full][1] = null_block
         real_after_alloc(request, KVCacheBlocks(tuple(groups)), num_external_tokens)
 
@@ -213,8 +213,8 @@ def test_a_bound_plan_names_the_allocated_blocks_and_pickles_compactly(objs: dic
     table = sched.kv_cache_manager.get_blocks("b1").get_block_ids()
     assert len(job.blocks) > 0
     for ref in job.blocks:
-        assert ref.gid == side.geo.groups[ref.sgid].gid
-        assert ref.block_id == table[ref.gid][ref.index] != 0, ref
+        assert ref.vllm_group_index == side.geo.groups[ref.group_index].vllm_group_index
+        assert ref.block_id == table[ref.vllm_group_index][ref.index] != 0, ref
     # The workers receive the plan's blocks and ids, not the expanded references.
     size_before = len(pickle.dumps(job))
     copy = pickle.loads(pickle.dumps(job))
@@ -258,8 +258,10 @@ def _stored_blocks(side: Any, store: Any) -> set[tuple[int, bytes]]:
         if key.endswith(MANIFEST_NAME):
             continue  # the deployment's manifest: not a block
         group, tp, _dcp, digest = key.removeprefix(side.scheme.geometry_prefix).split("/")
-        sgid = int(group.removeprefix("g"))
-        ranks.setdefault((side.geo.groups[sgid].gid, bytes.fromhex(digest)), set()).add(int(tp[2:]))
+        group_index = int(group.removeprefix("g"))
+        ranks.setdefault((side.geo.groups[group_index].vllm_group_index, bytes.fromhex(digest)), set()).add(
+            int(tp[2:])
+        )
     return {block for block, on in ranks.items() if on >= set(RANKS)}
 
 
@@ -276,7 +278,7 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     out = sched.schedule()
     (save,) = out.kv_connector_metadata.saves
     scheme = out.kv_connector_metadata.scheme
-    keys = [scheme.key(b.sgid, r, b.block_hash) for r in RANKS for b in save.blocks]
+    keys = [scheme.key(b.group_index, r, b.block_hash) for r in RANKS for b in save.blocks]
     assert all(st.is_ok for st in store.put(keys, [b"x"] * len(keys)))
     results = [SaveResult(b.entry(r), SaveOutcome.OK) for r in RANKS for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: list(RANKS)})

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from hybridkv.devkit.cluster import Cluster, hybrid_config
+from hybridkv.lifecycle.kinds import GroupKind
 from support.scheduler import PROMPT, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
@@ -121,16 +122,26 @@ def test_hit_loads_the_served_boundary(stored: Stored) -> None:
     with fresh_engine(stored, "a2") as cl:
         side = cl.side
         H = served_boundary(cl, PROMPT)
+        before = dict(side.stats.totals)
         cl.add("a2", stored.prompts["a"])
         out = cl.step()
         assert "a2" not in out.num_scheduled_tokens  # async: waiting for remote KV
         assert [(j.req_id, j.boundary) for j in out.kv_connector_metadata.loads] == [("a2", H)]
-        for g in cl.geo.groups:
-            assert side.stats.totals[f"hit_tokens.g{g.sgid}"] == H
+        (job,) = out.kv_connector_metadata.loads
+
+        def counted(name: str) -> float:
+            return side.stats.totals.get(name, 0) - before.get(name, 0)
+
+        assert counted("hit_tokens") == H
         out = cl.step()
         assert cl.loads_checked == {"a2": H}  # every slot / state on every rank, checked
         assert out.num_scheduled_tokens["a2"] == PROMPT - H
         assert side.lifecycle("a2").state == "VERIFIED"
+        for g in cl.geo.groups:
+            loaded = counted(f"loaded_blocks.g{g.group_index}")
+            assert loaded == sum(1 for ref in job.blocks if ref.group_index == g.group_index) > 0, g
+            if g.kind is GroupKind.FULL:
+                assert loaded == -(-H // g.span), g  # a full-attention group restores every block of the hit
 
 
 def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_boundary(stored: Stored) -> None:
@@ -157,12 +168,12 @@ def test_one_failed_block_truncates_and_the_capped_retry_loads_an_earlier_bounda
         def fail_one_block(out: object) -> None:
             job = next(j for j in out.kv_connector_metadata.loads if j.req_id == "b2")  # type: ignore[attr-defined]
             assert job.boundary == H
-            ref = next(r for r in job.blocks if r.sgid == full.sgid and r.index == k)
-            failed_key.append(side.scheme.key(ref.sgid, last, ref.block_hash))
+            ref = next(r for r in job.blocks if r.group_index == full.group_index and r.index == k)
+            failed_key.append(side.scheme.key(ref.group_index, last, ref.block_hash))
             downstream.extend(
-                side.scheme.key(r.sgid, rank, r.block_hash)
+                side.scheme.key(r.group_index, rank, r.block_hash)
                 for r in job.blocks
-                if r.sgid == full.sgid and r.index > k
+                if r.group_index == full.group_index and r.index > k
                 for rank in range(cl.tp)
             )
             cl.faults[last].fail_keys = {failed_key[0]}

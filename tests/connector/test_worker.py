@@ -182,6 +182,7 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
 
     from hybridkv.connector import load_pipeline
     from hybridkv.connector.load_probe import LoadProbe
+    from hybridkv.store.file_probe import ReadProbe
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     url = f"file://{tmp_path}/store?capacity=64MiB"
@@ -211,6 +212,8 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
         untouched = caches["attn.0"][28].clone()
         probe = LoadProbe()
         ws.install_load_probe(probe)
+        read_probe = ReadProbe()
+        backend.install_read_probe(read_probe)
         load = LoadJob(
             "r", 32, tuple(BlockRef(0, 0, i, b, h, 32) for i, (b, h) in enumerate(zip(dst, hashes)))
         )
@@ -229,7 +232,8 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
         timings = probe.totals()
         assert timings["jobs"] == 1 and timings["store_s"] > 0 and timings["queue_s"] >= 0, timings
         assert timings["report_s"] > 0, "the report phase ends when transfer_results hands the job over"
-        assert backend.read_timings["keys"] == 10 and backend.read_timings["read_s"] > 0
+        reads = read_probe.totals()
+        assert reads["keys"] == 10 and reads["read_s"] > 0, reads
     finally:
         ws.shutdown()
 

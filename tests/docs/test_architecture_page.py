@@ -51,7 +51,9 @@ def _defined_names(path: Path) -> set[str]:
 
 def test_every_named_file_and_definition_exists() -> None:
     files = set(
-        re.findall(r"`((?:lifecycle|audit|store|connector|cli|testing|devkit|bench|demo)/[a-z_]+\.py)", PAGE)
+        re.findall(
+            r"`((?:lifecycle|audit|store|connector|ops|cli|testing|devkit|bench|demo)/[a-z_]+\.py)", PAGE
+        )
     )
     assert files, "the page names no source file"
     missing_files = sorted(f for f in files if not (SRC / f).is_file())

@@ -36,8 +36,8 @@ from hybridkv.cli import main as cli_main
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.lifecycle.machine import State, transition_index
 from hybridkv.lifecycle.sink import RECORD_KEYS
+from hybridkv.lifecycle.table import State, transition_index
 from hybridkv.store import Status, StoreLogEvent, open_store
 from support.docs import (
     DOC_FILES,

@@ -9,7 +9,7 @@ from typing import Any
 
 from hybridkv.audit.diagram import render_mermaid
 from hybridkv.audit.replay import ViolationKind
-from hybridkv.lifecycle.machine import DETAIL_FIELDS, TRANSITIONS, State
+from hybridkv.lifecycle.table import DETAIL_FIELDS, TRANSITIONS, State
 from support.docs import DOCS, all_blocks, audit_examples, names, table_rows
 
 

@@ -14,7 +14,7 @@ def stat_names() -> set[str]:
     """Every name the connector's stats may carry: its counter and gauge tables (``add`` refuses others)."""
     from hybridkv.connector import stats
 
-    return {*stats.PROM_COUNTERS, *stats.GAUGES, f"{stats.PER_GROUP_HIT_TOKENS}<N>"}
+    return {*stats.PROM_COUNTERS, *stats.GAUGES, f"{stats.PER_GROUP_LOADED_BLOCKS}<N>"}
 
 
 def metrics_rows() -> dict[str, tuple[str, str]]:
@@ -34,11 +34,11 @@ def test_every_stat_is_documented() -> None:
     # The tables are the whole vocabulary: a counter the code adds under another name is refused.
     box = StatsBox()
     box.add("load_keys")
-    box.add("hit_tokens.g3", 16)
-    for name in ("load_key", "hit_tokens.gx", "hit_tokens."):
+    box.add("loaded_blocks.g3", 16)
+    for name in ("load_key", "loaded_blocks.gx", "hit_tokens."):
         with pytest.raises(AssertionError, match="neither PROM_COUNTERS nor GAUGES"):
             box.add(name)
-    assert box.totals == {"load_keys": 1, "hit_tokens.g3": 16}
+    assert box.totals == {"load_keys": 1, "loaded_blocks.g3": 16}
 
 
 @pytest.mark.vllm

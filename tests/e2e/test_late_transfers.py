@@ -53,7 +53,7 @@ def _watch_reports(worker_side: Any) -> tuple[list[tuple[torch.Tensor, bool]], l
             pending_at_report.append(faulty.num_late_pending)
         for request_id in done:
             for ref in jobs.pop(request_id).blocks:
-                for tensor in worker_side.group_tensors(ref.sgid):
+                for tensor in worker_side.group_tensors(ref.group_index):
                     page = tensor[ref.block_id]
                     pages.append((page, _scribbled(page)))
         return done, failed

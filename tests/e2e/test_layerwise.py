@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.audit.replay import audit_file
-from hybridkv.connector import inprocess
 from hybridkv.connector.layerwise import LayerwiseLoads
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.ops import inprocess
 from support.engines import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -44,7 +44,7 @@ def scribble_kv(llm: Any) -> None:
     """Fill the whole KV cache with garbage (the engine is idle and caches nothing: no page is in use)."""
     _, worker = connectors(llm)
     for g in worker.worker_side.geo.groups:
-        for tensor in worker.worker_side.group_tensors(g.sgid):
+        for tensor in worker.worker_side.group_tensors(g.group_index):
             tensor.view(-1).view(torch.uint8).fill_(GARBAGE_BYTE)
 
 

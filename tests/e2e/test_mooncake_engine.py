@@ -62,8 +62,8 @@ def test_mooncake_store_then_reload_gives_identical_tokens(
     assert warm == cold, f"{family}: tokens differ after a Mooncake hit"
     assert cached1 == 256, f"{family}: expected 256 external tokens, got {cached1}"
     assert num_groups > 1
-    for g in range(num_groups):
-        assert s_tot[f"hit_tokens.g{g}"] == 256
+    loaded = [s_tot.get(f"loaded_blocks.g{g}", 0) for g in range(num_groups)]
+    assert all(loaded) and sum(loaded) == w_tot["load_keys"], (loaded, w_tot["load_keys"])
     assert s_tot.get("truncations", 0) == 0 and s_tot.get("lookup_errors", 0) == 0
     assert w_tot["load_bytes"] > 0 and w_tot.get("load_failed_keys", 0) == 0
     assert w_tot["save_keys"] > 0 and w_tot.get("save_failed_keys", 0) == 0

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme
-from hybridkv.lifecycle.machine import (
-    TRANSITIONS,
-    TRIGGERS,
-    IllegalTransition,
-    LifecycleMachine,
-    RequestLifecycle,
-    State,
-    transition_index,
-)
+from hybridkv.lifecycle.machine import IllegalTransition, LifecycleMachine, RequestLifecycle
 from hybridkv.lifecycle.sink import MemoryAuditSink
+from hybridkv.lifecycle.table import TRANSITIONS, TRIGGERS, State, transition_index
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 

@@ -41,7 +41,7 @@ def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 def hybridkv_series() -> set[str]:
     """The names the connector's Prometheus metrics (hybridkv.connector.stats.build_prom) are scraped as."""
     counters = {f"{name}_total" for name, _ in PROM_COUNTERS.values()}
-    return counters | {name for name, _ in GAUGES.values()} | {"vllm:hybridkv_group_hit_tokens_total"}
+    return counters | {name for name, _ in GAUGES.values()} | {"vllm:hybridkv_group_loaded_blocks_total"}
 
 
 def test_every_query_names_an_exported_series() -> None:
@@ -113,7 +113,7 @@ def test_series_match_a_real_vllm_registry() -> None:
         ),
     ).create_engine_config()
     logger = PrometheusStatLogger(config, [0])
-    logger.kv_connector_prom.observe({"hit_tokens.g0": 16}, 0)  # per-group children exist once observed
+    logger.kv_connector_prom.observe({"loaded_blocks.g0": 16}, 0)  # per-group children exist once observed
     names = {s.name for family in prometheus_client.REGISTRY.collect() for s in family.samples}
     exported = {n for n in names if n.startswith("vllm:hybridkv_") or "prefix_cache" in n}
     dashboard_series = {name for _, expr in _queries(_dashboard()) for name in _SERIES.findall(expr)}

@@ -36,10 +36,11 @@ def test_prom_exports_counters_per_group_hits_and_the_breaker_gauge() -> None:
     labels = {"model_name": "unit-m", "engine": "0"}
     try:
         assert REGISTRY.get_sample_value("vllm:hybridkv_breaker_open", labels) == 0
-        prom.observe({"hit_tokens": 256, "hit_tokens.g0": 256, "hit_tokens.g1": 256, "breaker_open": 1})
+        prom.observe({"hit_tokens": 256, "loaded_blocks.g0": 256, "loaded_blocks.g1": 256, "breaker_open": 1})
         assert REGISTRY.get_sample_value("vllm:hybridkv_hit_tokens_total", labels) == 256
         assert (
-            REGISTRY.get_sample_value("vllm:hybridkv_group_hit_tokens_total", {**labels, "group": "1"}) == 256
+            REGISTRY.get_sample_value("vllm:hybridkv_group_loaded_blocks_total", {**labels, "group": "1"})
+            == 256
         )
         assert REGISTRY.get_sample_value("vllm:hybridkv_breaker_open", labels) == 1
         prom.observe({"breaker_open": 0, "put_wave_drops": 2})

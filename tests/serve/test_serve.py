@@ -75,8 +75,8 @@ def test_serve_cold_hot_reset_external_hit(tmp_path: Path) -> None:
         assert ext_hits == 256, ext_hits
         assert metric(m2, "vllm:prompt_tokens_cached_by_source_total", source="disk") == 256
         assert metric(m2, "vllm:hybridkv_hit_tokens_total") == 256
-        assert metric(m2, "vllm:hybridkv_group_hit_tokens_total", group="0") == 256
-        assert metric(m2, "vllm:hybridkv_group_hit_tokens_total", group="1") == 256
+        loaded = [metric(m2, "vllm:hybridkv_group_loaded_blocks_total", group=g) for g in ("0", "1")]
+        assert all(loaded) and sum(loaded) == metric(m2, "vllm:hybridkv_load_keys_total"), loaded
         assert metric(m2, "vllm:hybridkv_lookups_total") >= 2
         assert metric(m2, "vllm:hybridkv_lookup_hits_total") == 1
         assert metric(m2, "vllm:hybridkv_load_keys_total") >= 2

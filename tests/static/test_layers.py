@@ -5,12 +5,14 @@ Every module under ``src/`` is parsed with ``ast``; every ``import`` / ``from ..
 top-level subpackages (``hybridkv.store``) and top-level modules (``hybridkv.tables``; ``hybridkv`` itself
 is ``__init__``).
 
-- The product (what ``vllm`` loads and what operators run: lifecycle, audit, store, connector, the CLI, the
-  public fuzzers in ``hybridkv.testing``) never imports the tooling (``hybridkv.devkit``, ``hybridkv.bench``,
-  ``hybridkv.demo``), except the few CLI command functions in ``CLI_TOOLING_COMMANDS``.
+- The product (what ``vllm`` loads and what operators run: lifecycle, audit, store, connector, the operator
+  wing ``hybridkv.ops``, the CLI, the public fuzzers in ``hybridkv.testing``) never imports the tooling
+  (``hybridkv.devkit``, ``hybridkv.bench``, ``hybridkv.demo``), except the few CLI command functions in
+  ``CLI_TOOLING_COMMANDS``.
 - ``hybridkv.bench`` never imports ``hybridkv.cli``.
 - Each unit imports only the units below it (``ALLOWED``): lifecycle at the bottom, store beside it,
-  connector above both, the CLI and the tooling on top; and the unit graph has no cycle.
+  connector above both, the operator wing (ops) above it, the CLI and the tooling on top; and the unit graph
+  has no cycle.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-PRODUCT = {"__init__", "tables", "lifecycle", "audit", "store", "connector", "testing", "cli"}
+PRODUCT = {"__init__", "tables", "lifecycle", "audit", "store", "connector", "testing", "ops", "cli"}
 TOOLING = {"devkit", "bench", "demo"}
 
 #: The units each unit may import (besides itself). A unit missing here fails the test: place it.
@@ -34,10 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     "audit": {"lifecycle", "store"},
     "connector": {"lifecycle", "audit", "store"},
     "testing": {"lifecycle", "audit", "store", "connector"},
-    "cli": {"__init__", "tables", "lifecycle", "audit", "store", "connector"},
-    "devkit": {"tables", "lifecycle", "audit", "store", "connector", "testing"},
-    "bench": {"tables", "lifecycle", "audit", "store", "connector", "devkit"},
-    "demo": {"tables", "lifecycle", "audit", "store", "connector", "devkit"},
+    "ops": {"tables", "lifecycle", "audit", "store", "connector"},
+    "cli": {"__init__", "tables", "lifecycle", "audit", "store", "connector", "ops"},
+    "devkit": {"tables", "lifecycle", "audit", "store", "connector", "testing", "ops"},
+    "bench": {"tables", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
+    "demo": {"tables", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
 }
 
 #: The CLI's tooling subcommands (``hybridkv bench ...``, ``hybridkv demo``) are front ends of benchmarks
@@ -147,7 +150,7 @@ ALL_IMPORTS = sorted(
 
 def test_the_scan_sees_the_package() -> None:
     units = {_unit(found.module) for found in ALL_IMPORTS}
-    assert {"connector", "cli", "bench", "devkit", "demo"} <= units, units
+    assert {"connector", "ops", "cli", "bench", "devkit", "demo"} <= units, units
     assert any(f.target.startswith("hybridkv.bench.") and f.function for f in ALL_IMPORTS), (
         "lazy imports seen"
     )

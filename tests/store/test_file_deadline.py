@@ -18,6 +18,7 @@ from hybridkv.store import Status, StoreError, open_store
 from hybridkv.store import file as file_module
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
+from hybridkv.store.file_layout import FileLayout
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mounts import (
     UNKNOWN_FSTYPE,
@@ -232,7 +233,7 @@ def test_close_under_a_hung_put_leaves_its_descriptors_to_it(
     before it reserves its bytes in the usage estimate, released, the put completes instead of failing on
     a closed descriptor (or writing a file that reused its number)."""
     store = open_store(f"file://{tmp_path}/store?timeout_ms=200")
-    hang = _Hang(monkeypatch, FileBackend, "_claim_spares")
+    hang = _Hang(monkeypatch, FileLayout, "claim_spares")
     with collect_late_calls() as late:
         assert store.put(["late"], [np.ones(4096, dtype=np.uint8)]) == [Status.TIMEOUT]
     store.close()

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.store import Status
-from hybridkv.store import file as file_module
+from hybridkv.store import Status, file_layout
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import default_checksum
 from hybridkv.store.framed import FramedStore
@@ -40,10 +39,10 @@ def _backend(store: FramedStore) -> FileBackend:
 def test_a_removed_file_is_recycled_for_the_next_put_of_its_size(tmp_path: Path) -> None:
     store = _open(tmp_path)
     assert store.put(["a"], [_value(1)]) == [Status.OK]
-    old_inode = os.stat(_backend(store).path_of("a")).st_ino
+    old_inode = os.stat(_backend(store).layout.path_of("a")).st_ino
     assert store.remove(["a"]) == [Status.OK]
     assert store.put(["b"], [_value(2, _SIZE - 7)]) == [Status.OK]  # same page-rounded size class
-    assert os.stat(_backend(store).path_of("b")).st_ino == old_inode, "the spare was not recycled"
+    assert os.stat(_backend(store).layout.path_of("b")).st_ino == old_inode, "the spare was not recycled"
     destination = bytearray(_SIZE - 7)
     assert store.get_into(["b"], [destination]) == [Status.OK] and destination == _value(2, _SIZE - 7)
     assert store.get_into(["a"], [bytearray(_SIZE)]) == [Status.NOT_FOUND]
@@ -56,7 +55,7 @@ def test_a_reader_that_opened_the_old_name_never_sees_the_recycled_bytes(
     reader = _open(tmp_path)
     writer = _open(tmp_path)  # another handle: its flocks conflict with the reader's as across processes
     assert writer.put(["a"], [_value(1)]) == [Status.OK]
-    path_a = _backend(reader).path_of("a")
+    path_a = _backend(reader).layout.path_of("a")
     old_inode = os.stat(path_a).st_ino
     real_open = os.open
     recycled: list[bool] = []
@@ -67,7 +66,7 @@ def test_a_reader_that_opened_the_old_name_never_sees_the_recycled_bytes(
             # Between the reader's open and its lock, "a" is removed and its inode rewritten as "b".
             assert writer.remove(["a"]) == [Status.OK]
             assert writer.put(["b"], [_value(2)]) == [Status.OK]
-            recycled.append(os.stat(_backend(writer).path_of("b")).st_ino == old_inode)
+            recycled.append(os.stat(_backend(writer).layout.path_of("b")).st_ino == old_inode)
             assert writer.put(["a"], [_value(1)]) == [Status.OK]  # "a" again, in a new file
         return fd
 
@@ -85,13 +84,16 @@ def test_a_file_held_by_a_reader_is_not_recycled(tmp_path: Path) -> None:
     reader = _open(tmp_path)
     writer = _open(tmp_path)
     assert writer.put(["a"], [_value(1)]) == [Status.OK]
-    opened = _backend(reader)._open_published(_backend(reader).path_of("a"))  # a read in progress
+    reader_layout = _backend(reader).layout
+    opened = reader_layout.open_published(reader_layout.path_of("a"))  # a read in progress
     assert opened is not None
     fd, info = opened
     try:
         assert writer.remove(["a"]) == [Status.OK]
         assert writer.put(["b"], [_value(2)]) == [Status.OK]
-        assert os.stat(_backend(writer).path_of("b")).st_ino != info.st_ino, "a locked inode was overwritten"
+        assert os.stat(_backend(writer).layout.path_of("b")).st_ino != info.st_ino, (
+            "a locked inode was overwritten"
+        )
         assert os.pread(fd, _SIZE, info.st_size - _SIZE) == _value(1), "the reader saw other bytes"
     finally:
         os.close(fd)
@@ -109,32 +111,34 @@ def test_another_processs_sweep_never_deletes_a_claimed_spare(
     writer = _open(tmp_path)
     sweeper = _backend(_open(tmp_path))  # another handle on the directory, as another process would have
     assert writer.put(["a"], [_value(1)]) == [Status.OK]
-    old_inode = os.stat(_backend(writer).path_of("a")).st_ino
+    old_inode = os.stat(_backend(writer).layout.path_of("a")).st_ino
     assert writer.remove(["a"]) == [Status.OK]
     [spare] = [path for path in (tmp_path / "spare").rglob("*") if path.is_file()]
-    long_ago = time.time() - 2 * file_module._STALE_TMP_S
+    long_ago = time.time() - 2 * file_layout._STALE_TMP_S
     os.utime(spare, (long_ago, long_ago))  # it waited in spare/ longer than a crashed writer's temp file
     crashed = tmp_path / "tmp" / "crashed-writer.tmp"
     crashed.write_bytes(b"left behind")
     os.utime(crashed, (long_ago, long_ago))
     backend = _backend(writer)
-    real_open_spare = backend._open_spare
+    real_open_spare = backend.layout.open_spare
     swept_while_claimed: list[bool] = []
 
     def sweep_then_open(temp: str, size: int) -> int | None:
         # The spare is claimed (in tmp/ under the writer's name) and not yet written: the other process's
         # eviction pass, which also sweeps tmp/, runs now.
         assert os.path.exists(temp), "the scenario did not claim the spare"
-        assert sweeper._make_room(0), "the other process's eviction pass did not run"
+        assert sweeper.layout.make_room(0), "the other process's eviction pass did not run"
         swept_while_claimed.append(True)
         return real_open_spare(temp, size)
 
-    monkeypatch.setattr(backend, "_open_spare", sweep_then_open)
+    monkeypatch.setattr(backend.layout, "open_spare", sweep_then_open)
     assert writer.put(["b"], [_value(2)]) == [Status.OK]
     monkeypatch.undo()
     assert swept_while_claimed == [True], "the sweep did not run while the spare was claimed"
     assert not crashed.exists(), "the sweep must still delete a crashed writer's temp file"
-    assert os.stat(backend.path_of("b")).st_ino == old_inode, "the claimed spare was not the file published"
+    assert os.stat(backend.layout.path_of("b")).st_ino == old_inode, (
+        "the claimed spare was not the file published"
+    )
     destination = bytearray(_SIZE)
     assert writer.get_into(["b"], [destination]) == [Status.OK] and destination == _value(2)
     assert not list((tmp_path / "tmp").iterdir()), "temp files must not outlive a put"
@@ -147,7 +151,7 @@ def test_a_damaged_recycled_value_reads_back_corrupt_into_layer_parts(tmp_path: 
     layers = [_value(2, _SIZE // 4) for _ in range(4)]
     assert store.put(["b"], [layers]) == [Status.OK]
     assert _backend(store).num_recycled == 1
-    path = _backend(store).path_of("b")
+    path = _backend(store).layout.path_of("b")
     with open(path, "r+b") as file:  # one flipped bit in the last layer, on disk
         file.seek(-10, os.SEEK_END)
         byte = file.read(1)[0]
@@ -171,10 +175,10 @@ def test_capacity_accounting_counts_spares(tmp_path: Path) -> None:
     assert store.put(["a", "b"], [_value(1), _value(2)]) == [Status.OK] * 2
     assert store.remove(["a", "b"]) == [Status.OK] * 2
     num_bytes, spare_bytes, estimate = _usage(store)
-    assert num_bytes == 0 and 0 < spare_bytes <= backend.spare_budget_bytes, (num_bytes, spare_bytes)
+    assert num_bytes == 0 and 0 < spare_bytes <= backend.layout.spare_budget_bytes, (num_bytes, spare_bytes)
     assert (
         estimate == num_bytes + spare_bytes
-        and _backend(store)._update_usage(lambda u, s: (u, s))[1] == spare_bytes
+        and _backend(store).layout.update_usage(lambda u, s: (u, s))[1] == spare_bytes
     )
     # Fill far past capacity: eviction keeps objects + spares under capacity and the estimate exact.
     for index in range(40):
@@ -183,12 +187,12 @@ def test_capacity_accounting_counts_spares(tmp_path: Path) -> None:
         assert num_bytes + spare_bytes <= capacity, (
             f"over capacity after k{index}: {num_bytes} + {spare_bytes}"
         )
-        assert spare_bytes <= backend.spare_budget_bytes
+        assert spare_bytes <= backend.layout.spare_budget_bytes
         assert estimate == num_bytes + spare_bytes, f"estimate {estimate} != {num_bytes} + {spare_bytes}"
-    assert backend.num_evicted > 0 and backend.num_recycled > 1
+    assert backend.layout.num_evicted > 0 and backend.num_recycled > 1
     assert store.remove_prefix("k") > 0
     num_bytes, spare_bytes, estimate = _usage(store)
-    assert num_bytes == 0 and estimate == spare_bytes <= backend.spare_budget_bytes
+    assert num_bytes == 0 and estimate == spare_bytes <= backend.layout.spare_budget_bytes
 
 
 def _recycling_worker(directory: str, worker: int, num_rounds: int, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from hybridkv.store import Status, open_store
 from hybridkv.store.file import FileBackend
+from hybridkv.store.file_probe import READ_PHASES, ReadProbe
 
 
 def test_directory_is_private_and_names_are_hashed(tmp_path: Path) -> None:
@@ -34,7 +37,7 @@ def test_capacity_evicts_least_recently_used_first(tmp_path: Path) -> None:
     keys = [f"k{i}" for i in range(8)]
     for index, key in enumerate(keys):
         assert store.put([key], [value]) == [Status.OK]
-        os.utime(backend.path_of(key), (1000.0 + index, 1000.0 + index))
+        os.utime(backend.layout.path_of(key), (1000.0 + index, 1000.0 + index))
     # Reading k0 makes it the most recently used (its mtime is old, so the read touches it).
     assert store.get_into(["k0"], [bytearray(len(value))]) == [Status.OK]
     for index in range(8, 14):
@@ -54,6 +57,44 @@ def test_usage_estimate_tracks_disk(tmp_path: Path) -> None:
     store.remove(["k1", "k2"])
     stats = store.stats()
     assert stats.extra["usage_estimate_bytes"] == stats.num_bytes, stats
+
+
+def test_reads_are_timed_only_into_an_installed_read_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Production installs no read probe: a get then reads no clock and records nothing anywhere. A probe
+    (the bench's) gets every later get's keys and phase times, until it is taken out again."""
+    store = open_store(f"file://{tmp_path}/s")
+    backend = store.backend
+    assert isinstance(backend, FileBackend)
+    assert store.put(["a", "b"], [b"a" * 4096, b"b" * 4096]) == [Status.OK] * 2
+    assert backend.read_probe is None and not hasattr(backend, "read_timings")
+    caller = threading.get_ident()  # a local file system: the get runs on this thread
+    real_clock = time.perf_counter
+    clock_reads: list[int] = []
+
+    def counted_clock() -> float:
+        if threading.get_ident() == caller:
+            clock_reads.append(1)
+        return real_clock()
+
+    monkeypatch.setattr(time, "perf_counter", counted_clock)
+    assert store.get_into(["a", "b"], [bytearray(4096), bytearray(4096)]) == [Status.OK] * 2
+    assert not clock_reads, "a get without a probe read the clock"
+    monkeypatch.undo()
+
+    probe = ReadProbe()
+    backend.install_read_probe(probe)
+    destinations = [bytearray(4096), bytearray(4096), bytearray(4096)]
+    statuses = store.get_into(["a", "b", "absent"], destinations)
+    assert statuses == [Status.OK, Status.OK, Status.NOT_FOUND]
+    totals = probe.totals()
+    assert set(totals) == set(READ_PHASES) and totals["keys"] == 3, totals
+    assert totals["open_s"] > 0 and totals["read_s"] > 0 and totals["verify_s"] >= 0, totals
+    backend.install_read_probe(None)
+    assert store.get_into(["a"], [bytearray(4096)]) == [Status.OK]
+    assert probe.totals() == totals, "a probe taken out still got reads"
+    store.close()
 
 
 def _writer_reader(url: str, worker: int, num_rounds: int, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

@@ -93,7 +93,7 @@ def test_file_store_seals_after_the_payload_is_written_and_before_publishing(
     def seal(index: int) -> None:
         [temp] = list((tmp_path / "s" / "tmp").iterdir())
         seen_at_seal.append(temp.read_bytes())
-        assert not os.path.exists(backend.path_of("k")), "a frame was published before it was sealed"
+        assert not os.path.exists(backend.layout.path_of("k")), "a frame was published before it was sealed"
         frame = frames[index]
         frame[0][:] = encode_header(keys[index], ChecksumAlgo.CRC32, frame[1:])
 
@@ -115,7 +115,7 @@ def test_file_store_verifies_each_frame_it_reads(tmp_path: Path) -> None:
     assert store.put(keys, values) == [Status.OK] * 3
     backend = store.backend
     assert isinstance(backend, FileBackend)
-    path = Path(backend.path_of("k1"))
+    path = Path(backend.layout.path_of("k1"))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x80
     path.write_bytes(data)

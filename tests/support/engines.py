@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector import inprocess
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.ops import inprocess
 
 inprocess.prepare_inprocess_environment()
 

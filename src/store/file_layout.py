@@ -1,0 +1,443 @@
+"""The file store's directory: where each frame lives, what the store holds, and what it evicts and recycles.
+
+Contract: :class:`FileLayout` owns the on-disk protocol that every process sharing a directory follows -- the
+names, the shared usage estimate, eviction, and the recycling of files with the locks that keep readers of
+a recycled inode from ever seeing its new bytes. It moves no value bytes: ``hybridkv.store.file`` (the
+``FileBackend``) writes and reads the frames, through the paths and descriptors this module hands out.
+Thread- and process-safe.
+
+Layout under DIR (created ``0700``)::
+
+    objects/ab/ab12...ef.kv   one frame per key; the name is the hex blake2b-128 of the key (never the raw
+                              key), the real key lives inside the frame header so listing still works
+    tmp/                      frames being written; published with link(2), which fails if the name exists,
+                              so publication is atomic *and* insert-if-absent across processes
+    spare/SIZE/*.kv           removed or evicted files kept for reuse, by page-rounded size (see Recycling)
+    usage                     two 8-byte little-endian estimates (shared, flock'ed): the bytes under objects/
+                              and spare/ together, and the bytes under spare/
+    evict.lock                held (non-blocking) by the one process currently evicting
+
+Readers open a published file and read it whole; a concurrent eviction or removal moves or unlinks the name
+but not the open inode, so a reader never sees a partial value.
+
+Recycling: a put into a new tmpfs file faults in and zeroes a fresh page per 4 KiB, which costs more than
+the copy itself; overwriting a file whose pages are already there runs about twice as fast (see Speed in
+``hybridkv.store.file``). So a removed or evicted file of ``RECYCLE_MIN_SIZE`` or more is renamed into
+``spare/SIZE/`` instead of being unlinked (while the spares stay within ``_SPARE_FRACTION`` of capacity;
+they count toward capacity), and a put of a frame of the same page-rounded size claims one by renaming it
+into ``tmp/`` (atomic across processes), overwrites it in place and publishes it with link(2) like a new
+file. The claimer touches the spare just before that rename: a spare keeps its mtime from its previous
+life, and an old mtime in ``tmp/`` is how eviction scans recognize a crashed writer's temp file, so without
+the touch another process's scan could delete a claimed spare mid-put. A reader that opened the file under
+its old name must never see the new bytes, so for recyclable files:
+
+- the writer holds ``flock(LOCK_EX)`` on the inode while it overwrites it, and gives up the spare (writing
+  a new file instead) if it cannot get the lock at once (:meth:`FileLayout.open_spare`);
+- the reader takes ``flock(LOCK_SH)`` (non-blocking: if a writer holds the inode, the value is gone:
+  ``NOT_FOUND``) and then checks that its key's name still links to the inode it opened
+  (:meth:`FileLayout.open_published`). While the reader holds the shared lock no writer can claim the
+  inode; if the inode was recycled before the reader locked it, the name check fails (a name only ever
+  links to frames of its own key) and the reader answers ``NOT_FOUND``.
+
+LRU across processes: a file's mtime is its last use. Reads and ``exists`` touch it (at most once a second
+per file, to keep hits cheap). Accounting: every put adds its size to ``usage`` and every remove subtracts
+it, under an flock; when a put would exceed ``capacity`` the putter takes ``evict.lock``, scans the
+objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usage`` with the real total
+(correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
+No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
+Values below ``RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file,
+not by page faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import overload
+
+import structlog
+from hybridkv.store.base import StoreError, StoreLogEvent
+from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
+
+log = structlog.get_logger(__name__)
+
+_SUFFIX = ".kv"
+#: Evict down to this fraction of capacity, so eviction scans run once per 10 % of capacity written.
+_LOW_WATERMARK = 0.9
+#: Reads refresh a file's mtime only when it is older than this (seconds): LRU resolution vs. syscalls.
+_TOUCH_INTERVAL_S = 1.0
+#: Temporary files unmodified for this long (seconds) belong to a crashed writer and are removed by eviction
+#: scans. A put modifies its temp file when it creates it or claims it (a claimed spare is touched before it
+#: enters tmp/) and on every write, so a live put's file is never this old unless the put stalls this long.
+_STALE_TMP_S = 600.0
+_PAGE = mmap.PAGESIZE
+#: Files at least this big (page-rounded) are recycled: below it, path syscalls cost more than page faults.
+RECYCLE_MIN_SIZE = 256 << 10
+#: Spare files are kept while they hold at most this fraction of capacity (the eviction hysteresis band).
+_SPARE_FRACTION = 1.0 - _LOW_WATERMARK
+_temp_counter = itertools.count()
+
+
+def _size_class(size: int) -> int:
+    """The page-rounded size spares are matched on: overwriting a file within its last page needs no new
+    page, and truncating it there frees none."""
+    return -(-size // _PAGE) * _PAGE
+
+
+class FileLayout:
+    """One store directory: names, the shared usage estimate, eviction and spares (see the module docstring).
+
+    Creating it creates the directories and opens the two shared descriptors (``usage``, ``evict.lock``);
+    :meth:`close` closes them."""
+
+    def __init__(self, url: str, directory: Path, *, capacity_bytes: int, recycle_min_size: int) -> None:
+        """``recycle_min_size``: every process sharing ``directory`` must use the same value, because
+        readers lock exactly the files writers may recycle. ``url`` names the store in errors and logs."""
+        self.url = url
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.recycle_min_size = max(1, recycle_min_size)
+        self.spare_budget_bytes = int(capacity_bytes * _SPARE_FRACTION)
+        self._objects = directory / "objects"
+        self._tmp = directory / "tmp"
+        self._spare = directory / "spare"
+        self._objects_str = str(self._objects)
+        self._tmp_str = str(self._tmp)
+        self._spare_str = str(self._spare)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._objects.mkdir(mode=0o700, exist_ok=True)
+            self._tmp.mkdir(mode=0o700, exist_ok=True)
+            self._spare.mkdir(mode=0o700, exist_ok=True)
+            mode = stat.S_IMODE(directory.stat().st_mode)
+            if mode & 0o077:
+                log.warning(StoreLogEvent.FILE_DIR_NOT_PRIVATE, directory=str(directory), mode=oct(mode))
+            self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
+            self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise StoreError(
+                f"file store {url!r}: cannot use directory {str(directory)!r}: {error}"
+            ) from None
+        # flock is per open file description, so threads of this process also need a lock of their own.
+        self._usage_lock = threading.Lock()
+        #: Files this process's eviction passes evicted (moved to spare/ or unlinked).
+        self.num_evicted = 0
+
+    def close(self) -> None:
+        """Close the shared descriptors (the caller makes sure no call still uses them)."""
+        os.close(self._usage_fd)
+        os.close(self._evict_fd)
+
+    # -- names -------------------------------------------------------------------------------------------
+
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key``'s frame (whether or not it exists); for inspection and fault tests.
+        A str, not a Path: this is on every call's hot path."""
+        digest = key_digest(key).hex()
+        return f"{self._objects_str}/{digest[:2]}/{digest}{_SUFFIX}"
+
+    def temp_path(self) -> str:
+        """A fresh name under tmp/, unique across processes and threads."""
+        return f"{self._tmp_str}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}.tmp"
+
+    def link(self, temp: str, path: str) -> None:
+        """Publish ``temp`` as ``path`` (``link(2)``; ``FileExistsError`` if the name exists), creating the
+        shard directory on first use (shards are made lazily so that small stores stay small to scan)."""
+        try:
+            os.link(temp, path)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.link(temp, path)
+
+    def touch(self, path: str, fd: int | None, mtime: float, now: float) -> None:
+        """Mark the file used ``now`` (LRU), unless its ``mtime`` is within ``_TOUCH_INTERVAL_S``."""
+        if now - mtime < _TOUCH_INTERVAL_S:
+            return
+        with contextlib.suppress(OSError):  # evicted meanwhile, or read-only mount: LRU order is best effort
+            os.utime(fd if fd is not None else path)
+
+    def _is_recyclable(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes may be recycled (readers lock exactly these)."""
+        return _size_class(size) >= self.recycle_min_size
+
+    def iter_object_paths(self) -> Iterator[Path]:
+        """The published files (unordered; ones removed meanwhile may be listed)."""
+        yield from self._iter_sharded(self._objects)
+
+    def iter_spare_paths(self) -> Iterator[Path]:
+        yield from self._iter_sharded(self._spare)
+
+    @staticmethod
+    def _iter_sharded(root: Path) -> Iterator[Path]:
+        try:
+            with os.scandir(root) as shards:
+                shard_paths = [entry.path for entry in shards if entry.is_dir()]
+        except FileNotFoundError:
+            return
+        for shard in shard_paths:
+            try:
+                with os.scandir(shard) as entries:
+                    names = [entry.path for entry in entries if entry.name.endswith(_SUFFIX)]
+            except FileNotFoundError:
+                continue
+            yield from (Path(name) for name in names)
+
+    @overload
+    def iter_keyed_paths(self) -> Iterator[tuple[Path, str]]: ...
+
+    @overload
+    def iter_keyed_paths(self, include_unreadable: bool) -> Iterator[tuple[Path, str | None]]: ...
+
+    def iter_keyed_paths(self, include_unreadable: bool = False) -> Iterator[tuple[Path, str | None]]:
+        """Each published file with the key its frame header names. A file whose header is unreadable, or
+        holds a frame of another key, is logged and skipped -- or, with ``include_unreadable``, listed with
+        ``None``."""
+        for path in self.iter_object_paths():
+            opened = self.open_published(str(path))  # locked: a recycled inode could be mid-rewrite
+            if opened is None:
+                continue
+            fd = opened[0]
+            try:
+                head = os.pread(fd, FIXED_HEADER_SIZE, 0)
+                key_length = int.from_bytes(head[8:12], "little") if len(head) == FIXED_HEADER_SIZE else 0
+                head += os.pread(fd, min(key_length, 1 << 16), FIXED_HEADER_SIZE)
+            finally:
+                os.close(fd)
+            key = key_from_header(head)
+            if key is not None and self.path_of(key) != str(path):
+                key = None  # a frame of another key under this name: unreadable as this key
+            if key is None:
+                log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
+                if not include_unreadable:
+                    continue
+            yield path, key
+
+    # -- the recycling locks -----------------------------------------------------------------------------
+
+    def open_published(self, path: str) -> tuple[int, os.stat_result] | None:
+        """Open the published file ``path`` for reading: ``(fd, its stat)``, or ``None`` if it is gone.
+
+        A recyclable file is returned locked shared (until the fd is closed) and only if ``path`` still
+        links to it, so its bytes are the frame published under ``path`` (see Recycling)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            info = os.fstat(fd)
+            if self._is_recyclable(info.st_size):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return None  # a writer is recycling this inode: the value it held is gone
+                info = os.fstat(fd)
+                try:
+                    named = os.stat(path)
+                except FileNotFoundError:
+                    named = None
+                if named is None or (named.st_ino, named.st_dev) != (info.st_ino, info.st_dev):
+                    os.close(fd)
+                    return None  # removed (and maybe recycled) between our open and our lock
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, info
+
+    def open_spare(self, temp: str, size: int) -> int | None:
+        """Open the claimed spare ``temp`` for overwriting with a ``size``-byte frame, holding its exclusive
+        lock; ``None`` if a reader that opened it under its old name still holds it (see Recycling)."""
+        fd = os.open(temp, os.O_WRONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # within the size class: no page allocated or freed but the tail's
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    # -- usage accounting --------------------------------------------------------------------------------
+
+    def update_usage(self, update: Callable[[int, int], tuple[int, int]]) -> tuple[int, int]:
+        """Apply ``update(usage, spare) -> (usage, spare)`` to the shared estimates under the lock, where
+        ``usage`` counts the bytes under objects/ and spare/ and ``spare`` those under spare/; returns the
+        new pair."""
+        with self._usage_lock:
+            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._usage_fd, 16, 0)
+                old = (
+                    int.from_bytes(raw[0:8], "little", signed=True) if len(raw) >= 8 else 0,
+                    int.from_bytes(raw[8:16], "little", signed=True) if len(raw) >= 16 else 0,
+                )
+                usage, spare = update(*old)
+                new = (max(0, usage), max(0, spare))
+                if new != old:
+                    os.pwrite(self._usage_fd, b"".join(n.to_bytes(8, "little", signed=True) for n in new), 0)
+                return new
+            finally:
+                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+
+    def add_usage(self, delta: int, spare_delta: int = 0) -> int:
+        """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
+        return self.update_usage(lambda usage, spare: (usage + delta, spare + spare_delta))[0]
+
+    def _set_usage(self, usage: int, spare: int) -> None:
+        self.update_usage(lambda _usage, _spare: (usage, spare))
+
+    # -- retiring, spares, eviction ----------------------------------------------------------------------
+
+    def retire(self, path: str, size: int) -> bool:
+        """Take the published file ``path`` (``size`` bytes) out of the store: keep it as a spare when it is
+        recyclable and the spares have room, else unlink it. Accounts for it; ``False`` if it was gone."""
+        if self._is_recyclable(size):
+            kept = False
+
+            def reserve(usage: int, spare: int) -> tuple[int, int]:
+                nonlocal kept
+                kept = spare + size <= self.spare_budget_bytes
+                return (usage, spare + size) if kept else (usage, spare)
+
+            self.update_usage(reserve)
+            if kept:
+                try:
+                    self._move_to_spare(path, size)
+                except FileNotFoundError:
+                    self.add_usage(0, -size)
+                    return False
+                return True
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self.add_usage(-size)
+        return True
+
+    def _move_to_spare(self, path: str, size: int) -> None:
+        """Rename ``path`` into its size class under spare/ (no accounting)."""
+        shard = f"{self._spare_str}/{_size_class(size)}"
+        spare = f"{shard}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}{_SUFFIX}"
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            if not os.path.exists(path):
+                raise
+            os.makedirs(shard, mode=0o700, exist_ok=True)
+            os.rename(path, spare)
+
+    def claim_spares(self, sizes: Sequence[int | None]) -> list[tuple[str, int] | None]:
+        """For each frame size (``None``: no frame), claim a spare of its size class by renaming it into
+        tmp/: ``(temp path, spare size)``, or ``None`` if none is left. The caller owns the claimed files."""
+        claims: list[tuple[str, int] | None] = [None] * len(sizes)
+        class_to_candidates: dict[int, list[str]] = {}
+        for index, size in enumerate(sizes):
+            if size is None or not self._is_recyclable(size):
+                continue
+            size_class = _size_class(size)
+            candidates = class_to_candidates.get(size_class)
+            if candidates is None:
+                try:
+                    with os.scandir(f"{self._spare_str}/{size_class}") as entries:
+                        candidates = [entry.path for entry in entries if entry.name.endswith(_SUFFIX)]
+                except FileNotFoundError:
+                    candidates = []
+                class_to_candidates[size_class] = candidates
+            while candidates:
+                spare = candidates.pop()
+                temp = self.temp_path()
+                try:
+                    # Touch first, rename second: the file appears in tmp/ already fresh, so no process's
+                    # sweep (which deletes temp files unmodified for _STALE_TMP_S) can take it for a crashed
+                    # writer's, however long it sat in spare/. Touching after the rename would leave a window
+                    # in which a sweep sees the old mtime and unlinks the file mid-put.
+                    os.utime(spare)
+                    os.rename(spare, temp)  # atomic: of several claimers exactly one succeeds
+                    spare_size = os.stat(temp).st_size
+                except FileNotFoundError:
+                    continue  # another process claimed it first
+                claims[index] = (temp, spare_size)
+                break
+        return claims
+
+    def make_room(self, size: int) -> bool:
+        """Evict oldest files until ``size`` more bytes fit under the low watermark (one process at a time).
+
+        Returns ``True`` if this call scanned and rewrote ``usage`` (to the bytes on disk now)."""
+        try:
+            fcntl.flock(self._evict_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # another process is evicting right now; its pass makes room for us too
+        try:
+            now = time.time()
+            entries: list[tuple[float, int, Path]] = []
+            for path in self.iter_object_paths():
+                try:
+                    info = path.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((info.st_mtime, info.st_size, path))
+            spares: list[tuple[float, int, Path]] = []
+            for path in self.iter_spare_paths():
+                try:
+                    info = path.stat()
+                except FileNotFoundError:
+                    continue
+                spares.append((info.st_mtime, info.st_size, path))
+            spare_total = sum(size_ for _mtime, size_, _path in spares)
+            total = sum(size_ for _mtime, size_, _path in entries) + spare_total
+            # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
+            # older files until objects + spares fit under the watermark (spares stay within their budget).
+            target = int(self.capacity_bytes * _LOW_WATERMARK) - size
+            entries.sort(key=lambda entry: entry[0])
+            num_evicted = 0
+            for _mtime, file_size, path in entries:
+                if total <= target:
+                    break
+                if self._is_recyclable(file_size) and spare_total + file_size <= self.spare_budget_bytes:
+                    try:
+                        self._move_to_spare(str(path), file_size)
+                        spare_total += file_size
+                    except FileNotFoundError:
+                        total -= file_size
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    total -= file_size
+                num_evicted += 1
+            spares.sort(key=lambda entry: entry[0])
+            for _mtime, file_size, path in spares:  # only when objects alone do not fit: drop spares too
+                if total <= target:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                total -= file_size
+                spare_total -= file_size
+            self._set_usage(total, spare_total)
+            self.num_evicted += num_evicted
+            self._remove_stale_temp_files(now)
+            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
+            return True
+        finally:
+            fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+
+    def _remove_stale_temp_files(self, now: float) -> None:
+        with os.scandir(self._tmp) as entries:
+            for entry in entries:
+                try:
+                    if now - entry.stat().st_mtime > _STALE_TMP_S:
+                        os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
