@@ -161,14 +161,16 @@ def plan_lookup(
         scheme: the deployment's key scheme.
         block_hashes: ``request.block_hashes`` (one per hash unit, full units only).
         num_tokens: ``request.num_tokens``; at least one token is always left to recompute.
-        num_computed_tokens: the local hit vLLM passes (a multiple of the scheduler block; a value
-            that is not is floored for planning, but a hit must still exceed the value given).
+        num_computed_tokens: the local hit vLLM passes (a multiple of the hit alignment, which is the
+            hash unit on fine-grained hybrids -- not necessarily of the scheduler block: every block
+            ending at or before it is local and never loaded; a value that is not aligned is floored for
+            planning, but a hit must still exceed the value given).
         max_boundary: an extra cap (after a truncation: the truncated boundary).
     """
     geometry = scheme.geometry
     unit = geometry.hash_unit
     cap = lookup_cap(scheme, len(block_hashes), num_tokens, max_boundary)
-    local = num_computed_tokens - num_computed_tokens % geometry.scheduler_block_size
+    local = num_computed_tokens - num_computed_tokens % geometry.hit_alignment
     hashes = tuple(block_hashes)
     keys: list[str] = []
     index_of: dict[tuple[int, int], int] = {}
@@ -191,7 +193,7 @@ def plan_lookup(
 
 def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> LookupResult:
     geometry = candidates.scheme.geometry
-    local = candidates.num_computed_tokens - candidates.num_computed_tokens % geometry.scheduler_block_size
+    local = candidates.num_computed_tokens - candidates.num_computed_tokens % geometry.hit_alignment
     cap = candidates.max_boundary
 
     def available(group_index: int, boundary: int) -> bool:
@@ -314,7 +316,7 @@ class LookupSearch:
     def __post_init__(self) -> None:
         geometry = self.scheme.geometry
         cap = lookup_cap(self.scheme, len(self.block_hashes), self.num_tokens, self.max_boundary)
-        local = self.num_computed_tokens - self.num_computed_tokens % geometry.scheduler_block_size
+        local = self.num_computed_tokens - self.num_computed_tokens % geometry.hit_alignment
         # keys=(): the full scan's key list is exactly what this search avoids building.
         self._candidates = LookupCandidates(
             scheme=self.scheme,
