@@ -117,9 +117,9 @@ def test_two_multiprocess_engines_share_a_file_store(tmp_path: Path) -> None:
     assert m["vllm:external_prefix_cache_hits"] == 256
     assert m["vllm:prompt_tokens_cached_by_source{source=disk}"] == 256
     assert m["vllm:hybridkv_hit_tokens"] == 256
-    # Per group: the 2 attention blocks and the 1 GDN state of the hit (vLLM lists the attention group first).
-    assert m["vllm:hybridkv_group_loaded_blocks{group=0}"] == 2
-    assert m["vllm:hybridkv_group_loaded_blocks{group=1}"] == 1
+    # Per group: the 1 GDN state and the 2 attention blocks of the hit (vLLM lists the GDN group first).
+    assert m["vllm:hybridkv_group_loaded_blocks{group=0}"] == 1
+    assert m["vllm:hybridkv_group_loaded_blocks{group=1}"] == 2
     assert m["vllm:hybridkv_load_keys"] == 3 and m["vllm:hybridkv_load_bytes"] > 0
     assert m["vllm:hybridkv_truncations"] == 0 and m["vllm:hybridkv_breaker_open"] == 0
     print(
