@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["BACKENDS_WITHOUT_EXTERNAL_KV", "load_disabled_reason"]
+__all__ = ["BACKENDS_WITHOUT_EXTERNAL_KV", "connector_roles", "load_disabled_reason"]
 
 #: Attention backends (vLLM's ``AttentionBackendEnum`` names) that cannot prefill on top of KV loaded into
 #: their cache. ``CPU_MLA``: vLLM's reference CPU MLA backend, whose prefill attends over the new tokens
@@ -57,3 +57,14 @@ def load_disabled_reason(vllm_config: VllmConfig) -> str | None:
             "config checks): the engine cannot start a prefill from cached KV"
         )
     return None
+
+
+def connector_roles(vllm_config: VllmConfig) -> tuple[bool, bool, str | None]:
+    """``(can_save, can_load, loads_off)`` of an engine: ``kv_role`` decides (a producer saves, a consumer
+    loads, ``kv_both`` does both), and a consumer whose engine cannot use loaded KV does not load
+    (``loads_off``: :func:`load_disabled_reason`'s sentence; saves go on -- wrong tokens, not an error,
+    are what loading there would give)."""
+    tc = vllm_config.kv_transfer_config
+    assert tc is not None, "HybridStoreConnector runs only with a kv_transfer_config"
+    loads_off = load_disabled_reason(vllm_config) if tc.is_kv_consumer else None
+    return bool(tc.is_kv_producer), bool(tc.is_kv_consumer) and loads_off is None, loads_off

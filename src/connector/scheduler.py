@@ -51,16 +51,15 @@ import concurrent.futures
 import dataclasses
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from hybridkv.audit.sinks import JsonLinesAuditSink
+from hybridkv.connector.capabilities import connector_roles
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookup_answers import LookupAnswers
 from hybridkv.connector.lookups import LookupService
-from hybridkv.connector.maintenance import Maintenance
 from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
@@ -71,6 +70,7 @@ from hybridkv.connector.request_state import RequestState
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, StatsBox
 from hybridkv.connector.store_events import StoreEvents
+from hybridkv.connector.store_upkeep import StoreUpkeep
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
@@ -137,22 +137,14 @@ class SchedulerSide:
             cfg, self.machine, self.lookups, self.lookup_breaker, self.gate, self.stats
         )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
-        self._maintenance = Maintenance()
+        self.upkeep = StoreUpkeep(self.events, self.gate, self.stats)
         self.reset_wait_s = RESET_WAIT_S
         #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
         self._num_weight_tags = 0
         self._engine_nonce = uuid.uuid4().hex[:16]
         # Off the scheduler thread: engine start never waits on the store.
-        self._submit_maintenance(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
-        # kv_role: a producer saves, a consumer loads, kv_both does both.
-        from hybridkv.connector.capabilities import load_disabled_reason
-
-        tc = vllm_config.kv_transfer_config
-        assert tc is not None, "HybridStoreConnector runs only with a kv_transfer_config"
-        self.can_save = bool(tc.is_kv_producer)
-        # Never load into an engine that cannot use loaded KV (wrong tokens, not an error); saves go on.
-        loads_off = load_disabled_reason(vllm_config) if tc.is_kv_consumer else None
-        self.can_load = bool(tc.is_kv_consumer) and loads_off is None
+        self.upkeep.submit(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
+        self.can_save, self.can_load, loads_off = connector_roles(vllm_config)
         if loads_off is not None:
             log.warning(ConnectorLogEvent.LOADS_DISABLED, reason=loads_off, saves=self.can_save)
         log.info(
@@ -395,7 +387,7 @@ class SchedulerSide:
                 (e.group_index, hash_of[(e.group_index, e.block_index, e.key_boundary)])
                 for e in resolution.invalid_entries
             }
-            self._invalidate(list(resolution.invalid_keys), sorted(bad))
+            self.upkeep.invalidate(self.store, list(resolution.invalid_keys), sorted(bad))
         log.warning(
             ConnectorLogEvent.LOAD_FAILED,
             request_id=r.request.request_id,
@@ -406,37 +398,9 @@ class SchedulerSide:
             invalidated=len(resolution.invalid_keys),
         )
 
-    def _submit_maintenance(
-        self, fn: Callable[[], Any], on_done: Callable[[concurrent.futures.Future[Any]], None]
-    ) -> concurrent.futures.Future[Any] | None:
-        """``Maintenance.submit``, counting a call the full queue refused (``maintenance_dropped``)."""
-        fut = self._maintenance.submit(fn, on_done)
-        if fut is None:
-            self.stats.add("maintenance_dropped")
-        return fut
-
-    def _invalidate(self, keys: list[str], blocks: list[tuple[int, bytes]]) -> None:
-        """Remove known-bad entries off the scheduler thread; ``BlockRemoved`` once the removal returned.
-
-        ``blocks``: (group_index, block hash) of the invalidated blocks. While their removal is pending, save
-        waves that finish for them publish nothing (the removal may land after their put)."""
-        self.events.removal_started(blocks)
-
-        def removed(fut: concurrent.futures.Future[Any]) -> None:
-            exc = fut.exception()
-            self.events.removal_ended(blocks, removed=exc is None)
-            if exc is not None:
-                log.warning(ConnectorLogEvent.INVALIDATION_FAILED, error=repr(exc), num_keys=len(keys))
-                return
-            self.stats.add("invalidated_entries", sum(1 for st in fut.result() if st.is_ok))
-
-        if self._submit_maintenance(lambda: self.store.remove(keys), removed) is None:
-            self.events.removal_ended(blocks, removed=False)
-            log.warning(ConnectorLogEvent.INVALIDATION_DROPPED, num_keys=len(keys))
-
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
-        return self._maintenance.wait(timeout)
+        return self.upkeep.wait(timeout)
 
     @property
     def reset_epoch(self) -> int:
@@ -508,27 +472,8 @@ class SchedulerSide:
         self.saves.drop_unsent("namespace reset")
         self._rotate_weights_tag()
 
-        def remove_namespace() -> int:
-            removed = self.store.remove_prefix(prefix)
-            # The manifest went with the namespace; engines on this deployment still write it.
-            self.geo.publish_manifest(self.store)
-            return removed
-
-        def cleared(fut: concurrent.futures.Future[Any]) -> None:
-            exc = fut.exception()
-            if exc is None:
-                self.events.all_cleared(reopen=lambda: self.gate.end_reset(ok=True))
-            else:
-                self.gate.end_reset(ok=False)
-            if exc is None:
-                log.info(ConnectorLogEvent.RESET_CACHE, prefix=prefix, removed=fut.result())
-            else:
-                log.warning(ConnectorLogEvent.RESET_CACHE_FAILED, error=repr(exc))
-
-        fut = self._submit_maintenance(remove_namespace, cleared)
+        fut = self.upkeep.remove_namespace(self.store, prefix, lambda: self.geo.publish_manifest(self.store))
         if fut is None:
-            self.gate.end_reset(ok=False)
-            log.warning(ConnectorLogEvent.RESET_CACHE_DROPPED)
             return False
         try:
             fut.exception(timeout=self.reset_wait_s)
@@ -560,7 +505,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.saves.release_all()
-        self._maintenance.shutdown()
+        self.upkeep.shutdown()
         self.lookups.close()
         if self.audit is not None:
             self.audit.close()
