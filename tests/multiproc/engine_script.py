@@ -3,7 +3,8 @@
 ``python engine_script.py SPEC.json``; SPEC keys: ``model``, ``store``, ``namespace``, ``prompt`` (token
 ids), ``out`` (result JSON path), ``teardown`` (``"del"``: ``del llm``; ``"shutdown"``: the engine core
 client's ``shutdown()`` first), ``reset_connector`` (bool: after the first request, reset with
-``reset_connector=True`` and send the prompt again). Multiprocessing follows
+``reset_connector=True`` and send the prompt again), ``tensor_parallel_size`` (> 1: vLLM's ``mp``
+executor, one worker process per rank). Multiprocessing follows
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it).
 
 The result JSON is written after teardown and lists the threads still alive then; the process must then
@@ -57,6 +58,11 @@ def main(spec_path: str) -> None:
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,
+        **(
+            {"tensor_parallel_size": spec["tensor_parallel_size"], "distributed_executor_backend": "mp"}
+            if spec.get("tensor_parallel_size", 1) > 1
+            else {}
+        ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridStoreConnector",  # found through the hybridkv plugin entry point
             kv_role="kv_both",

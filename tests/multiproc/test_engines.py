@@ -12,6 +12,7 @@ Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with stat
   saves are still being written (a store slowed by 200 ms per call); ``reset_prefix_cache(
   reset_connector=True)`` removes this namespace's entries only (another namespace's keys in the same
   store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``.
+- tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all.
 """
 
 from __future__ import annotations
@@ -171,3 +172,34 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
         f"in-process: other {other['wall_s']:.1f}s (teardown {other['teardown_s']:.2f}s), "
         f"mine {mine['wall_s']:.1f}s (teardown {mine['teardown_s']:.2f}s)"
     )
+
+
+def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP 2 on real engines (vLLM's ``mp`` executor, one worker process per rank) with a hybrid model
+    (Qwen3-Next: full attention with 4 KV heads and gated delta net with 2 key heads, both split over the
+    ranks; vLLM's block becomes 256 at TP 2): engine 1 stores every rank's shard of each block, engine 2 (a
+    fresh process, the same store) loads them back: the external hit covers the prompt's blocks and the
+    greedy tokens equal engine 1's. (Llama at TP 2 passes the same way; one family keeps the suite short.)"""
+    from hybridkv.devkit.tiny_models import build_tiny_model
+
+    family, hit = "qwen3_next", 512
+    model = str(build_tiny_model(family, MODELS_DIR, linear_num_key_heads=2, linear_num_value_heads=4))
+    store = f"file://{tmp_path}/store"
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(600)]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
+    spec = {"model": model, "prompt": prompt, "store": store, "namespace": "tp", "tensor_parallel_size": 2}
+    first = run_engine(tmp_path, "tp-engine1", multiprocess=True, teardown="shutdown", **spec)
+    assert first["cached"] == 0
+    keys = _keys(store, "hkv1/tp/")
+    ranks = {key.split("/")[4] for key in keys}
+    assert ranks == {"tp0", "tp1"}, f"entries of ranks {sorted(ranks)} only: {keys[:4]}"
+    per_rank = {rank: sum(1 for key in keys if f"/{rank}/" in key) for rank in ranks}
+    assert per_rank["tp0"] == per_rank["tp1"], per_rank  # every block has both shards
+
+    second = run_engine(tmp_path, "tp-engine2", multiprocess=True, teardown="shutdown", **spec)
+    assert second["cached"] == hit, f"{family}: {second['cached']} external tokens at TP 2, expected {hit}"
+    assert second["metrics"]["vllm:hybridkv_hit_tokens"] == hit
+    assert second["metrics"].get("vllm:hybridkv_truncations", 0) == 0
+    assert second["tokens"] == first["tokens"], f"{family}: tokens differ after a TP 2 external hit"
