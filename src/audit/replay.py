@@ -10,11 +10,13 @@ sink dropped (its ``audit_records_dropped`` markers). ``rotated_set`` / ``audit_
 from __future__ import annotations
 
 import enum
+import errno
 import functools
 import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +51,7 @@ __all__ = [
 class ViolationKind(enum.StrEnum):
     """Every kind of problem the replay reports (``hybridkv audit``; docs/lifecycle.md lists them)."""
 
-    #: not a JSON object, or lacks the string / int-or-null fields every record has
+    #: not UTF-8, not a JSON object, or lacks the string / int-or-null fields every record has
     MALFORMED = "malformed"
     #: an unknown state, or a trigger that does not lead from ``src`` to ``dst`` in the table
     ILLEGAL = "illegal"
@@ -142,6 +144,8 @@ class AuditReport:
 
 
 _STATE_NAMES = frozenset(s.name for s in State)
+#: A character no UTF-8 text decodes to: a byte that was not UTF-8, as ``surrogateescape`` reads it.
+_NOT_UTF8 = re.compile("[\ud800-\udfff]")
 _TRIGGER_NAMES = frozenset(t.value for t in Trigger)
 
 
@@ -237,9 +241,21 @@ def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | None
     malformed line (reported)."""
     if not raw.strip():
         return None
+    bad_byte = None if raw.isascii() else _NOT_UTF8.search(raw)
+    if bad_byte is not None:
+        byte = ord(bad_byte.group()) & 0xFF
+        report.violations.append(
+            Violation(
+                ViolationKind.MALFORMED,
+                line_number,
+                None,
+                f"not UTF-8: byte 0x{byte:02x} at column {bad_byte.start() + 1}",
+            )
+        )
+        return None
     try:
         record = json.loads(raw)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser goes
         report.violations.append(Violation(ViolationKind.MALFORMED, line_number, None, f"not JSON: {error}"))
         return None
     if not isinstance(record, dict):
@@ -322,8 +338,9 @@ def _count_groups(
 
 
 def audit_file(path: str | os.PathLike[str]) -> AuditReport:
-    """Replay the log at ``path``. Raises ``OSError`` if it cannot be read (bad lines never raise)."""
-    with open(path, encoding="utf-8", errors="replace") as file:
+    """Replay the log at ``path``. Raises ``OSError`` if it cannot be read (bad lines never raise; a line
+    that is not UTF-8 is ``malformed``)."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as file:
         return replay_records(file)
 
 
@@ -357,20 +374,29 @@ def rotated_set(path: str | os.PathLike[str]) -> list[Path]:
     return ordered
 
 
-def read_lines(paths: Sequence[str | os.PathLike[str]]) -> Iterator[str]:
-    """The lines of ``paths`` in order, as one stream (``.gz`` files are decompressed).
+def read_lines(paths: Sequence[str | os.PathLike[str]], *, errors: str = "replace") -> Iterator[str]:
+    """The lines of ``paths`` in order, as one stream (``.gz`` files are decompressed). ``errors``: how bytes
+    that are not UTF-8 are read (``open``'s argument; the replay reads them ``surrogateescape``, to report).
 
     A last line without its newline (a file rotated mid-write) is kept whole: each file's lines are
-    yielded separately, never glued to the next file's first line."""
+    yielded separately, never glued to the next file's first line. A ``.gz`` file that is not gzip, or is
+    cut short, raises ``OSError`` naming it and the line it broke after."""
     for path in paths:
         opener = gzip.open if str(path).endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as file:
-            for line in file:
-                yield line if line.endswith("\n") else line + "\n"
+        line_number = 0
+        try:
+            with opener(path, "rt", encoding="utf-8", errors=errors) as file:
+                for line in file:
+                    line_number += 1
+                    yield line if line.endswith("\n") else line + "\n"
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise OSError(
+                errno.EIO, f"not a whole gzip file after line {line_number} ({error})", str(path)
+            ) from error
 
 
 def audit_files(paths: Sequence[str | os.PathLike[str]]) -> AuditReport:
     """Replay ``paths`` (e.g. ``rotated_set(path)``) as one history: a lifecycle that began before a
     rotation and ended after it is one lifecycle. Line numbers count across the files in order.
     Raises ``OSError`` if a file cannot be read."""
-    return replay_records(read_lines(paths))
+    return replay_records(read_lines(paths, errors="surrogateescape"))

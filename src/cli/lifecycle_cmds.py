@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from hybridkv.cli import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
+
+if TYPE_CHECKING:
+    from hybridkv.audit.replay import AuditReport
 
 
 def register(
@@ -21,8 +26,9 @@ def register(
         help="replay an audit log against the lifecycle table",
         description="Replay every request's records against the transition table. A FILE is read together "
         "with its rotated siblings (FILE.N ... FILE.1, FILE-<date>, .gz included), oldest first, as one "
-        "history. Exit 0: clean, 1: violations (illegal transitions, unterminated lifecycles, loops, "
-        "malformed lines), 2: unreadable file. With --export vllm-trace the records are written as vLLM's "
+        "history. Exit 0: clean, 1: violations (illegal transitions, unterminated lifecycles, loops), "
+        "2: unreadable file or malformed lines (not UTF-8, not a JSON object, fields of the wrong type: "
+        "stderr names the first). With --export vllm-trace the records are written as vLLM's "
         "KV-connector lifecycle trace (schema vllm-kv-connector-v1) instead.",
     )
     audit.add_argument(
@@ -77,39 +83,115 @@ def _audit_paths(args: argparse.Namespace) -> list[Path]:
     return paths
 
 
-def _audit(args: argparse.Namespace) -> int:
-    from hybridkv.audit.replay import audit_files
+def _say(text: str, file: IO[str] | None = None) -> None:
+    """``print`` that never fails on what a log holds: a lone surrogate (a JSON ``\\udcff`` escape in a
+    request id) or a byte that is not UTF-8 in a file name is written backslash-escaped."""
+    stream = sys.stdout if file is None else file
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream)
 
+
+class _Lines:
+    """The lines of ``paths`` as one stream (as ``audit_files`` reads them), remembering where each file
+    ends so that a line number of the stream can be named as a file's line."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        #: each file read so far and the stream's number of its last line
+        self.ends: list[tuple[Path, int]] = []
+
+    def __iter__(self) -> Iterator[str]:
+        from hybridkv.audit.replay import read_lines
+
+        num_lines = 0
+        for path in self.paths:
+            for line in read_lines([path], errors="surrogateescape"):
+                num_lines += 1
+                yield line
+            self.ends.append((path, num_lines))
+
+    def where(self, line: int) -> str:
+        """``FILE line N`` for line ``line`` of the stream (with the stream's number too for several files)."""
+        start = 0
+        for path, end in self.ends:
+            if line <= end:
+                return (
+                    f"{path} line {line}"
+                    if len(self.paths) == 1
+                    else f"line {line} ({path} line {line - start})"
+                )
+            start = end
+        return f"line {line}"
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from hybridkv.audit.replay import ViolationKind, replay_records
+
+    if args.max_violations < 0:
+        print(f"hybridkv audit: --max-violations must be >= 0, got {args.max_violations}", file=sys.stderr)
+        return EXIT_USAGE
     paths = _audit_paths(args)
     if args.export == "vllm-trace":
         return _export_trace(paths, args.out, log_prefix=args.log_prefix)
+    lines = _Lines(paths)
     try:
-        report = audit_files(paths)
+        report = replay_records(lines)
     except OSError as error:
-        print(
-            f"hybridkv audit: cannot read {error.filename or args.files}: {error.strerror}", file=sys.stderr
+        _say(
+            f"hybridkv audit: cannot read {error.filename or args.files}: {error.strerror or error}",
+            sys.stderr,
         )
         return EXIT_USAGE
     if args.json:
         print(json.dumps({"files": [str(p) for p in paths], **report.to_dict()}, indent=2, sort_keys=True))
     else:
-        print(
-            f"{', '.join(str(p) for p in paths)}: {report.num_records} records, "
-            f"{report.num_lifecycles} lifecycles ({report.num_terminated} terminated), "
-            f"{report.num_truncations} truncations, {report.num_retries} retries, "
-            f"{len(report.violations)} violations"
-        )
-        if report.num_dropped:
-            print(f"the audit sink dropped {report.num_dropped} records (its queue was full)")
-        if report.group_counts:
-            rows = [{"group": g, **counts} for g, counts in sorted(report.group_counts.items())]
-            print(format_table(rows, ["group", "hit", "miss", "verified", "truncated"]))
-        for violation in report.violations[: args.max_violations]:
-            where = f"line {violation.line}" if violation.line is not None else "-"
-            print(f"{violation.kind:14} {where:>10}  {violation.request_id or '-'}: {violation.message}")
-        if len(report.violations) > args.max_violations:
-            print(f"... {len(report.violations) - args.max_violations} more (use --json)")
+        _print_report(report, paths, args.max_violations)
+    malformed = [v for v in report.violations if v.kind is ViolationKind.MALFORMED]
+    if malformed:
+        first = malformed[0]
+        more = f" ({len(malformed)} malformed lines)" if len(malformed) > 1 else ""
+        where = lines.where(first.line) if first.line is not None else "a line"
+        _say(f"hybridkv audit: {where} is malformed: {first.message}{more}", sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _print_report(report: AuditReport, paths: list[Path], max_violations: int) -> None:
+    _say(
+        f"{', '.join(str(p) for p in paths)}: {report.num_records} records, "
+        f"{report.num_lifecycles} lifecycles ({report.num_terminated} terminated), "
+        f"{report.num_truncations} truncations, {report.num_retries} retries, "
+        f"{len(report.violations)} violations"
+    )
+    if report.num_dropped:
+        print(f"the audit sink dropped {report.num_dropped} records (its queue was full)")
+    if report.group_counts:
+        rows = [{"group": g, **counts} for g, counts in sorted(report.group_counts.items())]
+        print(format_table(rows, ["group", "hit", "miss", "verified", "truncated"]))
+    for violation in report.violations[:max_violations]:
+        where = f"line {violation.line}" if violation.line is not None else "-"
+        _say(f"{violation.kind:14} {where:>10}  {violation.request_id or '-'}: {violation.message}")
+    if len(report.violations) > max_violations:
+        print(f"... {len(report.violations) - max_violations} more (use --json)")
+
+
+def _exportable(record: dict[str, Any]) -> bool:
+    """Whether the trace can carry ``record``: its clock reading in nanoseconds is a finite number and its
+    request id is text (no lone surrogate). Others are skipped, as the trace skips malformed records."""
+    monotonic = record.get("monotonic")
+    if isinstance(monotonic, (int, float)) and not isinstance(monotonic, bool):
+        try:
+            if not math.isfinite(monotonic * 1e9):
+                return False
+        except OverflowError:  # an int too large for a float
+            return False
+    request_id = record.get("request_id")
+    if isinstance(request_id, str):
+        try:
+            request_id.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
@@ -124,9 +206,9 @@ def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
             for raw in read_lines([path]):
                 try:
                     record = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
                     continue
-                if isinstance(record, dict):
+                if isinstance(record, dict) and _exportable(record):
                     records.append(record)
             monotonics = [r["monotonic"] for r in records if isinstance(r.get("monotonic"), (int, float))]
             anchor_monotonic_s = max(monotonics, default=0.0)
@@ -138,7 +220,7 @@ def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
                 )
             )
     except OSError as error:
-        print(f"hybridkv audit: cannot read {error.filename}: {error.strerror}", file=sys.stderr)
+        _say(f"hybridkv audit: cannot read {error.filename}: {error.strerror or error}", sys.stderr)
         return EXIT_USAGE
     text = "".join(line + "\n" for line in lines)
     if out == "-":

@@ -11,7 +11,8 @@ Keys (all optional):
 ``put_wave_bytes``  bytes of one PUT wave per rank (int, or a size like ``"64MiB"``: binary ``KiB``/``MiB``,
                     decimal ``KB``/``MB``, a bare ``64m`` is rejected as ambiguous); > 0. At most four
                     waves' bytes are queued per rank; a save beyond that is dropped and counted.
-``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0.
+``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0
+                    and at most 2**31 - 1 (about 24.8 days).
 ``verify_checksums``  verify value checksums on load (bool).
 ``load_mode``       ``"async"`` (default): a hit waits for its whole load before it is scheduled.
                     ``"layerwise"``: the hit is scheduled at once and its load overlaps the step's forward
@@ -37,7 +38,6 @@ An unknown key or a bad value raises ``ValueError`` naming the key and the value
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
-from hybridkv.store.params import byte_size
-from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS
+from hybridkv.store.base import StoreError
+from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size
+from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url
 
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
@@ -110,7 +111,43 @@ def parse_size(key: str, value: object) -> int:
             ) from None
     if num_bytes <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
+    if num_bytes > MAX_BYTE_SIZE:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}]: must be at most {MAX_BYTE_SIZE} (8 EiB - 1), got {value!r}"
+        )
     return num_bytes
+
+
+def _audit_log_path(audit_log: object) -> str | None:
+    """``audit_log`` checked: the expanded path, or None; raises ``ValueError`` naming the key."""
+    if audit_log is None:
+        return None
+    if not isinstance(audit_log, (str, os.PathLike)) or not str(audit_log) or "\0" in str(audit_log):
+        raise ValueError(
+            f"kv_connector_extra_config['audit_log']: expected a path or null, got {audit_log!r}"
+        )
+    try:
+        path = Path(audit_log).expanduser()
+        os.fsencode(path)  # a lone surrogate no file name can hold: UnicodeEncodeError
+        parent_is_dir, is_dir = path.parent.is_dir(), path.is_dir()
+    # "~nosuchuser/..." (no home: RuntimeError), a name too long for the OS, a bytes path-like (TypeError)
+    except (RuntimeError, OSError, ValueError, TypeError) as error:
+        raise ValueError(f"kv_connector_extra_config['audit_log']: bad path {audit_log!r}: {error}") from None
+    if not parent_is_dir:
+        raise ValueError(f"kv_connector_extra_config['audit_log']: directory of {audit_log!r} does not exist")
+    if is_dir:
+        raise ValueError(f"kv_connector_extra_config['audit_log']: {audit_log!r} is a directory, not a file")
+    return str(path)
+
+
+def _lookup_budget_ms(budget: object) -> float:
+    """``lookup_budget_ms`` checked (a number in (0, ``MAX_DURATION_MS``]); raises ``ValueError`` naming it."""
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and 0 < budget <= MAX_DURATION_MS:
+        return float(budget)  # also refuses NaN and infinity: no comparison holds for NaN
+    raise ValueError(
+        f"kv_connector_extra_config['lookup_budget_ms']: expected a number > 0 and at most {MAX_DURATION_MS}, "
+        f"got {budget!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -135,8 +172,14 @@ class ConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, model: str) -> ConnectorConfig:
         """Validate ``kv_connector_extra_config``; ``model`` names the default namespace."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(
+                f"kv_connector_extra_config: expected a JSON object of key: value, got {type(extra).__name__} "
+                f"{extra!r}"
+            )
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(KNOWN_KEYS))
+        # Keys of any type (a Python caller's dict may hold non-strings): sorted by their text.
+        unknown = sorted(set(extra) - set(KNOWN_KEYS), key=repr)
         if unknown:
             raise ValueError(
                 f"kv_connector_extra_config: unknown key(s) {unknown} (value(s) "
@@ -152,42 +195,26 @@ class ConnectorConfig:
                 f"kv_connector_extra_config['store']: expected a URL starting with one of {schemes}, "
                 f"got {store!r}"
             )
+        try:
+            check_store_url(store)  # every part, opening nothing: the store opens later, on each role
+        except StoreError as error:
+            raise ValueError(f"kv_connector_extra_config['store']: {error}") from None
 
         namespace = extra.get("namespace")
         if namespace is None:
             namespace = default_namespace(model)
-        if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
+        if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(
                 "kv_connector_extra_config['namespace']: expected 1-64 characters of [A-Za-z0-9._-] "
                 "starting with a letter or digit, "
                 f"got {namespace!r}"
             )
 
-        audit_log = extra.get("audit_log")
-        if audit_log is not None and (not isinstance(audit_log, (str, os.PathLike)) or not str(audit_log)):
-            raise ValueError(
-                f"kv_connector_extra_config['audit_log']: expected a path or null, got {audit_log!r}"
-            )
-        if audit_log is not None:
-            parent = Path(audit_log).expanduser().parent
-            if not parent.is_dir():
-                raise ValueError(
-                    f"kv_connector_extra_config['audit_log']: directory of {audit_log!r} does not exist"
-                )
-            audit_log = str(Path(audit_log).expanduser())
+        audit_log = _audit_log_path(extra.get("audit_log"))
 
         put_wave_bytes = parse_size("put_wave_bytes", extra.get("put_wave_bytes", DEFAULT_PUT_WAVE_BYTES))
 
-        budget = extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS)
-        if (
-            isinstance(budget, bool)
-            or not isinstance(budget, (int, float))
-            or not budget > 0
-            or math.isnan(budget)
-        ):
-            raise ValueError(
-                f"kv_connector_extra_config['lookup_budget_ms']: expected a number > 0, got {budget!r}"
-            )
+        budget = _lookup_budget_ms(extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS))
 
         verify = extra.get("verify_checksums", True)
         if not isinstance(verify, bool):
@@ -210,7 +237,7 @@ class ConnectorConfig:
 
         weights_version = extra.get("weights_version")
         if weights_version is not None and (
-            not isinstance(weights_version, str) or not NAMESPACE_RE.match(weights_version)
+            not isinstance(weights_version, str) or not NAMESPACE_RE.fullmatch(weights_version)
         ):
             raise ValueError(
                 "kv_connector_extra_config['weights_version']: expected null or 1-64 characters of "
@@ -222,7 +249,7 @@ class ConnectorConfig:
             namespace=namespace,
             audit_log=audit_log,
             put_wave_bytes=put_wave_bytes,
-            lookup_budget_ms=float(budget),
+            lookup_budget_ms=budget,
             verify_checksums=verify,
             load_mode=load_mode,
             cuda_copy=cuda_copy,

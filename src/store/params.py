@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ _AMBIGUOUS_UNITS = {"k": "K", "m": "M", "g": "G", "t": "T"}
 _N = TypeVar("_N", int, float)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+#: The largest size anywhere (8 EiB - 1): what a signed 64-bit count holds (torch, Mooncake, the file store's
+#: accounting); anything larger is a typo.
+MAX_BYTE_SIZE = (1 << 63) - 1
+#: The longest deadline or delay a URL parameter may name in milliseconds (about 24.8 days): longer ones
+#: overflow the platform's timeouts (``threading``'s waits, ``time.sleep``) when the store uses them.
+MAX_DURATION_MS = (1 << 31) - 1
 
 
 def byte_size(text: str) -> int:
@@ -62,6 +69,8 @@ def byte_size(text: str) -> int:
     num_bytes = Fraction(number) * _SIZE_UNITS[unit]
     if num_bytes.denominator != 1:
         raise ValueError(f"{text.strip()} is not a whole number of bytes")
+    if num_bytes > MAX_BYTE_SIZE:
+        raise ValueError(f"{text.strip()} is more than the largest size, {MAX_BYTE_SIZE} bytes (8 EiB - 1)")
     return int(num_bytes)
 
 
@@ -92,11 +101,40 @@ class ParsedUrl:
     params: dict[str, str]
 
 
+def _control_character(text: str) -> str | None:
+    """The first ASCII control character (tab, newline, NUL, DEL, ...) in ``text``, or None."""
+    return next((char for char in text if ord(char) < 0x20 or ord(char) == 0x7F), None)
+
+
 def split_url(url: str) -> ParsedUrl:
-    """Split ``url``; duplicate or empty-named query parameters raise ``StoreError``."""
+    """Split ``url``; duplicate or empty-named query parameters, a fragment, a control character or an
+    unparsable location raise ``StoreError``."""
     if "://" not in url:
         raise StoreError(f"store URL {url!r} has no scheme (expected e.g. file:///dir, memory://name)")
-    parts = urlsplit(url)
+    if not url.isascii():
+        try:
+            url.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise StoreError(
+                f"store URL {url!r} is not valid Unicode text: {error.object[error.start : error.end]!r} at "
+                f"position {error.start} is a lone surrogate"
+            ) from None
+    control = _control_character(url)
+    if control is not None:
+        # ``urlsplit`` silently drops tabs and newlines: the URL would name another store than the one typed.
+        raise StoreError(
+            f"store URL {url!r} contains the control character {control!r} (percent-encode it, e.g. %0A)"
+        )
+    if "#" in url:
+        # A fragment is no part of any store's address: ``file:///data/a#b`` would silently open /data/a.
+        raise StoreError(
+            f"store URL {url!r} has a fragment {url[url.index('#') :]!r} (a store URL takes none; "
+            "percent-encode a '#' in a name or path as %23)"
+        )
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # e.g. "Invalid IPv6 URL" for an unbalanced '['
+        raise StoreError(f"store URL {url!r} cannot be parsed: {error}") from None
     params: dict[str, str] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if not name:
@@ -130,7 +168,12 @@ class Params:
 
     def text(self, name: str, default: str) -> str:
         value = self._take(name)
-        return default if value is None else value
+        if value is None:
+            return default
+        control = _control_character(value)  # percent-decoded: %00, %0A, ...
+        if control is not None:
+            raise self.fail(name, value, f"contains the control character {control!r}")
+        return value
 
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         value = self._take(name)
@@ -155,49 +198,49 @@ class Params:
         default: _N,
         convert: Callable[[str], _N],
         not_converted: str,
-        in_range: Callable[[_N], bool],
-        out_of_range: str,
+        out_of_range: Callable[[_N], str | None],
     ) -> _N:
-        """Parameter ``name`` through ``convert`` (``ValueError``: ``not_converted``), checked by ``in_range``."""
+        """Parameter ``name`` through ``convert`` (``ValueError``: ``not_converted``), then checked:
+        ``out_of_range(number)`` says what is wrong with it, or None."""
         value = self._take(name)
         if value is None:
             return default
+        if not value.isascii():  # as sizes: ``int`` and ``float`` would also read other scripts' digits
+            raise self.fail(name, value, not_converted)
         try:
             number = convert(value)
         except ValueError:
             raise self.fail(name, value, not_converted) from None
-        if not in_range(number):
-            raise self.fail(name, value, out_of_range)
+        problem = out_of_range(number)
+        if problem is not None:
+            raise self.fail(name, value, problem)
         return number
 
-    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
-        return self._converted(
-            name,
-            default,
-            int,
-            "expected an integer",
-            lambda number: number >= minimum,
-            f"must be >= {minimum}",
-        )
+    def integer(self, name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
+        def out_of_range(number: int) -> str | None:
+            if number < minimum:
+                return f"must be >= {minimum}"
+            return f"must be <= {maximum}" if maximum is not None and number > maximum else None
 
-    def optional_integer(self, name: str, *, minimum: int = 0) -> int | None:
+        return self._converted(name, default, int, "expected an integer", out_of_range)
+
+    def optional_integer(self, name: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:
         """``integer`` without a default: ``None`` when the URL does not name ``name`` (for parameters whose
         default depends on something else)."""
         if name not in self._params:
             self._known.append(name)
             return None
-        return self.integer(name, 0, minimum=minimum)
+        return self.integer(name, 0, minimum=minimum, maximum=maximum)
 
-    def number(self, name: str, default: float, *, minimum: float = 0.0) -> float:
-        # ``number >= minimum`` is also False for NaN, which is rejected.
-        return self._converted(
-            name,
-            default,
-            float,
-            "expected a number",
-            lambda number: number >= minimum,
-            f"must be >= {minimum}",
-        )
+    def number(self, name: str, default: float, *, minimum: float = 0.0, maximum: float = math.inf) -> float:
+        def out_of_range(number: float) -> str | None:
+            if not math.isfinite(number):  # NaN, ``inf``, ``1e999``
+                return "expected a finite number"
+            if number < minimum:
+                return f"must be >= {minimum}"
+            return f"must be <= {maximum}" if number > maximum else None
+
+        return self._converted(name, default, float, "expected a number", out_of_range)
 
     def probability(self, name: str, default: float = 0.0) -> float:
         return self._converted(
@@ -205,8 +248,7 @@ class Params:
             default,
             float,
             "expected a probability in [0, 1]",
-            lambda number: 0.0 <= number <= 1.0,
-            "probability outside [0, 1]",
+            lambda number: None if 0.0 <= number <= 1.0 else "probability outside [0, 1]",
         )
 
     def finish(self) -> None:

@@ -22,18 +22,20 @@ URL                                                    parameters (all optional)
 Every scheme also takes ``checksum=xxh3|crc32|none|auto`` (default ``auto``: xxh3 when ``xxhash`` is
 installed, else crc32). Sizes accept ``4096``, ``64KiB`` (binary), ``2GB`` (decimal); a bare ``64m`` is
 rejected as ambiguous (``hybridkv.store.params.byte_size``). Anything else -- an unknown scheme or
-parameter, a bad size, a probability outside [0, 1], a missing directory or host -- raises one
-``StoreError`` that names the offending part.
+parameter, a bad size, a probability outside [0, 1], a missing directory or host, a fragment -- raises one
+``StoreError`` that names the offending part. ``check_store_url(url)`` runs every one of those checks and
+opens nothing (no directory, no connection): the connector's configuration calls it at engine start.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlencode
+from urllib.parse import urlencode
 
 from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
@@ -41,9 +43,11 @@ from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.memory import MemoryBackend
-from hybridkv.store.params import Params, ParsedUrl, split_url
+from hybridkv.store.params import MAX_DURATION_MS, Params, ParsedUrl, split_url
 
 DEFAULT_FILE_CAPACITY = 4 << 30
+#: A ``mooncake://`` master address: HOST:PORT with an ASCII port.
+_MOONCAKE_PORT = re.compile(r"[0-9]{1,5}")
 #: The prefix that wraps any store URL in the chaos view (``FaultyBackend``).
 FAULTY_PREFIX = "faulty+"
 
@@ -61,7 +65,9 @@ class StoreKind:
     """One row of the store registry: everything the package knows about a URL scheme."""
 
     scheme: str
-    opener: Callable[[ParsedUrl, Params], Backend]
+    #: Reads and checks every part of the URL (raising ``StoreError``), then returns what opens the backend:
+    #: nothing is created or connected before that is called (``check_store_url`` never calls it).
+    opener: Callable[[ParsedUrl, Params], Callable[[], Backend]]
     tier: StoreTier
     #: Only this process sees its entries (engines with several worker processes need another store).
     process_local: bool
@@ -93,10 +99,24 @@ def open_store(url: str) -> FramedStore:
     return FramedStore(backend, checksum=checksum)
 
 
+def check_store_url(url: str) -> None:
+    """Check every part of ``url`` as ``open_store`` does, opening nothing (no directory is created, no
+    connection made). Raises ``StoreError`` naming the bad part."""
+    if not isinstance(url, str) or not url:
+        raise StoreError(f"store URL must be a non-empty string, got {url!r}")
+    _backend_opener(url)
+
+
 def open_backend(url: str) -> tuple[Backend, ChecksumAlgo]:
     """The frame-moving backend for ``url`` and the checksum its frames use (``open_store`` minus framing)."""
+    opener, checksum = _backend_opener(url)
+    return opener(), checksum
+
+
+def _backend_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
+    """``url`` checked: what opens its backend, and the checksum its frames use."""
     if url.startswith(FAULTY_PREFIX):
-        return _open_faulty(url)
+        return _faulty_opener(url)
     parsed = split_url(url)
     kind = store_kind(url)
     params = Params(url, parsed.scheme, parsed.params)
@@ -112,8 +132,13 @@ def _checksum_param(params: Params) -> ChecksumAlgo:
         raise params.fail("checksum", name, str(error)) from None
 
 
-def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
+def _faulty_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
     inner_url_with_params = url[len(FAULTY_PREFIX) :]
+    if "://" not in inner_url_with_params:
+        raise StoreError(
+            f"store URL {url!r}: {FAULTY_PREFIX} wraps another store URL ({FAULTY_PREFIX}memory://NAME, "
+            f"{FAULTY_PREFIX}file:///DIR, ...), got {inner_url_with_params!r}"
+        )
     parsed = split_url(inner_url_with_params)
     faulty_values = {name: parsed.params.pop(name) for name in FAULTY_PARAMS if name in parsed.params}
     base = inner_url_with_params.split("?", 1)[0]
@@ -126,20 +151,20 @@ def _open_faulty(url: str) -> tuple[Backend, ChecksumAlgo]:
         put_fail=params.probability("put_fail"),
         exists_fail=params.probability("exists_fail"),
         corrupt=params.probability("corrupt"),
-        delay_ms=params.number("delay_ms", 0.0),
+        delay_ms=params.number("delay_ms", 0.0, maximum=MAX_DURATION_MS),
         get_late=params.probability("get_late"),
         put_late=params.probability("put_late"),
-        late_ms=params.number("late_ms", 200.0),
+        late_ms=params.number("late_ms", 200.0, maximum=MAX_DURATION_MS),
         late_scribble=params.integer("late_scribble", 1, minimum=0) != 0,
         seed=params.integer("seed", 0, minimum=-(1 << 63)),
     )
     params.finish()
-    inner, checksum = open_backend(inner_url)
-    return faulty(url, inner), checksum
+    open_inner, checksum = _backend_opener(inner_url)
+    return lambda: faulty(url, open_inner()), checksum
 
 
 def _absent_file_store(parsed: ParsedUrl) -> str | None:
-    directory = Path(unquote(parsed.path))
+    directory = Path(parsed.path)  # the directory ``_open_file`` opens (its path is not percent-decoded)
     if not (directory / "objects").is_dir():
         return f"no file store at {str(directory)!r}"
     return None
@@ -151,17 +176,19 @@ def absent_store(url: str) -> str | None:
     return store_kind(url).absent(split_url(inner))
 
 
-def _open_memory(parsed: ParsedUrl, params: Params) -> Backend:
+def _open_memory(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     if not parsed.netloc:
         raise StoreError(f"store URL {parsed.url!r}: memory:// needs a name (memory://NAME)")
     if parsed.path not in ("", "/"):
         raise StoreError(f"store URL {parsed.url!r}: memory:// takes a name, not a path ({parsed.path!r})")
     capacity = params.size("capacity", -1)
     params.finish()
-    return MemoryBackend(parsed.url, parsed.netloc, capacity_bytes=None if capacity < 0 else capacity)
+    return functools.partial(
+        MemoryBackend, parsed.url, parsed.netloc, capacity_bytes=None if capacity < 0 else capacity
+    )
 
 
-def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
+def _open_file(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     if parsed.netloc not in ("", "localhost"):
         raise StoreError(
             f"store URL {parsed.url!r}: file URLs need an absolute directory (file:///DIR), "
@@ -173,7 +200,7 @@ def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
     if capacity <= 0:
         raise StoreError(f"store URL {parsed.url!r}: parameter capacity must be > 0")
     # None: the backend picks (a deadline where the directory's file system may hang, none on a local one).
-    timeout_ms = params.optional_integer("timeout_ms", minimum=-(1 << 63))
+    timeout_ms = params.optional_integer("timeout_ms", minimum=-(1 << 63), maximum=MAX_DURATION_MS)
     if timeout_ms is not None and timeout_ms <= 0:
         raise params.fail(
             "timeout_ms",
@@ -182,7 +209,9 @@ def _open_file(parsed: ParsedUrl, params: Params) -> Backend:
             f"{DEFAULT_HANG_TIMEOUT_MS} on a network or FUSE file system, none on a local one)",
         )
     params.finish()
-    return FileBackend(parsed.url, Path(parsed.path), capacity_bytes=capacity, timeout_ms=timeout_ms)
+    return functools.partial(
+        FileBackend, parsed.url, Path(parsed.path), capacity_bytes=capacity, timeout_ms=timeout_ms
+    )
 
 
 def _mooncake_protocol(params: Params) -> str:
@@ -210,7 +239,7 @@ def _mooncake_timeout_ms(params: Params) -> int:
     hung master (its RPC timeout can be set to never fire) held the worker's load thread and the request
     waiting for it forever. Refused by name rather than mapped to some default, so that no deployment
     believes it runs without one."""
-    timeout_ms = params.integer("timeout_ms", 2000, minimum=-(1 << 63))
+    timeout_ms = params.integer("timeout_ms", 2000, minimum=-(1 << 63), maximum=MAX_DURATION_MS)
     if timeout_ms <= 0:
         raise params.fail(
             "timeout_ms",
@@ -221,9 +250,9 @@ def _mooncake_timeout_ms(params: Params) -> int:
     return timeout_ms
 
 
-def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
+def _open_mooncake(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     host, _, port_text = parsed.netloc.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not host or not _MOONCAKE_PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
         raise StoreError(f"store URL {parsed.url!r}: mooncake:// needs the master as HOST:PORT")
     from hybridkv.store.mooncake import MooncakeBackend  # here: other schemes never load the Mooncake adapter
 
@@ -244,7 +273,7 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Backend:
         preferred_segment=params.text("preferred_segment", "local"),
     )
     params.finish()
-    return mooncake()
+    return mooncake
 
 
 # fmt: off

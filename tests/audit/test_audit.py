@@ -82,13 +82,17 @@ def test_violations_are_found() -> None:
 def test_cli_exit_codes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(_record("x", "start_lookup", "NEW", "LOOKUP") + "\n{oops\n")
-    assert main(["audit", str(bad)]) == 1
+    assert main(["audit", str(bad)]) == 2  # a malformed line is bad input, named on stderr
+    assert f"{bad} line 2 is malformed" in capsys.readouterr().err
+    violating = tmp_path / "violating.jsonl"
+    violating.write_text(_record("x", "start_lookup", "NEW", "LOOKUP") + "\n")
+    assert main(["audit", str(violating)]) == 1
     assert main(["audit", str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_cli_json_output(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
-    assert main(["audit", "--json", str(bad)]) == 1
+    assert main(["audit", "--json", str(bad)]) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["violations"][0]["line"] == 1
