@@ -15,8 +15,9 @@ buffers), the batches themselves (:class:`StagedBlocks`) -- lives in :mod:`hybri
 Two paths, chosen by where the caches live:
 
 - **Direct** (CPU tensors): the parts *are* the pages (zero-copy numpy views). A page that is not
-  contiguous (a strided Mamba state view) is copied once into a private staging array. There is no pool
-  and no batch limit.
+  contiguous (a strided Mamba state view) is copied once into a private staging array. There is no slab
+  and no batch limit. For a store call that may answer late the parts are a private copy instead, in a
+  pre-faulted buffer of the caller's :class:`HostBufferPool` (``private``).
 - **Staged** (CUDA tensors; also usable on CPU tensors, for tests): a batch is laid out in one host *slab*
   from a bounded :class:`PinnedPool`. The layout is fixed per mover, whatever the batch size: for each
   layer tensor a 256-byte aligned segment of ``max_blocks`` pages, batch row i at page i, so the numpy
@@ -60,6 +61,8 @@ from hybridkv.connector.staging import (
     ALIGN,
     DEFAULT_STAGE_BYTES,
     Fence,
+    HostBuffer,
+    HostBufferPool,
     Lane,
     PinnedPool,
     StagedBlocks,
@@ -73,6 +76,7 @@ __all__ = [
     "DEFAULT_STAGE_BYTES",
     "BlockMover",
     "Fence",
+    "HostBufferPool",
     "PinnedPool",
     "StagedBlocks",
     "StagingContext",
@@ -272,10 +276,11 @@ class BlockMover:
         parts: list[list[np.ndarray]],
         *,
         slab: torch.Tensor | None = None,
+        buffer: HostBuffer | None = None,
         host_copies: list[list[tuple[int, np.ndarray]]] | None = None,
         after: Fence = None,
     ) -> StagedBlocks:
-        """A batch of this mover's blocks; its slab goes back to this mover's pool."""
+        """A batch of this mover's blocks; its slab goes back to this mover's pool (a host buffer to its own)."""
         return StagedBlocks(
             block_ids,
             parts,
@@ -283,13 +288,19 @@ class BlockMover:
             write_back=self._write_back,
             pool=self.staging.pool if self.staging is not None else None,
             slab=slab,
+            buffer=buffer,
             host_copies=host_copies,
             after=after,
         )
 
     # ------------------------------------------------------------------ public
     def gather(
-        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0, private: bool = False
+        self,
+        block_ids: Sequence[int],
+        *,
+        after: Fence = None,
+        timeout: float = 0.0,
+        private: HostBufferPool | None = None,
     ) -> StagedBlocks | None:
         """The bytes of ``block_ids`` as store parts, final on return (ready for ``Store.put``).
 
@@ -298,18 +309,23 @@ class BlockMover:
         slab frees up within ``timeout`` seconds. At most ``max_blocks`` blocks. The caller must keep the
         source blocks unchanged until this returns, and release the result once the store has the bytes.
 
-        Direct path: the parts are the pages themselves, unless ``private``: then they are one private copy
-        of the batch, taken now (for a store call that may go on reading after it answered, so that it never
-        reads pages vLLM has reused). The staged path's slab is private already.
+        Direct path: the parts are the pages themselves, unless ``private`` (a pool): then they are one
+        private copy of the batch, taken now into a buffer of that pool (for a store call that may go on
+        reading after it answered, so that it never reads pages vLLM has reused). The staged path's slab is
+        private already.
         """
         self._check(block_ids)
         if self.staging is None:
-            if private:
-                parts = self._private_parts(len(block_ids))
-                for row, b in zip(parts, block_ids, strict=True):
-                    for k, part in enumerate(row):
-                        part[:] = self._host_page(k, b)[0]
-                return self._batch(block_ids, parts)
+            if private is not None:
+                parts, buffer = self._private_parts(len(block_ids), private)
+                try:
+                    for row, b in zip(parts, block_ids, strict=True):
+                        for k, part in enumerate(row):
+                            part[:] = self._host_page(k, b)[0]
+                except BaseException:
+                    buffer.release()
+                    raise
+                return self._batch(block_ids, parts, buffer=buffer)
             parts = [[self._host_page(k, b)[0] for k in range(len(self.tensors))] for b in block_ids]
             return self._batch(block_ids, parts)
         slab = self.staging.pool.acquire(timeout)
@@ -323,21 +339,27 @@ class BlockMover:
             raise
 
     def scatter_targets(
-        self, block_ids: Sequence[int], *, after: Fence = None, timeout: float = 0.0, private: bool = False
+        self,
+        block_ids: Sequence[int],
+        *,
+        after: Fence = None,
+        timeout: float = 0.0,
+        private: HostBufferPool | None = None,
     ) -> StagedBlocks | None:
         """Writable store destinations for ``block_ids``; :meth:`StagedBlocks.commit` moves them in.
 
         Direct path: contiguous pages are written in place by the store (commit only copies staged
-        strided pages); with ``private`` every part is a private buffer instead, and commit copies the kept
-        blocks into their pages (for a store call that may go on writing after it answered: its late
-        write then lands only in memory nobody else uses). Staged path: parts are slab slices; commit copies them to the device after
-        ``after`` and waits for completion. None when no slab frees up within ``timeout`` seconds.
+        strided pages); with ``private`` (a pool) every part lies in a private buffer of that pool instead,
+        and commit copies the kept blocks into their pages (for a store call that may go on writing after it
+        answered: its late write then lands only in memory nobody else uses). Staged path: parts are slab
+        slices; commit copies them to the device after ``after`` and waits for completion. None when no
+        slab frees up within ``timeout`` seconds.
         """
         self._check(block_ids)
-        if self.staging is None and private:
-            private_parts = self._private_parts(len(block_ids))
+        if self.staging is None and private is not None:
+            private_parts, buffer = self._private_parts(len(block_ids), private)
             to_copy = [list(enumerate(row)) for row in private_parts]
-            return self._batch(block_ids, private_parts, host_copies=to_copy)
+            return self._batch(block_ids, private_parts, buffer=buffer, host_copies=to_copy)
         if self.staging is None:
             parts: list[list[np.ndarray]] = []
             staged: list[list[tuple[int, np.ndarray]]] = []
@@ -368,9 +390,11 @@ class BlockMover:
         return [np.array(self._host_page(k, block_id)[0], copy=True) for k in range(len(self.tensors))]
 
     # ------------------------------------------------------------------ direct path
-    def _private_parts(self, n: int) -> list[list[np.ndarray]]:
-        """Parts of ``n`` blocks in one fresh host buffer (block-major, each block's pages in part order)."""
-        buffer = np.empty(n * self.block_nbytes, dtype=np.uint8)
+    def _private_parts(self, n: int, pool: HostBufferPool) -> tuple[list[list[np.ndarray]], HostBuffer]:
+        """Parts of ``n`` blocks in one buffer of ``pool`` (block-major, each block's pages in part order),
+        and that buffer (the batch's to give back)."""
+        held = pool.acquire(n * self.block_nbytes)
+        buffer = held.array
         parts: list[list[np.ndarray]] = []
         pos = 0
         for _ in range(n):
@@ -379,7 +403,7 @@ class BlockMover:
                 row.append(buffer[pos : pos + pb])
                 pos += pb
             parts.append(row)
-        return parts
+        return parts, held
 
     def _host_page(self, k: int, block_id: int) -> tuple[np.ndarray, bool]:
         """Block ``block_id``'s page of tensor ``k`` as uint8 numpy: a view if contiguous, else a copy."""
@@ -545,6 +569,10 @@ class BlockMover:
                 if not k_ok:
                     continue
                 for k, view in pending:
+                    pages = self._rows[k]
+                    if pages is not None:  # a contiguous page (a private batch): numpy copies it cheaper
+                        np.copyto(pages[b], view)
+                        continue
                     page = self.tensors[k][b]
                     page.copy_(torch.from_numpy(view).view(page.dtype).view(page.shape))
             return

@@ -12,8 +12,10 @@ Contracts:
 - A batch of at least :data:`SPLIT_READ_MIN_BYTES` is read by :data:`LOAD_READERS` threads at once, each its
   own contiguous share of the keys (:meth:`LoadPipeline._read_into`).
 - Buffer ownership follows :mod:`hybridkv.connector.ownership`: a store that may answer late reads into
-  private buffers (host path) and a batch a late call still writes is never committed; a job whose late
-  call writes the KV pages themselves is reported only once that call returned.
+  private buffers (host path: pooled, pre-faulted, in rounds of at most one PUT wave), and each share's
+  thread copies its OK blocks into the pages once its own call returned on time; a buffer a late call
+  still writes is never copied from (nor reused); a job whose late call writes the KV pages themselves is
+  reported only once that call returned.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, load_outcome
 from hybridkv.connector.outbox import Outbox
-from hybridkv.connector.ownership import LateOwnership, Quarantine, may_answer_late
+from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
@@ -183,10 +185,10 @@ class LoadPipeline:
         # NOT_ATTEMPTED, which keeps the entry.
         statuses: list[Status | None] = [None] * len(refs)
         nbytes = 0
-        # Host path: a store call that may answer late writes a private buffer, never the pages.
-        private = not ctx.is_staged and may_answer_late(ctx.store, "get")
-        for batches in ctx.batches(refs, range(len(refs))):
-            if private and self._quarantine.refuses_new_batch():
+        # Host path: a store call that may answer late writes a private buffer (pooled), never the pages.
+        private = ctx.private_buffers("get")
+        for batches in ctx.batches(refs, range(len(refs)), private=private is not None):
+            if private is not None and self._quarantine.refuses_new_batch():
                 continue  # fail fast rather than allocate without bound
             held: list[tuple[StagedBlocks, list[int]]] = []
             try:
@@ -207,17 +209,21 @@ class LoadPipeline:
                 destinations = as_store_buffers([p for sb, _ in held for p in sb.parts])
                 read_started = read_ended = time.perf_counter() if probe is not None else 0.0
                 late: list[Future[object]] = []
+                written: list[int] = []  # bytes the shares wrote into pages as they returned (private)
+                write_share = self._share_writer(held, written, probe) if private is not None else None
                 try:
                     got = self._read_into(
                         [keys[i] for i in order],
                         destinations,
                         sum(ctx.block_nbytes(refs[i].group_index) for i in order),
                         late,
+                        write_share,
                     )
                 finally:
                     # Also when a share raised: the late calls still write these destinations.
                     if late:
-                        owned.take(late, [sb for sb, _ in held], kv_pages=not ctx.is_staged and not private)
+                        kv_pages = not ctx.is_staged and private is None
+                        owned.take(late, [sb for sb, _ in held], kv_pages=kv_pages)
                         held = []
                 if probe is not None:
                     read_ended = time.perf_counter()
@@ -225,7 +231,10 @@ class LoadPipeline:
                     probe.add("store_s", read_ended - read_started)
                 for i, st in zip(order, got, strict=True):
                     statuses[i] = st
-                if late:  # the calls still write these destinations (now owned): never commit them
+                nbytes += sum(written)
+                if late or write_share is not None:
+                    # Late: the calls still write these destinations (now owned): never commit them.
+                    # Private: every share on time wrote its OK blocks as it returned; the buffers go back.
                     continue
                 for sb, idxs in held:
                     flags = [statuses[i] is Status.OK for i in idxs]
@@ -251,12 +260,43 @@ class LoadPipeline:
             results.append(LoadResult(ref.entry(ctx.tp_rank), load_outcome(status)))
         return results
 
+    def _share_writer(
+        self, held: list[tuple[StagedBlocks, list[int]]], written: list[int], probe: LoadProbe | None
+    ) -> Callable[[int, list[Status]], None]:
+        """Host path, private batches: what :meth:`_read_into` runs on a share's thread once that share's
+        call returned on time (it left no late call): copy the share's OK blocks from the private buffers
+        into their pages, right after the read (the bytes still in cache, beside the other share's read),
+        and append the bytes to ``written``. A share whose call answered late writes nothing: its buffers
+        are quarantined."""
+        rows = [(sb, row) for sb, idxs in held for row in range(len(idxs))]  # key position -> (batch, row)
+
+        def write(first: int, got: list[Status]) -> None:
+            started = time.perf_counter() if probe is not None else 0.0
+            keep: dict[int, tuple[StagedBlocks, list[bool]]] = {}
+            for pos, st in enumerate(got, start=first):
+                if st is Status.OK:
+                    sb, row = rows[pos]
+                    keep.setdefault(id(sb), (sb, [False] * len(sb.block_ids)))[1][row] = True
+            for sb, flags in keep.values():
+                sb.write(flags)
+                written.append(sum(flags) * sb.block_nbytes)
+            if probe is not None:
+                probe.add("commit_s", time.perf_counter() - started)
+
+        return write
+
     def _read_into(
-        self, keys: list[str], destinations: list[Value], nbytes: int, late: list[Future[object]]
+        self,
+        keys: list[str],
+        destinations: list[Value],
+        nbytes: int,
+        late: list[Future[object]],
+        on_time: Callable[[int, list[Status]], None] | None = None,
     ) -> list[Status]:
         """``store.get_into(keys, destinations)``: the statuses in key order. Appends to ``late`` the calls
         that answered while still writing their destinations (see :mod:`hybridkv.connector.ownership`) --
-        every share's, also when some share raised.
+        every share's, also when some share raised. ``on_time(first key index, statuses)`` runs on a
+        share's thread once its call returned leaving no late call (see :meth:`_share_writer`).
 
         A batch of at least ``SPLIT_READ_MIN_BYTES`` is split into ``LOAD_READERS`` contiguous shares of
         keys: this thread reads the first, the helper readers the others, at once (each share's checksum
@@ -269,12 +309,16 @@ class LoadPipeline:
         shares_late: list[list[Future[object]]] = [[] for _ in range(num_shares)]
         helpers = [
             self._readers.submit(
-                functools.partial(self._read_share, keys[a:b], destinations[a:b], shares_late[share])
+                functools.partial(
+                    self._read_share, keys[a:b], destinations[a:b], shares_late[share], a, on_time
+                )
             )
             for share, (a, b) in enumerate(itertools.pairwise(bounds[1:]), start=1)
         ]
         try:
-            statuses = self._read_share(keys[: bounds[1]], destinations[: bounds[1]], shares_late[0])
+            statuses = self._read_share(
+                keys[: bounds[1]], destinations[: bounds[1]], shares_late[0], 0, on_time
+            )
         finally:
             # Never hand the destinations back while a helper may still write them; then every share's
             # late calls are the caller's to keep, whatever raised.
@@ -287,12 +331,21 @@ class LoadPipeline:
         return statuses
 
     def _read_share(
-        self, keys: list[str], destinations: list[Value], late: list[Future[object]]
+        self,
+        keys: list[str],
+        destinations: list[Value],
+        late: list[Future[object]],
+        first: int = 0,
+        on_time: Callable[[int, list[Status]], None] | None = None,
     ) -> list[Status]:
-        """One thread's ``get_into``; appends the late calls it left to ``late``, also when it raises
-        (``collect_late_calls`` is per thread)."""
+        """One thread's ``get_into`` of the keys from index ``first`` of the batch; appends the late calls
+        it left to ``late``, also when it raises (``collect_late_calls`` is per thread). Then, when it left
+        none, ``on_time(first, statuses)``."""
         with collect_late_calls() as share_late:
             try:
-                return list(self._ctx.store.get_into(keys, destinations))
+                statuses = list(self._ctx.store.get_into(keys, destinations))
             finally:
                 late.extend(share_late)
+        if on_time is not None and not share_late:
+            on_time(first, statuses)
+        return statuses

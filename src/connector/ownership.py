@@ -6,13 +6,17 @@ Contract:
   has really returned, even when the call raised.
 - A call that answered ``TIMEOUT`` but goes on (``hybridkv.store.base.collect_late_calls``; a split read
   collects every share's, the raising share's included) is a *late call*. Its buffers stay quarantined
-  (:class:`Quarantine`): a slab goes back to the pool, a private buffer is dropped, only when every call
-  that touched it returned.
+  (:class:`Quarantine`): a slab goes back to the pool only when every call that touched it returned; a
+  private host buffer leaves its pool the moment a late call takes it (``LateOwnership.take``), is never
+  handed out again, and is dropped once those calls returned (the pool may allocate a replacement).
 - So that a late call never owns KV memory, a transfer whose store may answer late (:func:`may_answer_late`:
   Mooncake, ``file://`` on a network or FUSE file system, ``faulty+`` with ``get_late`` / ``put_late``, any
   store the worker does not know) never hands it the pages: CUDA goes through its slabs anyway; on the host
-  path a load reads into a private buffer and copies the OK blocks into the pages only once every call of
-  the batch returned, and a save hands the store a private copy taken before the call. The job is then
+  path a load reads into a private buffer and copies a share's OK blocks into the pages once that share's
+  call returned on time (never from a buffer a late call still holds), and a save hands the store a
+  private copy taken before the call. Private buffers come
+  from the worker's pool of pre-faulted buffers (``staging.HostBufferPool``), to which a batch whose calls
+  all answered on time gives its buffer back, in rounds of at most one PUT wave. The job is then
   reported at once (a load failed, a save with its outcomes), so a late call that never returns holds no
   request, no pinned block and no in-flight budget.
 - At most :data:`MAX_QUARANTINED_BATCHES` host batches stay quarantined; beyond that a load fails at once
@@ -68,8 +72,11 @@ class LateOwnership:
     owns_kv_pages: bool = False
 
     def take(self, late: list[Future[object]], batches: list[StagedBlocks], *, kv_pages: bool) -> None:
-        """The late calls of one store call (non-empty) and the batches they were handed."""
+        """The late calls of one store call (non-empty) and the batches they were handed. A batch's private
+        host buffer leaves its pool now, for good (:meth:`StagedBlocks.quarantine`)."""
         assert late, "LateOwnership.take: no late call (only a call that answered late gives up its batches)"
+        for batch in batches:
+            batch.quarantine()
         self.calls.extend(late)
         self.batches.extend(batches)
         self.owns_kv_pages = self.owns_kv_pages or kv_pages

@@ -29,11 +29,11 @@ import threading
 
 import numpy as np
 import structlog
-from hybridkv.connector.datapath import Fence, StagedBlocks
+from hybridkv.connector.datapath import Fence, HostBufferPool, StagedBlocks
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult, save_outcome
 from hybridkv.connector.outbox import Outbox
-from hybridkv.connector.ownership import LateOwnership, Quarantine, may_answer_late
+from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import KIND_RULES
@@ -176,8 +176,8 @@ class SavePipeline:
                 ctx.stats.add("save_skipped_keys")
         todo = [i for i in range(len(keys)) if i not in status]
         staged = ctx.is_staged
-        # Host path: a put that may answer late reads a private copy, never the live pages.
-        private = not staged and may_answer_late(ctx.store, "put")
+        # Host path: a put that may answer late reads a private copy (in a pooled buffer), never the pages.
+        private = ctx.private_buffers("put")
         put_wave = functools.partial(
             self._put_wave,
             job,
@@ -226,14 +226,14 @@ class SavePipeline:
         fence: Fence,
         owned: LateOwnership,
         snapshots: _Snapshots,
-        private: bool,
+        private: HostBufferPool | None,
     ) -> None:
         """Put the blocks at positions ``wave``, recording each one's outcome in ``status``; ``private``:
-        from a private copy (see :mod:`hybridkv.connector.ownership`)."""
+        from a private copy in a buffer of that pool (see :mod:`hybridkv.connector.ownership`)."""
         ctx = self._ctx
         for batches in ctx.batches(job.blocks, wave):
-            if private and self._quarantine.refuses_new_batch():  # drop rather than copy without bound
-                ctx.stats.add("put_wave_drops")
+            if private is not None and self._quarantine.refuses_new_batch():
+                ctx.stats.add("put_wave_drops")  # dropped rather than copied without bound
                 continue
             held: list[tuple[StagedBlocks, list[int]]] = []
             try:
@@ -264,9 +264,8 @@ class SavePipeline:
                     finally:
                         # Also when it raised: the call still reads these values; keep them out of use.
                         if late:
-                            owned.take(
-                                late, [sb for sb, _ in held], kv_pages=not ctx.is_staged and not private
-                            )
+                            kv_pages = not ctx.is_staged and private is None
+                            owned.take(late, [sb for sb, _ in held], kv_pages=kv_pages)
                             held = []
             finally:
                 for sb, _ in held:

@@ -22,13 +22,19 @@ The lane contract (what :class:`~hybridkv.connector.datapath.BlockMover` relies 
 - A lane's two staging buffers are free when ``lane`` yields: every earlier transfer of the direction was
   synchronized before its slab or blocks were handed on.
 
-A :class:`StagedBlocks` is one batch's host bytes as store parts; it owns its slab (when it has one) until
-:meth:`StagedBlocks.release` gives it back to the pool, and writes destination bytes into the blocks through
-the callback of the mover that made it (:meth:`StagedBlocks.commit`).
+Host caches have no slabs, but a store call that may answer late must not be handed their pages
+(:mod:`hybridkv.connector.ownership`): its batch gets a private buffer instead, from the worker's
+:class:`HostBufferPool` of pre-faulted buffers that on-time calls give back for reuse and late calls take out
+of the pool for good.
+
+A :class:`StagedBlocks` is one batch's host bytes as store parts; it owns its slab or pooled host buffer
+(when it has one) until :meth:`StagedBlocks.release` gives it back, and writes destination bytes into the
+blocks through the callback of the mover that made it (:meth:`StagedBlocks.commit`).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import time
@@ -132,6 +138,154 @@ class PinnedPool:
             self._allocated -= len(self._free)
             self._free.clear()
             self._cv.notify_all()
+
+
+# ------------------------------------------------------------------------------------ host buffers
+#: Host buffer capacities are rounded up to one of 2**_SIZE_STEP_BITS sizes per power of two (at most
+#: 12.5 % more than asked) and whole 4 KiB pages, so batches of slightly different sizes share buffers.
+_SIZE_STEP_BITS = 3
+_PAGE_BYTES = 4096
+
+
+def host_buffer_capacity(nbytes: int) -> int:
+    """The capacity a :class:`HostBufferPool` allocates for a request of ``nbytes``."""
+    n = max(nbytes, 1)
+    step = max(_PAGE_BYTES, 1 << max(0, n.bit_length() - 1 - _SIZE_STEP_BITS))
+    return (n + step - 1) // step * step
+
+
+class HostBuffer:
+    """One buffer from a :class:`HostBufferPool`, out to one batch: ``array`` (uint8, at least the bytes
+    asked for). Give it back with :meth:`release` once no store call uses it any more, or take it out of
+    the pool for good with :meth:`forfeit` while a late call still holds it."""
+
+    __slots__ = ("_pool", "_pooled", "_state", "array")
+
+    def __init__(self, pool: HostBufferPool, array: np.ndarray, *, pooled: bool) -> None:
+        self.array = array
+        self._pool = pool
+        #: counted in the pool's bytes, and reused after release (False: a one-off, or forfeited)
+        self._pooled = pooled
+        self._state = "out"  # "out" -> "released" | "forfeited" (-> "released")
+
+    @property
+    def capacity(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def pooled(self) -> bool:
+        return self._pooled
+
+    def release(self) -> None:
+        """No store call uses the buffer any more: back to the pool (a forfeited or one-off buffer is only
+        dropped). Its bytes may be overwritten by the next :meth:`HostBufferPool.acquire` at once.
+        Idempotent."""
+        self._pool._release(self)
+
+    def forfeit(self) -> None:
+        """A late store call still holds the buffer: it leaves the pool for good (the pool stops counting it
+        and may allocate a replacement); :meth:`release` later only drops it. Idempotent."""
+        self._pool._forfeit(self)
+
+
+class HostBufferPool:
+    """Pre-faulted host buffers that the host path's private batches reuse (a store call that may answer
+    late is never handed KV pages). Thread-safe.
+
+    :meth:`acquire` hands out the smallest idle buffer that holds the request, else allocates one of
+    :func:`host_buffer_capacity` and touches every page of it once (so no store call pays its page
+    faults), evicting idle buffers (smallest first) to stay within ``budget_bytes`` of pooled buffers,
+    idle or out. When the buffers out already take the budget, the request gets a one-off buffer (not
+    pre-faulted, dropped on release): a caller never waits and memory stays bounded by what is in use plus
+    the budget. A buffer a late call holds is :meth:`HostBuffer.forfeit`-ed: it is never handed out again
+    (how many may be held so is bounded by the caller: ``ownership.Quarantine``).
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._idle: list[HostBuffer] = []  # by capacity, ascending
+        self._pooled_bytes = 0  # capacity of the pooled buffers, idle or out
+        #: pooled buffers allocated (each pre-faulted once), one-off buffers, acquires served by an idle
+        #: buffer, buffers forfeited to late calls, idle buffers dropped to make room
+        self.num_allocated = 0
+        self.num_one_off = 0
+        self.num_reused = 0
+        self.num_forfeited = 0
+        self.num_evicted = 0
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return self._pooled_bytes
+
+    @property
+    def num_idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """A buffer of at least ``nbytes`` that no store call uses (never waits)."""
+        capacity = host_buffer_capacity(nbytes)
+        with self._lock:
+            for i, idle in enumerate(self._idle):
+                if idle.capacity >= nbytes:
+                    del self._idle[i]
+                    idle._state = "out"
+                    self.num_reused += 1
+                    return idle
+            while self._idle and self._pooled_bytes + capacity > self.budget_bytes:
+                self._pooled_bytes -= self._idle.pop(0).capacity
+                self.num_evicted += 1
+            pooled = self._pooled_bytes + capacity <= self.budget_bytes
+            if pooled:
+                self._pooled_bytes += capacity
+                self.num_allocated += 1
+            else:
+                self.num_one_off += 1
+        try:
+            if not pooled:
+                return HostBuffer(self, np.empty(nbytes, dtype=np.uint8), pooled=False)
+            array = np.empty(capacity, dtype=np.uint8)
+            array.fill(0)  # touch every page now, once, rather than under each store call
+            return HostBuffer(self, array, pooled=True)
+        except BaseException:
+            if pooled:
+                with self._lock:
+                    self._pooled_bytes -= capacity
+            raise
+
+    def _release(self, buffer: HostBuffer) -> None:
+        with self._lock:
+            if buffer._state == "released":
+                return
+            keep = buffer._state == "out" and buffer._pooled
+            buffer._state = "released"
+            if keep:
+                sizes = [b.capacity for b in self._idle]
+                self._idle.insert(bisect.bisect_right(sizes, buffer.capacity), buffer)
+
+    def _forfeit(self, buffer: HostBuffer) -> None:
+        with self._lock:
+            if buffer._state != "out":
+                assert buffer._state == "forfeited", "a buffer forfeited after its release"
+                return
+            buffer._state = "forfeited"
+            self.num_forfeited += 1
+            if buffer._pooled:
+                buffer._pooled = False
+                self._pooled_bytes -= buffer.capacity
+
+    def drop_idle(self) -> int:
+        """Free every idle buffer (sleep mode, shutdown); buffers out stay theirs. Returns the bytes freed."""
+        with self._lock:
+            freed = sum(buffer.capacity for buffer in self._idle)
+            self._pooled_bytes -= freed
+            self.num_evicted += len(self._idle)
+            self._idle.clear()
+        return freed
 
 
 # ------------------------------------------------------------------------------------------ lanes
@@ -294,12 +448,14 @@ class StagedBlocks:
     ``parts[i]`` is block ``block_ids[i]``'s value: one writable uint8 numpy array per layer tensor, in
     part order. From :meth:`BlockMover.gather` the bytes are final when it returns (hand them to
     ``Store.put``). From :meth:`BlockMover.scatter_targets` they are destinations (``Store.get_into``);
-    :meth:`commit` then writes them into the blocks. Either way the arrays may alias a pooled slab: do not
-    touch them after :meth:`release` / :meth:`commit`. Staged parts are views the mover keeps per slab and
-    hands out again with that slab's next batch: read and write their bytes, never their shape or flags.
+    :meth:`commit` then writes them into the blocks. Either way the arrays may alias a pooled slab or host
+    buffer: do not touch them after :meth:`release` / :meth:`commit`. Staged parts are views the mover keeps
+    per slab and hands out again with that slab's next batch: read and write their bytes, never their shape
+    or flags.
 
-    Built by a :class:`~hybridkv.connector.datapath.BlockMover` only: ``pool`` is where ``slab`` goes back,
-    ``write_back`` how :meth:`commit` writes the kept blocks into the mover's caches.
+    Built by a :class:`~hybridkv.connector.datapath.BlockMover` only: ``pool`` is where ``slab`` goes back
+    (a private host ``buffer`` knows its own pool), ``write_back`` how :meth:`commit` writes the kept blocks
+    into the mover's caches.
     """
 
     def __init__(
@@ -311,16 +467,19 @@ class StagedBlocks:
         write_back: WriteBack,
         pool: PinnedPool | None = None,
         slab: torch.Tensor | None = None,
+        buffer: HostBuffer | None = None,
         host_copies: list[list[tuple[int, np.ndarray]]] | None = None,
         after: Fence = None,
     ) -> None:
         assert slab is None or pool is not None, "StagedBlocks: a slab needs the pool it goes back to"
+        assert slab is None or buffer is None, "StagedBlocks: a slab or a host buffer, not both"
         self.block_ids = list(block_ids)
         self.parts = parts
         self._block_nbytes = block_nbytes
         self._write_back = write_back
         self._pool = pool
         self._slab = slab
+        self._buffer = buffer
         self._host_copies = host_copies
         self._after = after
         self._released = False
@@ -329,6 +488,12 @@ class StagedBlocks:
     def slab(self) -> torch.Tensor | None:
         """The pooled host slab the parts live in (staged path), or None (direct path, or released)."""
         return self._slab
+
+    @property
+    def buffer(self) -> HostBuffer | None:
+        """The pooled private host buffer the parts live in (host path, a store call that may answer late),
+        or None (staged or direct path, or released)."""
+        return self._buffer
 
     @property
     def after(self) -> Fence:
@@ -342,8 +507,24 @@ class StagedBlocks:
         return self._host_copies
 
     @property
+    def block_nbytes(self) -> int:
+        return self._block_nbytes
+
+    @property
     def nbytes(self) -> int:
         return len(self.block_ids) * self._block_nbytes
+
+    def write(self, ok: Sequence[bool]) -> None:
+        """Write the destination bytes of the blocks flagged in ``ok`` into their blocks now, keeping the
+        batch (to write the rest, or release it, later). Threads may write one batch at once when their
+        ``ok`` flags are disjoint. Host path; :meth:`commit` is the one-call form."""
+        if self._released:
+            raise RuntimeError("write after release")
+        keep = [bool(x) for x in ok]
+        if len(keep) != len(self.block_ids):
+            raise ValueError(f"ok has {len(keep)} flags for {len(self.block_ids)} blocks")
+        if any(keep):
+            self._write_back(self, keep)
 
     def commit(self, ok: Sequence[bool] | None = None) -> None:
         """Write the destination bytes into the device (or host) blocks, then release.
@@ -363,8 +544,15 @@ class StagedBlocks:
         finally:
             self.release()
 
+    def quarantine(self) -> None:
+        """A late store call took this batch (``ownership.LateOwnership.take``): a private host buffer leaves
+        its pool for good now, so it is never handed out again (:meth:`release` then only drops it). A slab
+        stays out of its pool until :meth:`release`, which the quarantine calls once the call returned."""
+        if self._buffer is not None:
+            self._buffer.forfeit()
+
     def release(self) -> None:
-        """Return the slab (if any) to the pool without writing anything. Idempotent."""
+        """Return the slab or host buffer (if any) to its pool without writing anything. Idempotent."""
         if self._released:
             return
         self._released = True
@@ -372,6 +560,9 @@ class StagedBlocks:
             slab, self._slab = self._slab, None
             assert self._pool is not None
             self._pool.release(slab)
+        if self._buffer is not None:
+            buffer, self._buffer = self._buffer, None
+            buffer.release()
 
     def __enter__(self) -> Self:
         return self

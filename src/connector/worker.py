@@ -324,7 +324,9 @@ class WorkerSide:
         drained = self._loads.drain(timeout) and self.flush(max(0.0, deadline - time.monotonic()))
         if not drained:
             self._suspended = False
-        return drained
+            return False
+        self._ctx.host_buffers.drop_idle()  # a sleeping engine gives its memory back
+        return True
 
     def resume(self) -> None:
         """Wake-up (vLLM 0.33 ``restore_kv_caches``): the KV cache is mapped again at the same addresses."""
@@ -343,6 +345,7 @@ class WorkerSide:
             self._layerwise.close()
         self.flush(left())
         self._loads.stop()
+        self._ctx.host_buffers.drop_idle()
         self._saves.stop()
         self._loads.join(left())
         self._saves.join(left())

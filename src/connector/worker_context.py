@@ -4,7 +4,9 @@
 pages, or a list of tensors per layer sharing one storage) and builds one
 :class:`~hybridkv.connector.datapath.BlockMover` per group. Host (CPU) caches are read and written in place;
 CUDA caches get a :class:`~hybridkv.connector.staging.StagingContext` of :data:`STAGING_SLABS` pinned slabs
-of about one PUT wave each (:func:`staging_for`).
+of about one PUT wave each (:func:`staging_for`). Host caches whose store may answer late move their bytes
+through private buffers (:mod:`hybridkv.connector.ownership`) from a
+:class:`~hybridkv.connector.staging.HostBufferPool` of the same budget: :data:`STAGING_SLABS` PUT waves.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import AUTO_KERNEL_MAX_BATCH_BYTES, CUDA_COPY_DIRECTIONS, ConnectorConfig
-from hybridkv.connector.datapath import BlockMover, Fence, PinnedPool, StagingContext
+from hybridkv.connector.datapath import BlockMover, Fence, HostBufferPool, PinnedPool, StagingContext
 from hybridkv.connector.layerwise import LayerTensors
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, SaveJob, SaveOutcome, SaveResult
+from hybridkv.connector.ownership import may_answer_late
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
 from hybridkv.lifecycle.keys import KeyScheme
@@ -29,7 +32,8 @@ from hybridkv.store.base import Store, Value
 
 log = structlog.get_logger(__name__)
 
-#: CUDA: pinned host slabs per worker (one save wave + one load batch in flight, one spare).
+#: CUDA: pinned host slabs per worker (one save wave + one load batch in flight, one spare); host caches:
+#: PUT waves of pooled private buffers (the same rule: a load round and a save wave are at most a wave each).
 STAGING_SLABS = 3
 
 
@@ -53,6 +57,11 @@ class WorkerContext:
     group_to_mover: dict[int, BlockMover] = field(default_factory=dict)
     #: CUDA caches (or a staging context given to ``register_kv_caches``): the staged path's slabs; else None
     staging: StagingContext | None = None
+    #: host path: the pre-faulted private buffers of store calls that may answer late (see ``private_buffers``)
+    host_buffers: HostBufferPool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host_buffers = HostBufferPool(STAGING_SLABS * self.cfg.put_wave_bytes)
 
     @property
     def is_staged(self) -> bool:
@@ -76,17 +85,43 @@ class WorkerContext:
     def save_results(self, job: SaveJob, outcome: SaveOutcome) -> list[SaveResult]:
         return [SaveResult(ref.entry(self.tp_rank), outcome) for ref in job.blocks]
 
-    def batches(self, refs: Sequence[BlockRef], positions: Sequence[int]) -> list[list[list[int]]]:
+    def private_buffers(self, op: str) -> HostBufferPool | None:
+        """Where a host-path ``op`` ("get" or "put") takes its batches' buffers: the pool when the store
+        may answer late (it must never hold KV pages), None when it is handed the pages (and on CUDA,
+        whose slabs are private already)."""
+        if self.staging is None and may_answer_late(self.store, op):
+            return self.host_buffers
+        return None
+
+    def batches(
+        self, refs: Sequence[BlockRef], positions: Sequence[int], *, private: bool = False
+    ) -> list[list[list[int]]]:
         """Rounds of per-group batches (positions into ``refs``) whose targets are held at once.
 
-        Host caches: one round, one batch per group (no slabs, so no limit). CUDA: one batch per round,
-        one group and at most one slab per batch.
+        Host caches: one round, one batch per group (no slabs, so no limit); with ``private`` (buffers
+        from ``host_buffers``) a round ends at the block that reaches ``put_wave_bytes``, as a PUT wave
+        does, so that a round's buffers fit the pool. CUDA: one batch per round, one group and at most one
+        slab per batch.
         """
         by_group: dict[int, list[int]] = {}
         for i in positions:
             by_group.setdefault(refs[i].group_index, []).append(i)
-        if self.staging is None:
+        if self.staging is None and not private:
             return [list(by_group.values())]
+        if self.staging is None:
+            host_rounds: list[list[list[int]]] = []
+            held: dict[int, list[int]] = {}
+            nbytes = 0
+            for group_index, idxs in by_group.items():
+                for i in idxs:
+                    held.setdefault(group_index, []).append(i)
+                    nbytes += self.block_nbytes(group_index)
+                    if nbytes >= self.cfg.put_wave_bytes:
+                        host_rounds.append(list(held.values()))
+                        held, nbytes = {}, 0
+            if held:
+                host_rounds.append(list(held.values()))
+            return host_rounds
         rounds: list[list[list[int]]] = []
         for group_index, idxs in by_group.items():
             cap = self.group_to_mover[group_index].max_blocks

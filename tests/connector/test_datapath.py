@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext, flatten_layers
+from hybridkv.connector.datapath import BlockMover, HostBufferPool, PinnedPool, StagingContext, flatten_layers
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on GPU hosts only)")
 
@@ -61,31 +61,33 @@ def _copy_layers(device: str, copy: str) -> list[Any]:
     return [layers[0], [layers[1][1]]] if copy == "kernel" else layers
 
 
-def _round_trip(layers: list[Any], mover: BlockMover, store_url: str) -> None:
+def _round_trip(
+    layers: list[Any], mover: BlockMover, store_url: str, private: HostBufferPool | None = None
+) -> None:
     from hybridkv.store import open_store
 
     src, dst = [3, 17, 5, 40, 0], [9, 10, 47, 22, 31]
     want = [_block_bytes(layers, b) for b in src]
     keys = [f"k{b}" for b in src]
     with open_store(store_url) as store:
-        sb = mover.gather(src, timeout=1)
+        sb = mover.gather(src, timeout=1, private=private)
         assert sb is not None
         with sb:
             assert [b"".join(bytes(p) for p in row) for row in sb.parts] == want
             assert all(s.is_ok for s in store.put(keys, sb.parts))
         before = [_block_bytes(layers, b) for b in dst]
-        sb = mover.scatter_targets(dst, timeout=1)
+        sb = mover.scatter_targets(dst, timeout=1, private=private)
         assert sb is not None
         statuses = store.get_into(keys[:4] + ["missing"], sb.parts)
         assert [s.is_ok for s in statuses] == [True, True, True, True, False]
         sb.commit([s.is_ok for s in statuses])
     for b_src, b_dst in zip(src[:4], dst[:4], strict=True):
         assert _block_bytes(layers, b_dst) == _block_bytes(layers, b_src)
-    if mover.is_staged:  # a block the store did not fill is left untouched
+    if mover.is_staged or private is not None:  # a block the store did not fill is left untouched
         assert _block_bytes(layers, dst[4]) == before[4]
 
 
-@pytest.mark.parametrize("path", ["direct", "staged", "staged-tiny-stage"])
+@pytest.mark.parametrize("path", ["direct", "private", "staged", "staged-tiny-stage"])
 def test_cpu_round_trip_through_file_store(tmp_path: Path, path: str) -> None:
     layers = _layers()
     staging = None
@@ -93,9 +95,41 @@ def test_cpu_round_trip_through_file_store(tmp_path: Path, path: str) -> None:
         staging = _staging("cpu", stage=1 << 20)
     elif path == "staged-tiny-stage":
         staging = _staging("cpu", stage=256)  # raised to one page + alignment; many chunks per batch
+    private = HostBufferPool(1 << 20) if path == "private" else None
     mover = BlockMover(layers, staging=staging)
     assert mover.block_nbytes == len(_block_bytes(layers, 0))
-    _round_trip(layers, mover, f"file://{tmp_path}/store")
+    _round_trip(layers, mover, f"file://{tmp_path}/store", private)
+    if private is not None:  # the save's buffer, given back, is the load's: allocated once
+        assert (private.num_allocated, private.num_reused, private.num_idle) == (1, 1, 1)
+
+
+def test_private_batches_copy_the_pages_into_pooled_buffers() -> None:
+    """A private batch never aliases the pages (also the contiguous ones): its parts are a copy in a
+    buffer of the pool, which the batch gives back on release; ``write`` copies only the flagged blocks."""
+    layers = _layers()
+    mover = BlockMover(layers)
+    pool = HostBufferPool(1 << 20)
+    sb = mover.gather([7, 8], private=pool)
+    assert sb is not None and sb.buffer is not None
+    buffer = sb.buffer
+    want = _block_bytes(layers, 7)
+    for part in sb.parts[0]:
+        part[:] = 0  # the copy, not the page
+    assert _block_bytes(layers, 7) == want
+    sb.release()
+    assert sb.buffer is None and pool.num_idle == 1
+    tgt = mover.scatter_targets([20, 21], private=pool)
+    assert tgt is not None and tgt.buffer is buffer, "the idle buffer was not reused"
+    before = [_block_bytes(layers, b) for b in (20, 21)]
+    for row, b in zip(tgt.parts, (3, 4), strict=True):
+        for part, t in zip(row, flatten_layers(layers), strict=True):
+            part[:] = t[b].contiguous().reshape(-1).view(torch.uint8).numpy()
+    assert [_block_bytes(layers, b) for b in (20, 21)] == before, "a private part aliases a page"
+    tgt.write([False, True])
+    assert _block_bytes(layers, 20) == before[0] and _block_bytes(layers, 21) == _block_bytes(layers, 4)
+    tgt.commit([True, False])
+    assert _block_bytes(layers, 20) == _block_bytes(layers, 3)
+    assert (pool.num_allocated, pool.num_reused, pool.num_idle) == (1, 1, 1)
 
 
 def test_direct_path_is_zero_copy_for_contiguous_pages() -> None:

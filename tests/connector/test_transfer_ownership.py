@@ -50,10 +50,14 @@ NEVER_MS = 600_000
 
 
 def _worker(
-    vllm_objs: dict[str, Any], store: str, *, staging: StagingContext | None = None
+    vllm_objs: dict[str, Any],
+    store: str,
+    *,
+    staging: StagingContext | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:
     vc, kvc = vllm_objs["vc"], kv_cache_config()
-    ws = WorkerSide(vc, kvc, ConnectorConfig.from_extra_config({"store": store}, model="m"))
+    ws = WorkerSide(vc, kvc, ConnectorConfig.from_extra_config({"store": store, **(extra or {})}, model="m"))
     gen = torch.Generator().manual_seed(0)
     caches = {
         "attn.0": torch.randn(64, 1, 16, 64, generator=gen).to(torch.bfloat16),
@@ -203,6 +207,11 @@ def test_host_loads_fail_fast_once_too_many_batches_are_quarantined(vllm_objs: d
     assert wm is not None and [res.outcome for res in wm.loads["over"]] == [LoadOutcome.NOT_ATTEMPTED]
     assert ws.num_late_store_calls == MAX_QUARANTINED_BATCHES, "a quarantined buffer too many was read into"
     assert ws.num_quarantine_refusals == 1
+    pool = ws._ctx.host_buffers
+    # Each late get kept its buffer (forfeited, out of the pool); each next load got a new one: bounded by
+    # the quarantine, not by the pool.
+    assert pool.num_forfeited == pool.num_allocated == MAX_QUARANTINED_BATCHES
+    assert pool.num_reused == 0 and pool.pooled_bytes == 0
     assert _shutdown_returns(ws, 1.0)
 
 
@@ -247,8 +256,11 @@ def test_late_put_reads_a_private_copy_so_the_job_is_reported_at_once(vllm_objs:
             and wm.saves[1] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.TIMEOUT)]
         )
         assert ws.store.backend.num_late_pending == 1  # type: ignore[attr-defined]  # reported under the put
+        pool = ws._ctx.host_buffers
+        assert pool.num_forfeited == 1 and pool.pooled_bytes == 0
         caches["attn.0"][3].zero_()  # vLLM reuses the unpinned block
         assert ws.wait_late_calls(30.0)
+        assert pool.num_idle == 0, "the late put's buffer went back to the pool once it returned"
         got = torch.empty_like(page_at_save)
         store = open_store(f"memory://{name}")
         assert store.get_into([scheme.key(0, 0, H1)], [got.view(torch.uint8).reshape(-1).numpy()]) == [
@@ -269,6 +281,204 @@ def test_late_put_that_never_returns_holds_no_job_nor_budget(vllm_objs: dict[str
         assert wm is not None and wm.saves_done == {job_id: [0]}
         assert wm.saves[job_id] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.TIMEOUT)], "dropped"
     assert _shutdown_returns(ws, 1.0)
+
+
+def _spans(values: Sequence[Sequence[Any]]) -> list[tuple[int, int]]:
+    """The (address, length) of every part of every value: the memory a store call was handed."""
+    spans = []
+    for value in values:
+        for part in value:
+            array = np.asarray(part)
+            spans.append((array.ctypes.data, array.nbytes))
+    return spans
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    return any(x < y + m and y < x + n for x, n in a for y, m in b)
+
+
+class _Recording:
+    """A store view that records the memory each ``get_into`` / ``put`` was handed. It does not say whether
+    it may answer late (no ``answers_late`` on its class), so the worker hands it private buffers."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[list[tuple[int, int]]] = []
+
+    def get_into(self, keys: Sequence[str], destinations: Sequence[Any]) -> list[Status]:
+        self.calls.append(_spans(destinations))
+        return list(self.inner.get_into(keys, destinations))
+
+    def put(self, keys: Sequence[str], values: Sequence[Any]) -> list[Status]:
+        self.calls.append(_spans(values))
+        return list(self.inner.put(keys, values))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _save_and_load_back(
+    ws: WorkerSide, caches: dict[str, torch.Tensor], scheme: Any, n: int, gen: torch.Generator
+) -> None:
+    """Give block 3 fresh bytes, save it under a fresh hash (job ``n``), load that into block 10 + n."""
+    caches["attn.0"][3] = torch.randn(caches["attn.0"][3].shape, generator=gen).to(torch.bfloat16)
+    block_hash = bytes([0x40 + n]) * 32
+    ws.enqueue_saves(_save_of(scheme, n, block_hash))
+    assert ws.flush(5.0)
+    wm = ws.worker_meta()
+    assert wm is not None and wm.saves[n] == [SaveResult(EntryId(0, 0, 0, 32), SaveOutcome.OK)], wm
+    req = f"load{n}"
+    load = LoadJob(req, 32, (BlockRef(0, 0, 0, 10 + n, block_hash, 32),))
+    ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+    assert _wait_report(ws) == ({req}, set())
+    assert torch.equal(caches["attn.0"][10 + n], caches["attn.0"][3]), "a load through a reused buffer"
+
+
+def test_on_time_private_transfers_reuse_one_pooled_buffer(vllm_objs: dict[str, Any]) -> None:
+    """Host KV, a store that may answer late but answers on time: every save and load goes through a
+    private buffer, and it is the same pre-faulted buffer each time (allocated once); the pages still get
+    each transfer's own bytes."""
+    ws, caches, scheme = _worker(vllm_objs, f"memory://pool-{uuid.uuid4().hex[:8]}")
+    recording = _Recording(ws.store)
+    ws.store = recording
+    pool = ws._ctx.host_buffers
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for n in range(1, 5):
+            _save_and_load_back(ws, caches, scheme, n, gen)
+        assert len(recording.calls) == 8
+        pages = [caches["attn.0"][b].view(torch.uint8).reshape(-1).numpy() for b in (3, 11, 12, 13, 14)]
+        assert not _overlap([s for call in recording.calls for s in call], _spans([pages])), (
+            "a store that may answer late was handed KV pages"
+        )
+        assert all(call == recording.calls[0] for call in recording.calls), "a transfer used another buffer"
+        assert (pool.num_allocated, pool.num_reused, pool.num_one_off) == (1, 7, 0)
+        assert pool.num_forfeited == 0 and pool.num_idle == 1
+    finally:
+        ws.shutdown()
+
+
+def test_a_buffer_a_late_call_holds_is_never_handed_out_again(vllm_objs: dict[str, Any]) -> None:
+    """A late get keeps its private buffer for good (it never returns): the buffer leaves the pool, the pool
+    allocates one replacement, and no later save or load is handed any byte of the late call's buffer."""
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, f"memory://{name}")
+    _stored_block(scheme, name, caches)
+    on_time = _Recording(ws.store)
+    late = _Recording(open_store(f"faulty+memory://{name}?get_late=1&late_ms={NEVER_MS}"))
+    pool = ws._ctx.host_buffers
+    gen = torch.Generator().manual_seed(2)
+    try:
+        _save_and_load_back(ws, caches, scheme, 1, gen)  # direct path: the memory store never answers late
+        ws.store = late
+        ws.start_load(_load_of(scheme, "late"))
+        assert _wait_report(ws) == ({"late"}, {"late"})
+        assert ws.num_late_store_calls == 1 and pool.num_forfeited == 1 and pool.num_idle == 0
+        ws.store = on_time
+        for n in range(2, 6):
+            _save_and_load_back(ws, caches, scheme, n, gen)
+        assert len(late.calls) == 1 and len(on_time.calls) == 8
+        assert not any(_overlap(late.calls[0], call) for call in on_time.calls), (
+            "a buffer a late call still holds was handed out again"
+        )
+        assert (pool.num_allocated, pool.num_reused, pool.num_forfeited) == (2, 7, 1)
+    finally:
+        assert _shutdown_returns(ws, 1.0)
+
+
+def test_private_loads_go_in_rounds_of_one_put_wave(vllm_objs: dict[str, Any]) -> None:
+    """Host KV, private buffers: a load of more than ``put_wave_bytes`` is read in rounds that end at the
+    block reaching a wave, as saves are, so each round's buffer fits the pool and every round reuses it."""
+    name = f"rounds-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, f"memory://{name}", extra={"put_wave_bytes": 2 * 2048})
+    assert ws.block_nbytes(0) == 2048
+    hashes = [bytes([0x60 + i]) * 32 for i in range(5)]
+    pages = [caches["attn.0"][i].view(torch.uint8).reshape(-1).numpy() for i in range(5)]
+    assert open_store(f"memory://{name}").put([scheme.key(0, 0, h) for h in hashes], pages) == [Status.OK] * 5
+    recording = _Recording(ws.store)
+    ws.store = recording
+    try:
+        refs = tuple(BlockRef(0, 0, i, 20 + i, h, 32 * (i + 1)) for i, h in enumerate(hashes))
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[LoadJob("r", 160, refs)]))
+        assert _wait_report(ws) == ({"r"}, set())
+        assert torch.equal(caches["attn.0"][20:25], caches["attn.0"][0:5])
+        assert [len(call) for call in recording.calls] == [2, 2, 1]
+        pool = ws._ctx.host_buffers
+        assert (pool.num_allocated, pool.num_reused, pool.num_one_off) == (1, 2, 0)
+    finally:
+        ws.shutdown()
+
+
+class _LateHelperShare:
+    """A store view for split reads: the share read on the load thread answers on time; the helper
+    thread's answers ``TIMEOUT`` and goes on -- once ``release`` is set it scribbles its destinations."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.late_calls: list[Future[object]] = []
+
+    def get_into(self, keys: Sequence[str], destinations: Sequence[Any]) -> list[Status]:
+        if not threading.current_thread().name.startswith("hybridkv-read"):
+            return list(self.inner.get_into(keys, destinations))
+        done: Future[object] = Future()
+        done.set_running_or_notify_cancel()
+
+        def go_on() -> None:
+            assert self.release.wait(30), "never released"
+            for destination in destinations:
+                for part in destination:
+                    np.asarray(part)[:] = 0xA5
+            done.set_result(None)
+
+        threading.Thread(target=go_on, daemon=True).start()
+        register_late_call(done)
+        self.late_calls.append(done)
+        return [Status.TIMEOUT] * len(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_split_read_writes_the_on_time_share_and_never_the_late_one(
+    vllm_objs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host KV, private buffers, a batch read in two shares: the load thread's share answers on time and
+    its block is written into its page as it returns; the helper's share answers late, so its page is
+    never written (not even after the late call scribbled its buffer and returned) and its buffer leaves the
+    pool. The job is reported failed at once."""
+    from hybridkv.connector import load_pipeline
+
+    monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    ws, caches, scheme = _worker(vllm_objs, f"memory://{name}")
+    store = open_store(f"memory://{name}")
+    pages = [caches["attn.0"][b].view(torch.uint8).reshape(-1).numpy() for b in (3, 4)]
+    assert store.put([scheme.key(0, 0, H1), scheme.key(0, 0, H2)], pages) == [Status.OK] * 2
+    faults = _LateHelperShare(ws.store)
+    ws.store = faults
+    pool = ws._ctx.host_buffers
+    try:
+        late_page_before = caches["attn.0"][8].clone()
+        load = LoadJob("r", 32, (BlockRef(0, 0, 0, 7, H1, 32), BlockRef(0, 0, 1, 8, H2, 64)))
+        ws.start_load(HybridStoreMetadata(scheme=scheme, loads=[load]))
+        assert _wait_report(ws) == ({"r"}, {"r"})
+        wm = ws.worker_meta()
+        assert wm is not None and [res.outcome for res in wm.loads["r"]] == [
+            LoadOutcome.OK,
+            LoadOutcome.TIMEOUT,
+        ]
+        assert torch.equal(caches["attn.0"][7], caches["attn.0"][3]), "the on-time share was not written"
+        assert torch.equal(caches["attn.0"][8], late_page_before), "the late share's page was written"
+        assert pool.num_forfeited == 1 and pool.num_idle == 0
+        faults.release.set()
+        futures_wait(faults.late_calls, timeout=30)
+        assert ws.wait_late_calls(30.0)
+        assert torch.equal(caches["attn.0"][8], late_page_before), "the late call's bytes reached a page"
+        assert pool.num_idle == 0, "the late call's buffer went back to the pool once it returned"
+    finally:
+        faults.release.set()
+        ws.shutdown()
 
 
 class _SplitReadFaults:
