@@ -164,6 +164,16 @@ def _spec_to_group() -> tuple[tuple[type, Callable[[Any, Any, int], GroupSpec]],
     )
 
 
+def _eagle_block_drop(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM drops a hit's last block for an EAGLE / MTP drafter (what its scheduler hands its KV
+    cache coordinator as ``use_eagle``)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return False
+    block_drop = getattr(spec, "use_eagle_block_drop", None)  # vLLM 0.32; older: every EAGLE drops
+    return bool(block_drop() if callable(block_drop) else spec.use_eagle())
+
+
 def resolve_geometry(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, namespace: str, *, check_vllm_sizes: bool
 ) -> ConnectorGeometry:
@@ -229,6 +239,7 @@ def resolve_geometry(
         topology=Topology(tp_size=tp, dcp_size=dcp, interleave=interleave),
         prefix_match_unit=getattr(cc, "prefix_match_unit", None) if len(specs) > 1 or other_spans else None,
         other_group_spans=other_spans,
+        eagle=_eagle_block_drop(vllm_config),
     )
     for info, span in zip(infos, geometry.spans, strict=True):
         assert info.span == span, (

@@ -58,12 +58,17 @@ class Geometry:
         prefix_match_unit: vLLM ``--prefix-match-unit`` (None: gcd of the spans).
         other_group_spans: effective spans of KV-cache groups that are not prefix-cacheable; they only
             widen the scheduler block (lcm) and make the layout hybrid.
+        eagle: vLLM drops the last block of a hit for an EAGLE / MTP drafter (``speculative_config.
+            use_eagle_block_drop()``): the drafter needs the target's hidden states of the tokens right
+            before the generation point, so they are recomputed. Lookups then follow vLLM's EAGLE rules
+            (``KindRules.unit_hit(drop=True)``). Not in :meth:`describe` (keys do not depend on it).
     """
 
     groups: tuple[GroupSpec, ...]
     topology: Topology = field(default_factory=Topology)
     prefix_match_unit: int | None = None
     other_group_spans: tuple[int, ...] = ()
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         assert self.groups, "a Geometry needs at least one prefix-cacheable group"

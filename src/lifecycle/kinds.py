@@ -143,6 +143,10 @@ class KindRules(abc.ABC):
     #: Blocks ending at or before the local hit are on the device already. False for a state restored
     #: at exactly one boundary: the local hit holds the state at the local hit only.
     covered_by_local_hit: ClassVar[bool] = True
+    #: vLLM's manager for the kind probes hash boundaries inside a block (``supports_fine_grained_hash_lookup``).
+    fine_grained_lookup: ClassVar[bool] = True
+    #: vLLM's EAGLE lookup drops the last matched part of this kind's hit (a recurrent state's never does).
+    eagle_drops: ClassVar[bool] = True
     #: vLLM runs the kind under decode context parallelism (DCP > 1).
     supports_dcp: ClassVar[bool] = True
     #: Blocks are saved as the request's positions fill them. False: entries are saved only at the
@@ -174,10 +178,26 @@ class KindRules(abc.ABC):
 
     @abc.abstractmethod
     def unit_hit(
-        self, geometry: Geometry, unit: tuple[int, ...], cap: int, available: BoundaryAvailableFn
+        self,
+        geometry: Geometry,
+        unit: tuple[int, ...],
+        cap: int,
+        available: BoundaryAvailableFn,
+        *,
+        drop: bool = False,
     ) -> UnitHit:
         """The largest boundary ``<= cap`` that the lookup ``unit`` (groups of equal spec) alone can
-        restore, by vLLM's rules for the kind."""
+        restore, by vLLM's rules for the kind. ``drop``: vLLM's EAGLE lookup (``Geometry.eagle``), which
+        matches past the boundary it reports and drops that part (the caller widens ``cap`` by
+        :meth:`eagle_margin` first)."""
+
+    def eagle_margin(self, geometry: Geometry, unit: tuple[int, ...]) -> int:
+        """Tokens an EAGLE lookup of ``unit`` matches past the candidate before dropping them (vLLM's
+        ``eagle_proof_margin``): one hash unit where the kind looks up fine-grained, else one block."""
+        span = geometry.spans[unit[0]]
+        if geometry.fine_grained and self.fine_grained_lookup and span > geometry.hash_unit:
+            return geometry.hash_unit
+        return span
 
     @abc.abstractmethod
     def blocks_to_load(
@@ -224,7 +244,13 @@ class FullAttentionRules(KindRules):
     stores_partial_tails = True
 
     def unit_hit(
-        self, geometry: Geometry, unit: tuple[int, ...], cap: int, available: BoundaryAvailableFn
+        self,
+        geometry: Geometry,
+        unit: tuple[int, ...],
+        cap: int,
+        available: BoundaryAvailableFn,
+        *,
+        drop: bool = False,
     ) -> UnitHit:
         span = geometry.spans[unit[0]]
         alignment = geometry.hit_alignment
@@ -240,6 +266,10 @@ class FullAttentionRules(KindRules):
                 if available(boundary):
                     hit = tail_boundary = boundary
                     break
+        if drop and hit > 0:
+            # EAGLE: one hash unit (fine-grained; the tail block's KV still covers the shorter hit) or
+            # one block fewer.
+            hit -= min(alignment, span)
         hit -= hit % alignment
         return UnitHit(hit, num_blocks, tail_boundary)
 
@@ -275,6 +305,7 @@ class SlidingWindowRules(KindRules):
     name = "sliding window"
     # vLLM: DCP > 1 with hybrid layouts allows only full attention (incl. MLA) and Mamba.
     supports_dcp = False
+    fine_grained_lookup = False
 
     def validate(self, spec: GroupSpec) -> None:
         assert spec.sliding_window is not None and spec.sliding_window > 0, (
@@ -298,11 +329,22 @@ class SlidingWindowRules(KindRules):
         return max(1, cdiv(spec.sliding_window - 1, span))
 
     def unit_hit(
-        self, geometry: Geometry, unit: tuple[int, ...], cap: int, available: BoundaryAvailableFn
+        self,
+        geometry: Geometry,
+        unit: tuple[int, ...],
+        cap: int,
+        available: BoundaryAvailableFn,
+        *,
+        drop: bool = False,
     ) -> UnitHit:
         span = geometry.spans[unit[0]]
         alignment = geometry.hit_alignment
         num_needed = self.num_window_blocks(geometry.groups[unit[0]], span)
+        if drop:
+            window = geometry.groups[unit[0]].sliding_window
+            assert window is not None, f"group {unit[0]}: a sliding-window group without a window"
+            # vLLM's count: cdiv(window - 1, span) blocks, one more for the drop (0 + 1 for a 1-token window).
+            return self._eagle_unit_hit(span, alignment, cdiv(window - 1, span) + 1, cap, available)
         num_blocks = cap // span
         # run[i]: consecutive available blocks ending at block i.
         run = 0
@@ -316,12 +358,47 @@ class SlidingWindowRules(KindRules):
                 return UnitHit(boundary)
         return UnitHit(0)
 
+    @staticmethod
+    def _eagle_unit_hit(
+        span: int, alignment: int, num_needed: int, cap: int, available: BoundaryAvailableFn
+    ) -> UnitHit:
+        """vLLM's EAGLE window lookup: one block more than the window, scanned from the right (a run's
+        last block must end on the alignment once the drop took it), then that block dropped and the hit
+        aligned down."""
+        num_blocks = run = 0
+        found = False
+        for i in range(cap // span - 1, -1, -1):
+            if not available((i + 1) * span):
+                run = 0
+                continue
+            if run == 0 and span != alignment and (i * span) % alignment:
+                continue
+            run += 1
+            if run >= num_needed:
+                num_blocks, found = i + run, True
+                break
+        if not found:
+            num_blocks = run
+            while span != alignment and num_blocks * span % alignment:
+                num_blocks -= 1
+        if num_blocks:
+            num_blocks -= 1
+            while span != alignment and num_blocks * span % alignment:
+                num_blocks -= 1
+        return UnitHit(num_blocks * span)
+
     def blocks_to_load(
         self, geometry: Geometry, group_index: int, boundary: int, local: int, found: UnitHit
     ) -> Iterator[tuple[int, int]]:
         span = geometry.spans[group_index]
         end = boundary // span
-        for i in range(max(0, end - self.num_window_blocks(geometry.groups[group_index], span)), end):
+        num_blocks = self.num_window_blocks(geometry.groups[group_index], span)
+        window = geometry.groups[group_index].sliding_window
+        if geometry.eagle and window is not None:
+            # The window blocks vLLM's EAGLE lookup verified before the boundary (none for a 1-token window:
+            # its one matched block is the dropped one past the boundary).
+            num_blocks = cdiv(window - 1, span)
+        for i in range(max(0, end - num_blocks), end):
             if (i + 1) * span > local:
                 yield i, (i + 1) * span
 
@@ -370,6 +447,7 @@ class MambaRules(KindRules):
     kind = GroupKind.MAMBA
     name = "Mamba"
     covered_by_local_hit = False
+    eagle_drops = False
     positional_saves = False
 
     def validate(self, spec: GroupSpec) -> None:
@@ -391,8 +469,15 @@ class MambaRules(KindRules):
         return [b for b in boundaries if b % geometry.hit_alignment == 0]
 
     def unit_hit(
-        self, geometry: Geometry, unit: tuple[int, ...], cap: int, available: BoundaryAvailableFn
+        self,
+        geometry: Geometry,
+        unit: tuple[int, ...],
+        cap: int,
+        available: BoundaryAvailableFn,
+        *,
+        drop: bool = False,
     ) -> UnitHit:
+        # ``drop`` changes nothing: vLLM's Mamba lookup never drops (drafters have no Mamba layers).
         alignment = geometry.hit_alignment
         fine = geometry.is_fine_span[unit[0]]
         step = geometry.hash_unit if fine else geometry.spans[unit[0]]

@@ -147,6 +147,17 @@ class LookupCandidates:
         return _resolve(self, available_in_store)
 
 
+def key_cap(geometry: Geometry, cap: int, num_hashes: int) -> int:
+    """The last boundary a lookup capped at ``cap`` may ask the store about: ``cap`` itself, or with EAGLE
+    up to one margin past it (vLLM's EAGLE lookup matches past the candidate, then drops that part)."""
+    if not geometry.eagle or geometry.is_single_group:
+        return cap
+    margin = max(
+        geometry.groups[unit[0]].rules.eagle_margin(geometry, unit) for unit in geometry.lookup_units
+    )
+    return min(cap + margin, num_hashes * geometry.hash_unit)
+
+
 def plan_lookup(
     scheme: KeyScheme,
     block_hashes: Sequence[bytes],
@@ -174,9 +185,10 @@ def plan_lookup(
     hashes = tuple(block_hashes)
     keys: list[str] = []
     index_of: dict[tuple[int, int], int] = {}
+    last = key_cap(geometry, cap, len(hashes))
     for group_index, group in enumerate(geometry.groups):
         rank_prefixes = scheme.group_rank_prefixes[group_index]
-        for boundary in group.rules.candidate_boundaries(geometry, group_index, local, cap):
+        for boundary in group.rules.candidate_boundaries(geometry, group_index, local, last):
             index_of[(group_index, boundary)] = len(keys)
             hash_hex = hashes[boundary_hash_index(boundary, unit)].hex()
             keys.extend([prefix + hash_hex for prefix in rank_prefixes])
@@ -205,7 +217,8 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
     def unit_available(unit: tuple[int, ...], boundary: int) -> bool:
         return all(available(g, boundary) for g in unit)
 
-    boundary, contiguous_hits = _fixed_point(geometry, cap, unit_available)
+    max_tokens = len(candidates.block_hashes) * geometry.hash_unit
+    boundary, contiguous_hits = _fixed_point(geometry, cap, unit_available, max_tokens)
     plan = None
     if boundary > candidates.num_computed_tokens:
         plan = _build_plan(candidates, boundary, local, contiguous_hits)
@@ -221,10 +234,13 @@ def _resolve(candidates: LookupCandidates, available_in_store: AvailableFn) -> L
 
 
 def _fixed_point(
-    geometry: Geometry, cap: int, unit_available: UnitAvailableFn
+    geometry: Geometry, cap: int, unit_available: UnitAvailableFn, max_tokens: int
 ) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
     """vLLM's hybrid fixed point: each unit may only shrink the candidate; a left-contiguous unit (full
-    attention) is looked up once (at the candidate of its first visit) and then only trimmed."""
+    attention) is looked up once (at the candidate of its first visit) and then only trimmed.
+    ``max_tokens``: the tokens the request's hashes cover (an EAGLE lookup may look that far)."""
+    if geometry.eagle:
+        return _eagle_fixed_point(geometry, cap, unit_available, max_tokens)
     hit = cap
     contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
     while True:
@@ -242,6 +258,52 @@ def _fixed_point(
         if current >= hit:
             return hit, contiguous_hits
         hit = current
+
+
+def _eagle_fixed_point(
+    geometry: Geometry, cap: int, unit_available: UnitAvailableFn, max_tokens: int
+) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
+    """vLLM's fixed point with EAGLE block dropping: a unit not yet verified at the current candidate is
+    looked up past it by its EAGLE margin and drops that part (at most once per candidate: a shrink by an
+    unverified-free pass clears the verifications); a simple hybrid (full attention + one other unit) takes
+    one pass."""
+    units = geometry.lookup_units
+    if geometry.is_single_group:  # vLLM's one-group coordinator: one lookup, dropping, no margin
+        (unit,) = units
+        found = geometry.groups[0].rules.unit_hit(
+            geometry, unit, cap, functools.partial(unit_available, unit), drop=True
+        )
+        return found.hit, {unit: found} if geometry.groups[0].rules.left_contiguous else {}
+    hit = cap
+    contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
+    verified: set[tuple[int, ...]] = set()
+    simple = len(units) == 2 and geometry.groups[units[0][0]].rules.left_contiguous
+    while True:
+        current = hit
+        for unit in units:
+            rules = geometry.groups[unit[0]].rules
+            if rules.left_contiguous and unit in contiguous_hits:
+                current = min(current, contiguous_hits[unit].hit)
+                continue
+            drop = unit not in verified
+            max_length = current
+            if drop and rules.eagle_drops:
+                max_length = min(current + rules.eagle_margin(geometry, unit), max_tokens)
+            found = rules.unit_hit(
+                geometry, unit, max_length, functools.partial(unit_available, unit), drop=drop
+            )
+            if rules.left_contiguous:
+                contiguous_hits[unit] = found
+            if drop:
+                verified.add(unit)
+            elif found.hit < current:
+                verified.clear()
+            current = found.hit
+        if current >= hit:
+            return hit, contiguous_hits
+        hit = current
+        if simple:
+            return hit, contiguous_hits
 
 
 def _unit_hit(
@@ -331,6 +393,7 @@ class LookupSearch:
         self._unit_first = unit_first
         self._local = local
         self._cap = cap
+        self._cap_keys = key_cap(geometry, cap, len(self.block_hashes))
         # The hex forms are made by the first ``next_keys`` (on the lookup thread, not the caller's).
         self._hex: list[str] = []
         self._num_ticks = 0
@@ -341,12 +404,14 @@ class LookupSearch:
         #: ``_undecided_at`` facts
         self._undecided: set[tuple[int, int]] = set()
         self._undecided_at = -1  # len(known) when ``_undecided`` was filled (facts only grow)
+        #: (group, boundary) the last guess took as present from a probe alone
+        self._guessed_present: set[tuple[int, int]] = set()
 
     def _boundaries(self, group_index: int) -> Sequence[int]:
         """The candidate boundaries of one group (those ``plan_lookup`` lists), ascending."""
         geometry = self.scheme.geometry
         return geometry.groups[group_index].rules.candidate_boundaries(
-            geometry, group_index, self._local, self._cap
+            geometry, group_index, self._local, self._cap_keys
         )
 
     # -- keys -----------------------------------------------------------------------------------------
@@ -383,13 +448,20 @@ class LookupSearch:
         return verdict
 
     def _guess(self) -> LookupResult:
-        """The fixed point under the current facts: exact where known, the probe elsewhere."""
+        """The fixed point under the current facts: exact where known, the probe elsewhere. Records in
+        ``_guessed_present`` every entry a probe said present but not every rank has confirmed (a probe
+        that says absent is exact: that rank's key is missing)."""
         known = self.known
+        guessed = self._guessed_present
+        guessed.clear()
 
         def available_in_store(group_index: int, boundary: int) -> bool:
             verdict = self._exact_verdict(group_index, boundary)
             if verdict is None:
-                return known.get(self._probe_key(group_index, boundary), False)
+                present = known.get(self._probe_key(group_index, boundary), False)
+                if present:
+                    guessed.add((group_index, boundary))
+                return present
             return verdict
 
         return _resolve(self._candidates, self._with_pauses(available_in_store))
@@ -457,16 +529,23 @@ class LookupSearch:
                 return tuple(probes)
         while True:
             guess = self._guess()
-            if guess.plan is None:
+            eagle = self.scheme.geometry.eagle
+            if guess.plan is None and not (eagle and self._guessed_present):
                 # No hit even with guessed availability; real availability is a subset: no hit.
                 self.result = guess
                 return None
-            pairs = dict.fromkeys((load.group_index, load.key_boundary) for load in guess.plan.loads)
+            plan_loads = guess.plan.loads if guess.plan is not None else ()
+            pairs = dict.fromkeys((load.group_index, load.key_boundary) for load in plan_loads)
+            if eagle:
+                # An EAGLE answer also rests on entries past it (matched, then dropped), and vLLM's EAGLE
+                # fixed point is not monotone in its entries: confirm every entry the guess took as present,
+                # so the answer is the full scan's.
+                pairs.update(dict.fromkeys(sorted(self._guessed_present)))
             unknown_pairs = [pair for pair in self._paused(pairs) if self._exact_verdict(*pair) is None]
             if not unknown_pairs:
                 # Every entry of the plan was seen present on every rank (one known absent would have
                 # made its boundary unavailable).
-                assert all(self._exact_verdict(*pair) for pair in pairs), (
+                assert all(self._exact_verdict(load.group_index, load.key_boundary) for load in plan_loads), (
                     f"plan for boundary {guess.boundary} uses an entry known to be absent"
                 )
                 self.result = guess
@@ -482,11 +561,13 @@ class LookupSearch:
                 if self._num_confirms == 1:
                     unknown += self._step_back_keys(guess.boundary)
                 return tuple(dict.fromkeys(unknown))
+            # The last resort: every candidate the answer can rest on (with EAGLE, past it too).
+            limit = self._cap_keys if self.scheme.geometry.eagle else guess.boundary
             scan = tuple(
                 key
                 for g in range(self.scheme.geometry.num_groups)
                 for b in self._paused(self._boundaries(g))
-                if b <= guess.boundary
+                if b <= limit
                 for key in self._rank_keys(g, b)
                 if key not in known
             )

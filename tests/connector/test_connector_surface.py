@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,6 +86,22 @@ def test_geometry_matches_vllm_and_is_logged_fields(vllm_objs: dict[str, Any]) -
     ]
     # A deployment with another DCP size (or namespace) can never read these keys.
     assert geo.scheme.key(0, 1, b"\x00" * 4).startswith(f"hkv1/ns/{geo.scheme.fingerprint}/g0/tp1/dcp1/")
+
+
+def test_an_eagle_drafter_makes_lookups_drop_like_vllm_and_keeps_the_keys(vllm_objs: dict[str, Any]) -> None:
+    """vLLM drops a hit's last block for an EAGLE / MTP drafter (``use_eagle_block_drop``): the geometry says
+    so (its lookups follow vLLM's EAGLE rules, checked by ``tests/lifecycle/test_differential_vllm.py``);
+    the key fingerprint does not change (the draft layer's pages, if any, change the layout already)."""
+    from hybridkv.connector.vllm_geometry import resolve_geometry
+
+    plain = resolve_geometry(vllm_objs["vc"], kv_cache_config(), "ns", check_vllm_sizes=True)
+    vc = copy.copy(vllm_objs["vc"])
+    object.__setattr__(vc, "speculative_config", SimpleNamespace(use_eagle_block_drop=lambda: True))
+    eagle = resolve_geometry(vc, kv_cache_config(), "ns", check_vllm_sizes=True)
+    assert eagle.scheme.geometry.eagle and not plain.scheme.geometry.eagle
+    assert eagle.scheme.fingerprint == plain.scheme.fingerprint
+    object.__setattr__(vc, "speculative_config", SimpleNamespace(use_eagle_block_drop=lambda: False))
+    assert not resolve_geometry(vc, kv_cache_config(), "ns", check_vllm_sizes=True).scheme.geometry.eagle
 
 
 def test_mismatched_hash_unit_fails_startup(vllm_objs: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ boundary our ``plan_lookup(...).resolve(...)`` gives. Block sizes and the hit al
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,7 @@ def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[n
         kv_cache_config,
         max_model_len=max_model_len,
         max_in_flight_tokens=max_model_len,
-        use_eagle=False,
+        use_eagle=geometry.eagle,
         enable_caching=True,
         enable_kv_cache_events=False,
         dcp_world_size=geometry.topology.dcp_size,
@@ -84,6 +85,8 @@ def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[n
 @st.composite
 def _cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
     geometry = draw(geometries())
+    if draw(st.booleans()):  # an EAGLE / MTP drafter: vLLM drops the hit's last block
+        geometry = dataclasses.replace(geometry, eagle=True)
     num_tokens = draw(st.integers(1, 10 * max(geometry.spans) + 3))
     unit = geometry.hash_unit
     num_units = num_tokens // unit
@@ -137,7 +140,10 @@ def test_agreed_boundary_equals_vllm_coordinator(case) -> None:  # type: ignore[
     candidates = plan_lookup(scheme, hashes, num_tokens, 0)
     result = candidates.resolve([key in existing for key in candidates.keys])
     note(f"vllm={vllm_hit} ours={result.boundary} groups={result.group_hit_tokens}")
-    event(f"hit={'yes' if vllm_hit else 'no'} fine={geometry.fine_grained} groups={geometry.num_groups}")
+    event(
+        f"hit={'yes' if vllm_hit else 'no'} fine={geometry.fine_grained} groups={geometry.num_groups} "
+        f"eagle={geometry.eagle}"
+    )
     assert result.boundary == vllm_hit
 
 

@@ -56,4 +56,4 @@ def test_one_namespace_rule_for_keys_and_config(namespace: str) -> None:
     with pytest.raises(AssertionError, match="namespace"):
         KeyScheme(namespace=namespace, model="m", geometry=geometry)
     with pytest.raises(ValueError, match="namespace"):
-        ConnectorConfig.from_extra_config({"store": "memory://", "namespace": namespace}, model="m")
+        ConnectorConfig.from_extra_config({"store": "memory://ns-rule", "namespace": namespace}, model="m")

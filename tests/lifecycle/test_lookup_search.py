@@ -7,6 +7,8 @@ some ranks or all), stray entries past the prefix, local hits and retry caps.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
 from hybridkv.lifecycle.lookup import PAUSE_EVERY, LookupSearch
 from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
@@ -17,6 +19,8 @@ from hypothesis import strategies as st
 @st.composite
 def _cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
     geometry = draw(geometries())
+    if draw(st.booleans()):  # vLLM's EAGLE lookup (it matches past the candidate, then drops)
+        geometry = dataclasses.replace(geometry, eagle=True)
     num_tokens = draw(st.integers(1, 10 * max(geometry.spans) + 3))
     unit = geometry.hash_unit
     num_units = num_tokens // unit
