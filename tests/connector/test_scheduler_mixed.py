@@ -111,8 +111,8 @@ class Probe:
                 self.asks.append((request.request_id, num_computed_tokens, ext))
             return ext, is_async
 
-        def recorded_local(request: Any) -> Any:
-            hit = local(request)
+        def recorded_local(request: Any, *args: Any, **kwargs: Any) -> Any:
+            hit = local(request, *args, **kwargs)  # vLLM 0.33 passes more arguments than 0.32
             self.raw[request.request_id] = hit[1]
             return hit
 
