@@ -139,6 +139,14 @@ class Geometry:
         return enabled and permitted
 
     @cached_property
+    def eagle_lookahead(self) -> int:
+        """Tokens an EAGLE lookup may look past its cap (the widest unit's margin; 0 without EAGLE, or for one
+        group, whose vLLM coordinator looks up once without a margin)."""
+        if not self.eagle or self.is_single_group:
+            return 0
+        return max(self.groups[unit[0]].rules.eagle_margin(self, unit) for unit in self.lookup_units)
+
+    @cached_property
     def hit_alignment(self) -> int:
         """Every hit vLLM reports is a multiple of this many tokens."""
         if self.is_single_group:

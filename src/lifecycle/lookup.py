@@ -150,12 +150,9 @@ class LookupCandidates:
 def key_cap(geometry: Geometry, cap: int, num_hashes: int) -> int:
     """The last boundary a lookup capped at ``cap`` may ask the store about: ``cap`` itself, or with EAGLE
     up to one margin past it (vLLM's EAGLE lookup matches past the candidate, then drops that part)."""
-    if not geometry.eagle or geometry.is_single_group:
+    if not geometry.eagle_lookahead:
         return cap
-    margin = max(
-        geometry.groups[unit[0]].rules.eagle_margin(geometry, unit) for unit in geometry.lookup_units
-    )
-    return min(cap + margin, num_hashes * geometry.hash_unit)
+    return min(cap + geometry.eagle_lookahead, num_hashes * geometry.hash_unit)
 
 
 def plan_lookup(
@@ -238,46 +235,19 @@ def _fixed_point(
 ) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
     """vLLM's hybrid fixed point: each unit may only shrink the candidate; a left-contiguous unit (full
     attention) is looked up once (at the candidate of its first visit) and then only trimmed.
-    ``max_tokens``: the tokens the request's hashes cover (an EAGLE lookup may look that far)."""
-    if geometry.eagle:
-        return _eagle_fixed_point(geometry, cap, unit_available, max_tokens)
-    hit = cap
-    contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
-    while True:
-        current = hit
-        for unit in geometry.lookup_units:
-            rules = geometry.groups[unit[0]].rules
-            if rules.left_contiguous:
-                if unit in contiguous_hits:
-                    current = min(current, contiguous_hits[unit].hit)
-                    continue
-                contiguous_hits[unit] = _unit_hit(geometry, unit, current, unit_available)
-                current = contiguous_hits[unit].hit
-            else:
-                current = _unit_hit(geometry, unit, current, unit_available).hit
-        if current >= hit:
-            return hit, contiguous_hits
-        hit = current
 
-
-def _eagle_fixed_point(
-    geometry: Geometry, cap: int, unit_available: UnitAvailableFn, max_tokens: int
-) -> tuple[int, dict[tuple[int, ...], UnitHit]]:
-    """vLLM's fixed point with EAGLE block dropping: a unit not yet verified at the current candidate is
-    looked up past it by its EAGLE margin and drops that part (at most once per candidate: a shrink by an
-    unverified-free pass clears the verifications); a simple hybrid (full attention + one other unit) takes
-    one pass."""
+    With ``Geometry.eagle`` (vLLM's EAGLE block dropping) a unit not yet verified at the current candidate
+    looks past it by its EAGLE margin (up to ``max_tokens``, the tokens the hashes cover; no margin for a
+    single group) and drops that part, at most once per candidate (a shrink by a pass without the drop
+    clears the verifications); one group, or a simple hybrid (full attention + one other unit), takes one
+    pass, as vLLM's coordinators do."""
+    eagle = geometry.eagle
     units = geometry.lookup_units
-    if geometry.is_single_group:  # vLLM's one-group coordinator: one lookup, dropping, no margin
-        (unit,) = units
-        found = geometry.groups[0].rules.unit_hit(
-            geometry, unit, cap, functools.partial(unit_available, unit), drop=True
-        )
-        return found.hit, {unit: found} if geometry.groups[0].rules.left_contiguous else {}
+    simple = len(units) == 2 and geometry.groups[units[0][0]].rules.left_contiguous
+    one_pass = eagle and (geometry.is_single_group or simple)
     hit = cap
     contiguous_hits: dict[tuple[int, ...], UnitHit] = {}
     verified: set[tuple[int, ...]] = set()
-    simple = len(units) == 2 and geometry.groups[units[0][0]].rules.left_contiguous
     while True:
         current = hit
         for unit in units:
@@ -285,9 +255,9 @@ def _eagle_fixed_point(
             if rules.left_contiguous and unit in contiguous_hits:
                 current = min(current, contiguous_hits[unit].hit)
                 continue
-            drop = unit not in verified
+            drop = eagle and unit not in verified
             max_length = current
-            if drop and rules.eagle_drops:
+            if drop and rules.eagle_drops and not geometry.is_single_group:
                 max_length = min(current + rules.eagle_margin(geometry, unit), max_tokens)
             found = rules.unit_hit(
                 geometry, unit, max_length, functools.partial(unit_available, unit), drop=drop
@@ -302,7 +272,7 @@ def _eagle_fixed_point(
         if current >= hit:
             return hit, contiguous_hits
         hit = current
-        if simple:
+        if one_pass:
             return hit, contiguous_hits
 
 
@@ -454,12 +424,13 @@ class LookupSearch:
         known = self.known
         guessed = self._guessed_present
         guessed.clear()
+        record = self.scheme.geometry.eagle  # only an EAGLE answer rests on entries past its plan
 
         def available_in_store(group_index: int, boundary: int) -> bool:
             verdict = self._exact_verdict(group_index, boundary)
             if verdict is None:
                 present = known.get(self._probe_key(group_index, boundary), False)
-                if present:
+                if present and record:
                     guessed.add((group_index, boundary))
                 return present
             return verdict

@@ -409,6 +409,29 @@ def test_private_loads_go_in_rounds_of_one_put_wave(vllm_objs: dict[str, Any]) -
         ws.shutdown()
 
 
+def _answer_late(
+    keys: Sequence[str],
+    destinations: Sequence[Any],
+    release: threading.Event,
+    late_calls: list[Future[object]],
+) -> list[Status]:
+    """Answer TIMEOUT now and go on: once ``release`` is set, scribble 0xA5 over ``destinations`` and return."""
+    done: Future[object] = Future()
+    done.set_running_or_notify_cancel()
+
+    def go_on() -> None:
+        assert release.wait(30), "never released"
+        for destination in destinations:
+            for part in destination:
+                np.asarray(part)[:] = 0xA5
+        done.set_result(None)
+
+    threading.Thread(target=go_on, daemon=True).start()
+    register_late_call(done)
+    late_calls.append(done)
+    return [Status.TIMEOUT] * len(keys)
+
+
 class _LateHelperShare:
     """A store view for split reads: the share read on the load thread answers on time; the helper
     thread's answers ``TIMEOUT`` and goes on -- once ``release`` is set it scribbles its destinations."""
@@ -421,20 +444,7 @@ class _LateHelperShare:
     def get_into(self, keys: Sequence[str], destinations: Sequence[Any]) -> list[Status]:
         if not threading.current_thread().name.startswith("hybridkv-read"):
             return list(self.inner.get_into(keys, destinations))
-        done: Future[object] = Future()
-        done.set_running_or_notify_cancel()
-
-        def go_on() -> None:
-            assert self.release.wait(30), "never released"
-            for destination in destinations:
-                for part in destination:
-                    np.asarray(part)[:] = 0xA5
-            done.set_result(None)
-
-        threading.Thread(target=go_on, daemon=True).start()
-        register_late_call(done)
-        self.late_calls.append(done)
-        return [Status.TIMEOUT] * len(keys)
+        return _answer_late(keys, destinations, self.release, self.late_calls)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -495,20 +505,7 @@ class _SplitReadFaults:
         on_helper = threading.current_thread().name.startswith("hybridkv-read")
         if on_helper == (self.raising == "helper"):
             raise RuntimeError("injected: this share's store call failed")
-        done: Future[object] = Future()
-        done.set_running_or_notify_cancel()
-
-        def go_on() -> None:
-            assert self.release.wait(30), "never released"
-            for destination in destinations:
-                for part in destination:
-                    np.asarray(part)[:] = 0xA5
-            done.set_result(None)
-
-        threading.Thread(target=go_on, daemon=True).start()
-        register_late_call(done)
-        self.late_calls.append(done)
-        return [Status.TIMEOUT] * len(keys)
+        return _answer_late(keys, destinations, self.release, self.late_calls)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
