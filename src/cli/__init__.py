@@ -34,6 +34,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.serve_cmds",
     "hybridkv.cli.describe_cmds",
     "hybridkv.cli.mooncake_cmds",
+    "hybridkv.cli.agentic_cmds",
 )
 
 

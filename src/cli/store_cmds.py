@@ -1,4 +1,4 @@
-"""``hybridkv store ls|stats|clear URL`` and ``hybridkv bench store``: argument parsing, printing and exit
+"""``hybridkv store ls|stats|clear|quota URL`` and ``hybridkv bench store``: argument parsing, printing and exit
 codes over :mod:`hybridkv.ops.store_admin` (and, for the bench, :mod:`hybridkv.bench.store`)."""
 
 from __future__ import annotations
@@ -32,6 +32,32 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
             action.add_argument("--prefix", default="", help="only keys starting with this")
         action.add_argument("--json", action="store_true", help="print JSON instead of text")
         action.set_defaults(func=handler)
+    quota = store_subparsers.add_parser(
+        "quota",
+        help="show, set or clear the byte quotas per namespace (tenant) of a file store",
+        description="A tenant (namespace) at its quota evicts its own least recently used entries to make "
+        "room, never another tenant's; an entry larger than the quota is refused. The quotas live in the "
+        "store's directory: every process sharing it enforces them from its next put.",
+    )
+    quota.add_argument("url", metavar="URL", help="file store URL, e.g. file:///dev/shm/hybridkv")
+    quota.add_argument(
+        "--set",
+        dest="quotas_to_set",
+        action="append",
+        default=[],
+        metavar="NS=SIZE",
+        help="give namespace NS a quota of SIZE (e.g. team-a=20GiB; repeatable)",
+    )
+    quota.add_argument(
+        "--clear",
+        dest="namespaces_to_clear",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="drop namespace NS's quota (repeatable)",
+    )
+    quota.add_argument("--json", action="store_true", help="print JSON instead of text")
+    quota.set_defaults(func=handle_quota)
 
     bench = bench_subparsers.add_parser(
         "store",
@@ -114,6 +140,34 @@ def handle_clear(args: argparse.Namespace) -> int:
         print(json.dumps(cleared))
     else:
         print(store_admin.render_clear(cleared))
+    return EXIT_OK
+
+
+def handle_quota(args: argparse.Namespace) -> int:
+    """``store quota URL [--set NS=SIZE]... [--clear NS]... [--json]``: the quotas after the change; 2 for a
+    bad store or a bad quota (nothing written then)."""
+    quotas_to_set: dict[str, int] = {}
+    for assignment in args.quotas_to_set:
+        namespace, sep, size_text = assignment.partition("=")
+        if not sep or not namespace:
+            print(f"error: --set {assignment!r}: expected NS=SIZE, e.g. team-a=20GiB", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            quotas_to_set[namespace] = parse_size(size_text, what=f"--set {namespace}")
+        except StoreError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        report = store_admin.store_quotas(
+            args.url, quotas_to_set=quotas_to_set, namespaces_to_clear=args.namespaces_to_clear
+        )
+    except StoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(store_admin.render_quotas(report))
     return EXIT_OK
 
 

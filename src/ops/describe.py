@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from hybridkv.ops.geometry import describe_model_geometry
+from hybridkv.ops.store_admin import render_tenants
 from hybridkv.ops.store_health import describe_store
 from hybridkv.store.params import format_size
 from hybridkv.tables import format_table
@@ -168,6 +169,9 @@ def render_text(report: dict[str, Any]) -> str:
                 else ""
             ),
         ]
+    tenants = (usage or {}).get("extra", {}).get("tenants")
+    if tenants:
+        lines += ["", "quotas per namespace", render_tenants(tenants)]
     entries = report["entries"]
     if entries:
         lines += ["", "entries per namespace, fingerprint and group"]

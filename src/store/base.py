@@ -49,8 +49,12 @@ class StoreLogEvent(enum.StrEnum):
     FILE_SIZE_MISMATCH = "store.file.size_mismatch"
     FILE_UNREADABLE_HEADER = "store.file.unreadable_header"
     FILE_IO_ERROR = "store.file.io_error"
+    #: the directory's quota file is not a namespace -> bytes object: the quotas last read stay in force
+    FILE_QUOTAS_UNREADABLE = "store.file.quotas_unreadable"
     #: a file-store call ran past its deadline (a hung network file system): ``TIMEOUT``, left running
     FILE_DEADLINE = "store.file.deadline"
+    #: an integrity key file that others than its owner may read or write (they could forge values)
+    INTEGRITY_KEY_FILE_NOT_PRIVATE = "store.integrity.key_file_not_private"
     MOONCAKE_RPC_TIMEOUT_ENV_DIFFERS = "store.mooncake.rpc_timeout_env_differs"
     MOONCAKE_DEADLINE = "store.mooncake.deadline"
     MOONCAKE_MASTER_DOWN = "store.mooncake.master_down"

@@ -1,5 +1,5 @@
-"""``faulty+URL?get_fail=P&put_fail=P&exists_fail=P&corrupt=P&delay_ms=N&get_late=P&put_late=P&late_ms=N&seed=S``:
-a chaos wrapper.
+"""``faulty+URL?get_fail=P&put_fail=P&exists_fail=P&corrupt=P&delay_ms=N&get_late=P&put_late=P&late_ms=N&seed=S``
+(and the positional ``exists_gap``, ``get_tail``, ``fail_after``, ... below): a chaos wrapper.
 
 A product feature, meant for staging: it wraps the backend of any other URL and, per key, with the given
 probabilities,
@@ -21,18 +21,54 @@ probabilities,
 
 Decisions come from one ``random.Random(seed)`` drawn in call order, so a single-threaded run with a given
 seed injects the same faults every time. The caller's buffers are never modified on ``put``.
+
+Positional faults (a gapped found-set, a failed tail, a run of failed calls) hit keys by their position in a
+batch call, counted among the call's keys *in scope* (all of them unless ``fault_*`` says otherwise):
+
+- ``exists_gap`` / ``get_gap`` / ``put_gap`` = ``I[,J...]``: the keys at these 0-based positions of every
+  call of that operation (a position past a call's last key touches nothing in it);
+- ``exists_tail`` / ``get_tail`` / ``put_tail`` = ``F`` in [0, 1]: the last ``ceil(F * n)`` of a call's
+  ``n`` keys (``get_tail=0.25``: the last quarter; any ``F > 0`` hits at least the last key);
+- ``exists_random_gaps`` / ``get_random_gaps`` / ``put_random_gaps`` = ``N``: ``N`` distinct positions of
+  every call (all of a smaller call), drawn from a generator of their own seeded with ``seed``: the same
+  seed and the same sequence of calls give the same positions, whatever the probabilities above draw;
+- ``fail_calls=N`` / ``fail_after=K``: calls number ``K+1`` .. ``K+N`` fail as a whole. Calls are numbered
+  1, 2, ... as they arrive, one count over the operations ``fail_ops`` lists (``exists,get,put``, the
+  default; ``fail_ops=get`` numbers and fails only gets), counting every call with at least one key.
+  ``fail_after=K`` alone: every call after the K-th fails (the store dies); ``fail_calls=N`` alone: the
+  first N (default ``fail_after`` 0);
+- ``fault_group=G[,H...]`` / ``fault_tp_rank=R[,...]`` / ``fault_dcp_rank=R[,...]``: the scope. Only block
+  keys (``hkv1/<namespace>/<fingerprint>/g<G>/tp<R>/dcp<R>/<hash>``) of those groups and ranks take
+  positional faults; other keys (other groups and ranks, keys of no block) pass untouched and hold no
+  position. Each one left out matches every group / rank. The probabilities ignore the scope.
+
+A positional fault answers like a store that lost the entry (``exists``: ``NOT_FOUND`` at a gap, a tail or
+a random gap -- the entries after it may well be found) or the call (a failed call: ``TRANSFER_FAILED``
+for every key in scope, ``exists`` included); ``get`` and ``put`` answer ``TRANSFER_FAILED`` (a get leaves
+its destination untouched, a put stores nothing). The inner backend is not asked about those keys, and the
+probabilities are drawn only for the keys positional faults leave.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
+from fractions import Fraction
 
+from hybridkv.lifecycle.keys import parse_block_key
 from hybridkv.store.base import Status, StoreStats, register_late_call, with_extra
 from hybridkv.store.framed import Backend, FrameParts
+from hybridkv.store.params import MAX_DURATION_MS, Params
+
+#: The operations positional faults apply to (``<op>_gap``, ``<op>_tail``, ``<op>_random_gaps``, ``fail_ops``).
+PATTERN_OPS = ("exists", "get", "put")
 
 FAULTY_PARAMS = (
     "get_fail",
@@ -44,11 +80,206 @@ FAULTY_PARAMS = (
     "put_late",
     "late_ms",
     "late_scribble",
+    *(f"{op}_{kind}" for op in PATTERN_OPS for kind in ("gap", "tail", "random_gaps")),
+    "fail_after",
+    "fail_calls",
+    "fail_ops",
+    "fault_group",
+    "fault_tp_rank",
+    "fault_dcp_rank",
     "seed",
 )
 
 #: What a late get with ``late_scribble`` leaves in its destinations' payload bytes.
 SCRIBBLE_BYTE = 0xA5
+
+#: The largest position, count, group or rank a positional parameter takes: a signed 64-bit count (any
+#: larger number is a typo).
+MAX_PATTERN_NUMBER = (1 << 63) - 1
+#: A comma-separated list of whole numbers in ASCII digits (no sign, no spaces, no empty item).
+_NUMBER_LIST_RE = re.compile(r"[0-9]{1,19}(?:,[0-9]{1,19})*")
+#: Stands for "not in the URL": ``Params.text`` refuses control characters, so no URL value equals it.
+_ABSENT = "\x00absent"
+
+
+@dataclass(frozen=True)
+class OpPattern:
+    """Where the calls of one operation fault by position (its ``_gap``, ``_tail``, ``_random_gaps``)."""
+
+    #: 0-based positions, ascending, without repeats.
+    gap: tuple[int, ...] = ()
+    #: The fraction of a call's keys (from its end) that fault: the last ``ceil(tail * n)``.
+    tail: float = 0.0
+    num_random_gaps: int = 0
+
+    def __post_init__(self) -> None:
+        assert list(self.gap) == sorted(set(self.gap)) and all(p >= 0 for p in self.gap), (
+            f"gap positions {self.gap} must ascend, unique and >= 0"
+        )
+        assert 0.0 <= self.tail <= 1.0, f"tail {self.tail} outside [0, 1]"
+        assert self.num_random_gaps >= 0, f"num_random_gaps {self.num_random_gaps} < 0"
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.gap and self.tail == 0.0 and self.num_random_gaps == 0
+
+    def num_tail(self, num_keys: int) -> int:
+        """How many of the last of ``num_keys`` keys the tail takes: ``ceil(tail * num_keys)``."""
+        # The decimal the URL wrote (``repr``), not the float's binary value: 0.1 * 10 keys is 1 key, not 2.
+        return math.ceil(Fraction(repr(self.tail)) * num_keys)
+
+    def query_items(self, op: str) -> list[tuple[str, str]]:
+        """The URL parameters that give this pattern to ``op`` (none for the defaults)."""
+        items = [(f"{op}_gap", ",".join(map(str, self.gap)))] if self.gap else []
+        items += [(f"{op}_tail", repr(self.tail))] if self.tail else []
+        items += [(f"{op}_random_gaps", str(self.num_random_gaps))] if self.num_random_gaps else []
+        return items
+
+
+@dataclass(frozen=True)
+class FaultScope:
+    """Which keys positional faults may hit (``fault_group``, ``fault_tp_rank``, ``fault_dcp_rank``):
+    ``None`` matches every group / rank; once any is set, only block keys that match all of them."""
+
+    groups: frozenset[int] | None = None
+    tp_ranks: frozenset[int] | None = None
+    dcp_ranks: frozenset[int] | None = None
+
+    @property
+    def is_everything(self) -> bool:
+        return self.groups is None and self.tp_ranks is None and self.dcp_ranks is None
+
+    def contains(self, key: str) -> bool:
+        if self.is_everything:
+            return True
+        block = parse_block_key(key)
+        return (
+            block is not None
+            and (self.groups is None or block.group_index in self.groups)
+            and (self.tp_ranks is None or block.tp_rank in self.tp_ranks)
+            and (self.dcp_ranks is None or block.dcp_rank in self.dcp_ranks)
+        )
+
+    def query_items(self) -> list[tuple[str, str]]:
+        named = (
+            ("fault_group", self.groups),
+            ("fault_tp_rank", self.tp_ranks),
+            ("fault_dcp_rank", self.dcp_ranks),
+        )
+        return [(name, ",".join(map(str, sorted(values)))) for name, values in named if values is not None]
+
+
+@dataclass(frozen=True)
+class FaultPatterns:
+    """Every positional fault of a ``faulty+`` view (see the module docstring); the default has none."""
+
+    exists: OpPattern = OpPattern()
+    get: OpPattern = OpPattern()
+    put: OpPattern = OpPattern()
+    #: Calls (of ``fail_ops``) that pass before the failed run.
+    fail_after: int = 0
+    #: Calls in the failed run; ``None``: every call after ``fail_after``.
+    fail_calls: int | None = 0
+    fail_ops: frozenset[str] = frozenset(PATTERN_OPS)
+    scope: FaultScope = FaultScope()
+
+    def __post_init__(self) -> None:
+        assert self.fail_after >= 0 and (self.fail_calls is None or self.fail_calls >= 0), (
+            f"fail_after {self.fail_after} / fail_calls {self.fail_calls} < 0"
+        )
+        assert self.fail_ops and self.fail_ops <= set(PATTERN_OPS), f"fail_ops {sorted(self.fail_ops)}"
+
+    def of(self, op: str) -> OpPattern:
+        """The pattern of ``op`` (one of ``PATTERN_OPS``)."""
+        pattern: OpPattern = getattr(self, op)
+        return pattern
+
+    def numbers_calls_of(self, op: str) -> bool:
+        """Whether ``op``'s calls are numbered for a failed run (there is one, and ``fail_ops`` names it)."""
+        return self.fail_calls != 0 and op in self.fail_ops
+
+    def fails_call(self, call_number: int) -> bool:
+        """Whether the ``call_number``-th numbered call (from 1) is in the failed run."""
+        if call_number <= self.fail_after:
+            return False
+        return self.fail_calls is None or call_number <= self.fail_after + self.fail_calls
+
+    def query(self) -> str:
+        """These patterns as ``faulty+`` URL parameters (``a=1&b=2``; empty for none): what reproduces them."""
+        items = [item for op in PATTERN_OPS for item in self.of(op).query_items(op)]
+        if self.fail_calls is None:  # ``fail_after`` alone: every call after it fails
+            items.append(("fail_after", str(self.fail_after)))
+        elif self.fail_calls:
+            items += [("fail_after", str(self.fail_after))] if self.fail_after else []
+            items.append(("fail_calls", str(self.fail_calls)))
+        if self.fail_calls != 0 and self.fail_ops != frozenset(PATTERN_OPS):
+            items.append(("fail_ops", ",".join(op for op in PATTERN_OPS if op in self.fail_ops)))
+        items += self.scope.query_items()
+        return "&".join(f"{name}={value}" for name, value in items)
+
+
+NO_PATTERNS = FaultPatterns()
+
+
+def _read_numbers(params: Params, name: str) -> tuple[int, ...] | None:
+    """Parameter ``name`` as a comma-separated list of distinct whole numbers, ascending; None if absent."""
+    value = params.text(name, _ABSENT)
+    if value == _ABSENT:
+        return None
+    if not _NUMBER_LIST_RE.fullmatch(value):
+        raise params.fail(name, value, "expected whole numbers >= 0, comma-separated, like 3 or 0,5")
+    numbers = [int(item) for item in value.split(",")]
+    if max(numbers) > MAX_PATTERN_NUMBER:
+        raise params.fail(name, value, f"must be <= {MAX_PATTERN_NUMBER}")
+    if len(set(numbers)) != len(numbers):
+        repeated = next(number for number in numbers if numbers.count(number) > 1)
+        raise params.fail(name, value, f"repeats {repeated}")
+    return tuple(sorted(numbers))
+
+
+def _read_fail_ops(params: Params) -> frozenset[str]:
+    value = params.text("fail_ops", ",".join(PATTERN_OPS))
+    ops = value.split(",")
+    unknown = [op for op in ops if op not in PATTERN_OPS]
+    if unknown:
+        raise params.fail(
+            "fail_ops", value, f"expected operations from {', '.join(PATTERN_OPS)}, comma-separated"
+        )
+    if len(set(ops)) != len(ops):
+        raise params.fail("fail_ops", value, "repeats an operation")
+    return frozenset(ops)
+
+
+def read_fault_patterns(params: Params) -> FaultPatterns:
+    """The positional parameters of a ``faulty+`` URL, read and checked (``StoreError`` naming a bad one)."""
+    op_patterns = {
+        op: OpPattern(
+            gap=_read_numbers(params, f"{op}_gap") or (),
+            tail=params.number(f"{op}_tail", 0.0, maximum=1.0),
+            num_random_gaps=params.integer(f"{op}_random_gaps", 0, maximum=MAX_PATTERN_NUMBER),
+        )
+        for op in PATTERN_OPS
+    }
+    fail_after = params.optional_integer("fail_after", maximum=MAX_PATTERN_NUMBER)
+    fail_calls = params.optional_integer("fail_calls", maximum=MAX_PATTERN_NUMBER)
+    if fail_calls is None and fail_after is None:
+        fail_calls = 0  # no failed run
+    fail_ops = _read_fail_ops(params)
+
+    def scope_part(name: str) -> frozenset[int] | None:
+        numbers = _read_numbers(params, name)
+        return None if numbers is None else frozenset(numbers)
+
+    scope = FaultScope(scope_part("fault_group"), scope_part("fault_tp_rank"), scope_part("fault_dcp_rank"))
+    return FaultPatterns(
+        exists=op_patterns["exists"],
+        get=op_patterns["get"],
+        put=op_patterns["put"],
+        fail_after=fail_after or 0,
+        fail_calls=fail_calls,
+        fail_ops=fail_ops,
+        scope=scope,
+    )
 
 
 class FaultyBackend:
@@ -68,6 +299,7 @@ class FaultyBackend:
         put_late: float = 0.0,
         late_ms: float = 200.0,
         late_scribble: bool = True,
+        patterns: FaultPatterns = NO_PATTERNS,
         seed: int = 0,
     ) -> None:
         for name, probability in (
@@ -90,7 +322,11 @@ class FaultyBackend:
         self.put_late = put_late
         self.late_ms = late_ms
         self.late_scribble = late_scribble
+        self.patterns = patterns
         self._random = random.Random(seed)
+        # A generator of their own: the positions a seed gives do not shift with the probabilities' draws.
+        self._pattern_random = random.Random(f"faulty-patterns:{seed}")
+        self._num_numbered_calls = 0
         self._lock = threading.Lock()
         self._late_threads: set[threading.Thread] = set()
         self.num_injected: dict[str, int] = {
@@ -101,7 +337,30 @@ class FaultyBackend:
             "corrupt_get": 0,
             "late_get": 0,
             "late_put": 0,
+            "exists_pattern": 0,
+            "get_pattern": 0,
+            "put_pattern": 0,
+            "failed_calls": 0,
         }
+
+    @classmethod
+    def factory(cls, params: Params) -> Callable[[str, Backend], FaultyBackend]:
+        """Reads and checks every ``faulty+`` parameter in ``params`` (``StoreError`` naming a bad one),
+        opening nothing; returns what wraps an inner backend as ``factory(url, inner)``."""
+        return functools.partial(
+            cls,
+            get_fail=params.probability("get_fail"),
+            put_fail=params.probability("put_fail"),
+            exists_fail=params.probability("exists_fail"),
+            corrupt=params.probability("corrupt"),
+            delay_ms=params.number("delay_ms", 0.0, maximum=MAX_DURATION_MS),
+            get_late=params.probability("get_late"),
+            put_late=params.probability("put_late"),
+            late_ms=params.number("late_ms", 200.0, maximum=MAX_DURATION_MS),
+            late_scribble=params.integer("late_scribble", 1, minimum=0) != 0,
+            patterns=read_fault_patterns(params),
+            seed=params.integer("seed", 0, minimum=-(1 << 63)),
+        )
 
     def _draw(self, probability: float) -> bool:
         if probability <= 0.0:
@@ -113,13 +372,45 @@ class FaultyBackend:
         with self._lock:
             return self._random.randint(low, high)
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str, num: int = 1) -> None:
         with self._lock:
-            self.num_injected[what] += 1
+            self.num_injected[what] += num
 
     def _delay(self) -> None:
         if self.delay_ms > 0:
             time.sleep(self.delay_ms / 1000.0)
+
+    def _positional_faults(self, op: str, keys: Sequence[str]) -> dict[int, Status]:
+        """Batch index -> what a positional fault answers for that key in this call of ``op`` (empty when
+        none applies); numbers the call when a failed run counts ``op``. Call it once per call, on arrival."""
+        patterns = self.patterns
+        pattern = patterns.of(op)
+        numbered = bool(keys) and patterns.numbers_calls_of(op)
+        if not numbered and pattern.is_empty:
+            return {}
+        in_scope = [index for index, key in enumerate(keys) if patterns.scope.contains(key)]
+        if numbered:
+            with self._lock:
+                self._num_numbered_calls += 1
+                call_number = self._num_numbered_calls
+            if patterns.fails_call(call_number):
+                self._count("failed_calls")
+                self._count(f"{op}_pattern", len(in_scope))
+                return dict.fromkeys(in_scope, Status.TRANSFER_FAILED)
+        num_in_scope = len(in_scope)
+        positions = {position for position in pattern.gap if position < num_in_scope}
+        positions.update(range(num_in_scope - pattern.num_tail(num_in_scope), num_in_scope))
+        if pattern.num_random_gaps and num_in_scope:
+            with self._lock:
+                positions.update(
+                    self._pattern_random.sample(
+                        range(num_in_scope), min(pattern.num_random_gaps, num_in_scope)
+                    )
+                )
+        # exists: a found-set with holes (the store lost those entries); get / put: the transfer failed.
+        status = Status.NOT_FOUND if op == "exists" else Status.TRANSFER_FAILED
+        self._count(f"{op}_pattern", len(positions))
+        return {in_scope[position]: status for position in sorted(positions)}
 
     def _late(self, what: str, num_keys: int, operation: Callable[[], object]) -> list[Status]:
         """Answer ``TIMEOUT`` now; run ``operation`` ``late_ms`` later on a thread (see the module docstring)."""
@@ -156,13 +447,17 @@ class FaultyBackend:
             return len(self._late_threads)
 
     def _split(
-        self, keys: Sequence[str], probability: float, what: str
+        self, keys: Sequence[str], probability: float, what: str, faults: dict[int, Status]
     ) -> tuple[list[int], list[Status | None]]:
-        """Indices that pass through, and a result list pre-filled with injected failures."""
+        """Indices that pass through, and a result list pre-filled with injected failures: the positional
+        ``faults``, then per remaining key one draw of ``probability``."""
         results: list[Status | None] = [None] * len(keys)
         passing: list[int] = []
         for index in range(len(keys)):
-            if self._draw(probability):
+            fault = faults.get(index)
+            if fault is not None:
+                results[index] = fault
+            elif self._draw(probability):
                 results[index] = Status.TRANSFER_FAILED
                 self._count(what)
             else:
@@ -184,21 +479,27 @@ class FaultyBackend:
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
         self._delay()
-        if self.exists_fail <= 0.0:  # nothing to inject per key: no per-key Python work (lookups are big)
+        faults = self._positional_faults("exists", keys)
+        if (
+            self.exists_fail <= 0.0 and not faults
+        ):  # nothing to inject: no per-key Python work (lookups are big)
             return self.inner.exists(keys)
-        passing, results = self._split(keys, self.exists_fail, "exists_fail")
+        passing, results = self._split(keys, self.exists_fail, "exists_fail", faults)
         inner = self.inner.exists([keys[i] for i in passing]) if passing else []
         return self._merge(results, passing, inner)
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         self._delay()
+        faults = self._positional_faults("put", keys)
         if keys and self._draw(self.put_late):
             key_list, frame_list = list(keys), list(frames)
-            return self._late("late_put", len(keys), lambda: self._put_frames(key_list, frame_list))
-        return self._put_frames(keys, frames)
+            return self._late("late_put", len(keys), lambda: self._put_frames(key_list, frame_list, faults))
+        return self._put_frames(keys, frames, faults)
 
-    def _put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
-        passing, results = self._split(keys, self.put_fail, "put_fail")
+    def _put_frames(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], faults: dict[int, Status]
+    ) -> list[Status]:
+        passing, results = self._split(keys, self.put_fail, "put_fail", faults)
         inner_frames: list[FrameParts] = []
         for index in passing:
             frame = frames[index]
@@ -220,11 +521,12 @@ class FaultyBackend:
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         self._delay()
+        faults = self._positional_faults("get", keys)
         if keys and self._draw(self.get_late):
             key_list, frame_list = list(keys), list(frames)
 
             def late_get() -> list[Status]:
-                statuses = self._get_frames_into(key_list, frame_list)
+                statuses = self._get_frames_into(key_list, frame_list, faults)
                 if self.late_scribble:
                     for frame in frame_list:
                         for part in frame[1:]:  # the payload (frame[0] is the header)
@@ -232,10 +534,12 @@ class FaultyBackend:
                 return statuses
 
             return self._late("late_get", len(keys), late_get)
-        return self._get_frames_into(keys, frames)
+        return self._get_frames_into(keys, frames, faults)
 
-    def _get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
-        passing, results = self._split(keys, self.get_fail, "get_fail")
+    def _get_frames_into(
+        self, keys: Sequence[str], frames: Sequence[FrameParts], faults: dict[int, Status]
+    ) -> list[Status]:
+        passing, results = self._split(keys, self.get_fail, "get_fail", faults)
         inner = (
             self.inner.get_frames_into([keys[i] for i in passing], [frames[i] for i in passing])
             if passing

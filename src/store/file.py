@@ -1,8 +1,8 @@
 """``file:///DIR?capacity=SIZE``: the embedded default backend, safe across processes.
 
 Contract: :class:`FileBackend` is the ``hybridkv.store.framed`` backend of ``file://`` URLs (insert-if-absent
-puts, reads that never see a partial or foreign value, eviction under ``capacity``) and the I/O path of its
-calls: it moves each frame between the caller's buffers and one file. The directory's protocol shared
+puts, reads that never see a partial or foreign value, eviction under ``capacity`` and under the
+directory's quotas, ``hybridkv.store.quotas``) and the I/O path of its calls: it moves each frame between the caller's buffers and one file. The directory's protocol shared
 by every process (layout, names, usage accounting, LRU eviction, recycling of files and its locks) is
 ``hybridkv.store.file_layout``; the deadline on file systems that may hang, ``hybridkv.store.file_deadline``;
 the read profile a benchmark may install (production has none), ``hybridkv.store.file_probe``.
@@ -47,6 +47,7 @@ from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file_probe import ReadProbe
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.mounts import directory_fstype, may_hang
+from hybridkv.store.quotas import QUOTAS_FILE, TenantCounters, namespace_of, read_quotas
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +102,11 @@ class FileBackend:
         self.num_recycled = 0
         #: The bench's read profile (:meth:`install_read_probe`); ``None`` in production: nothing timed.
         self.read_probe: ReadProbe | None = None
+        #: The directory's quotas as last read, and the quota file's (mtime_ns, inode, size) they came from.
+        self._quotas: dict[str, int] = {}
+        self._quotas_stamp: tuple[int, int, int] | None = None
+        #: This process's counters per namespace that has (or had) a quota.
+        self._namespace_to_counters: dict[str, TenantCounters] = {}
 
     def install_read_probe(self, probe: ReadProbe | None) -> None:
         """Time this process's reads into ``probe`` from the next get call on (``None``: stop timing)."""
@@ -167,6 +173,11 @@ class FileBackend:
                 results.append(Status.OK)
                 paths.append(path)
                 num_new_bytes += size
+        namespace_to_new_bytes = self._apply_quotas(keys, sizes, paths, results)
+        for index, result in enumerate(results):
+            if paths[index] is not None and result is Status.NO_SPACE:  # refused by its tenant's quota
+                num_new_bytes -= sizes[index]
+                paths[index] = None
         if num_new_bytes == 0:
             return results
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
@@ -185,6 +196,7 @@ class FileBackend:
         if num_unclaimed_bytes and usage > self.capacity_bytes and layout.make_room(num_unclaimed_bytes):
             layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
+        namespace_to_unpublished_bytes: dict[str, int] = {}
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths, strict=True)):
             if new_path is None:
                 continue
@@ -194,12 +206,79 @@ class FileBackend:
             )
             if not published:
                 num_unpublished_bytes += sizes[index]
+                namespace = namespace_of(key)
+                if namespace in namespace_to_new_bytes:
+                    namespace_to_unpublished_bytes[namespace] = (
+                        namespace_to_unpublished_bytes.get(namespace, 0) - sizes[index]
+                    )
         if num_unpublished_bytes:
             layout.add_usage(-num_unpublished_bytes)
+        if namespace_to_unpublished_bytes:
+            layout.add_tenant_usage(namespace_to_unpublished_bytes)
         if num_claimed:
             with self._lock:
                 self.num_recycled += num_claimed
         return results
+
+    def _apply_quotas(
+        self, keys: Sequence[str], sizes: Sequence[int], paths: Sequence[str | None], results: list[Status]
+    ) -> dict[str, int]:
+        """Enforce the directory's quotas on the new frames of a put (``paths[i]`` set): a frame larger than
+        its tenant's quota is refused (``results[i] = NO_SPACE``); the rest of each tenant's new bytes are
+        added to its estimate, and a tenant that passes its quota evicts its own oldest files first.
+        Returns the new bytes per namespace under a quota (what to give back if not published)."""
+        quotas = self._current_quotas()
+        if not quotas:
+            return {}
+        namespace_to_new_bytes: dict[str, int] = {}
+        for index, (key, size, path) in enumerate(zip(keys, sizes, paths, strict=True)):
+            if path is None:
+                continue
+            namespace = namespace_of(key)
+            if namespace is None or namespace not in quotas:
+                continue
+            if size > quotas[namespace]:
+                results[index] = Status.NO_SPACE
+                self._counters_of(namespace, quotas[namespace]).num_refused_puts += 1
+                continue
+            namespace_to_new_bytes[namespace] = namespace_to_new_bytes.get(namespace, 0) + size
+        if not namespace_to_new_bytes:
+            return {}
+        usage = self.layout.add_tenant_usage(namespace_to_new_bytes)
+        for namespace, num_bytes in namespace_to_new_bytes.items():
+            quota = quotas[namespace]
+            if usage.get(namespace, 0) > quota:
+                # The batch's own bytes of this tenant may exceed its quota: keep at most one quota's worth
+                # of room to make (the oldest of the batch then falls to the next pass).
+                num_evicted = self.layout.make_tenant_room(namespace, min(num_bytes, quota), quota)
+                self._counters_of(namespace, quota).num_quota_evicted += num_evicted
+        return namespace_to_new_bytes
+
+    def _current_quotas(self) -> dict[str, int]:
+        """The directory's quotas, re-read when the quota file changed (one ``stat`` per put batch)."""
+        try:
+            info = os.stat(self.directory / QUOTAS_FILE)
+        except FileNotFoundError:
+            self._quotas, self._quotas_stamp = {}, None
+            return self._quotas
+        except OSError:
+            return self._quotas  # unreadable right now: the quotas last read stay in force
+        stamp = (info.st_mtime_ns, info.st_ino, info.st_size)
+        if stamp != self._quotas_stamp:
+            try:
+                self._quotas = read_quotas(self.directory)
+            except (OSError, ValueError) as error:
+                log.warning(StoreLogEvent.FILE_QUOTAS_UNREADABLE, url=self.url, error=str(error))
+            self._quotas_stamp = stamp
+        return self._quotas
+
+    def _counters_of(self, namespace: str, quota_bytes: int) -> TenantCounters:
+        with self._lock:
+            counters = self._namespace_to_counters.get(namespace)
+            if counters is None:
+                counters = self._namespace_to_counters[namespace] = TenantCounters(quota_bytes)
+            counters.quota_bytes = quota_bytes
+            return counters
 
     def _publish(
         self, key: str, frame: FrameParts, path: str, spare: str | None, seal: SealHook | None, index: int
@@ -324,12 +403,15 @@ class FileBackend:
         for key in keys:
             path = self.layout.path_of(key)
             try:
-                removed = self.layout.retire(path, os.stat(path).st_size)
+                size = os.stat(path).st_size
+                removed = self.layout.retire(path, size)
             except FileNotFoundError:
                 removed = False
             except OSError as error:
                 results.append(self._status_of(error, "remove", key))
                 continue
+            if removed:
+                self._forget_tenant_bytes(key, size)
             results.append(Status.OK if removed else Status.NOT_FOUND)
         return results
 
@@ -344,17 +426,27 @@ class FileBackend:
         num_removed = 0
         for path, key in list(self.layout.iter_keyed_paths(include_unreadable=True)):
             if key is None:
-                self._unlink_accounted(path)
-            elif key.startswith(prefix) and self._unlink_accounted(path):
+                self._unlink_accounted(path, None)
+            elif key.startswith(prefix) and self._unlink_accounted(path, key):
                 num_removed += 1
         return num_removed
 
-    def _unlink_accounted(self, path: Path) -> bool:
+    def _unlink_accounted(self, path: Path, key: str | None) -> bool:
         """Retire ``path`` (unlink or keep as a spare) with accounting; ``False`` if it was already gone."""
         try:
-            return self.layout.retire(str(path), path.stat().st_size)
+            size = path.stat().st_size
+            removed = self.layout.retire(str(path), size)
         except FileNotFoundError:
             return False
+        if removed and key is not None:
+            self._forget_tenant_bytes(key, size)
+        return removed
+
+    def _forget_tenant_bytes(self, key: str, size: int) -> None:
+        """A removed entry of a tenant under a quota leaves its estimate."""
+        namespace = namespace_of(key)
+        if namespace is not None and namespace in self._current_quotas():
+            self.layout.add_tenant_usage({namespace: -size})
 
     def stats(self) -> StoreStats:
         layout = self.layout
@@ -373,6 +465,7 @@ class FileBackend:
             except FileNotFoundError:
                 continue
         usage_estimate, spare_estimate = layout.update_usage(lambda usage, spare: (usage, spare))
+        tenants = self._tenant_stats()
         return StoreStats(
             url=self.url,
             num_keys=num_keys,
@@ -388,8 +481,27 @@ class FileBackend:
                 "fstype": self.fstype,
                 "timeout_ms": self.timeout_ms,
                 "num_abandoned_calls": self._guard.num_abandoned,
+                **({"tenants": tenants} if tenants else {}),
             },
         )
+
+    def _tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per namespace under a quota: its quota, the bytes it holds (read from the headers: exact) and this
+        process's counters."""
+        quotas = self._current_quotas()
+        if not quotas:
+            return {}
+        namespace_to_bytes = dict.fromkeys(quotas, 0)
+        for path, key in self.layout.iter_keyed_paths():
+            namespace = namespace_of(key)
+            if namespace in namespace_to_bytes:
+                with contextlib.suppress(FileNotFoundError):
+                    namespace_to_bytes[namespace] += path.stat().st_size
+        tenants: dict[str, dict[str, int]] = {}
+        for namespace, quota in sorted(quotas.items()):
+            counters = self._counters_of(namespace, quota)
+            tenants[namespace] = {**counters.as_dict(), "usage_bytes": namespace_to_bytes[namespace]}
+        return tenants
 
     def close(self) -> None:
         """Close the descriptors -- unless a call on the deadline runner has not returned (one past its

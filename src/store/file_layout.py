@@ -15,7 +15,9 @@ Layout under DIR (created ``0700``)::
     spare/SIZE/*.kv           removed or evicted files kept for reuse, by page-rounded size (see Recycling)
     usage                     two 8-byte little-endian estimates (shared, flock'ed): the bytes under objects/
                               and spare/ together, and the bytes under spare/
-    evict.lock                held (non-blocking) by the one process currently evicting
+    tenant_usage.json         per namespace under a quota: an estimate of its bytes (under usage's flock)
+    quotas.json               bytes per namespace (``hybridkv.store.quotas``), written by the operator
+    evict.lock                held by the one process currently evicting (non-blocking for capacity passes)
 
 Readers open a published file and read it whole; a concurrent eviction or removal moves or unlinks the name
 but not the open inode, so a reader never sees a partial value.
@@ -44,6 +46,13 @@ per file, to keep hits cheap). Accounting: every put adds its size to ``usage`` 
 it, under an flock; when a put would exceed ``capacity`` the putter takes ``evict.lock``, scans the
 objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usage`` with the real total
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
+
+Quotas: a put of a tenant under a quota adds its bytes to the tenant's estimate; when that passes the quota,
+the putter takes ``evict.lock`` (waiting for a capacity pass to finish), reads the frame headers of every
+file to find the tenant's (names are digests: the key, hence the namespace, is only in the header), deletes
+the tenant's oldest-mtime files down to 90 % of its quota and rewrites its estimate with the real total.
+Capacity passes do not read headers, so after one the tenants' estimates may be high until their next pass;
+high, never low: a tenant evicts its own entries early at worst, and never grows past its quota.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 Values below ``RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file,
 not by page faults.
@@ -54,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import json
 import mmap
 import os
 import stat
@@ -66,6 +76,7 @@ from typing import overload
 import structlog
 from hybridkv.store.base import StoreError, StoreLogEvent
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
+from hybridkv.store.quotas import namespace_of
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +133,7 @@ class FileLayout:
                 log.warning(StoreLogEvent.FILE_DIR_NOT_PRIVATE, directory=str(directory), mode=oct(mode))
             self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
             self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._tenant_usage_fd = os.open(directory / "tenant_usage.json", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
             raise StoreError(
                 f"file store {url!r}: cannot use directory {str(directory)!r}: {error}"
@@ -135,6 +147,7 @@ class FileLayout:
         """Close the shared descriptors (the caller makes sure no call still uses them)."""
         os.close(self._usage_fd)
         os.close(self._evict_fd)
+        os.close(self._tenant_usage_fd)
 
     # -- names -------------------------------------------------------------------------------------------
 
@@ -291,6 +304,42 @@ class FileLayout:
             finally:
                 fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
 
+    def update_tenant_usage(self, update: Callable[[dict[str, int]], dict[str, int]]) -> dict[str, int]:
+        """Apply ``update(namespace -> bytes) -> namespace -> bytes`` to the tenants' shared estimates under
+        the usage lock; returns the new map. An unreadable estimate file counts as empty (it is an estimate:
+        the next quota pass rewrites the tenant's entry from the files)."""
+        with self._usage_lock:
+            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._tenant_usage_fd, 1 << 20, 0)
+                try:
+                    loaded = json.loads(raw) if raw else {}
+                except ValueError:
+                    loaded = {}
+                old = (
+                    {name: value for name, value in loaded.items() if type(value) is int}
+                    if isinstance(loaded, dict)
+                    else {}
+                )
+                new = {name: max(0, value) for name, value in update(dict(old)).items()}
+                if new != old:
+                    encoded = json.dumps(new, sort_keys=True).encode()
+                    os.pwrite(self._tenant_usage_fd, encoded, 0)
+                    os.ftruncate(self._tenant_usage_fd, len(encoded))
+                return new
+            finally:
+                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+
+    def add_tenant_usage(self, namespace_to_delta: dict[str, int]) -> dict[str, int]:
+        """Add each delta to its namespace's estimate; returns the new estimates."""
+
+        def add(usage: dict[str, int]) -> dict[str, int]:
+            for namespace, delta in namespace_to_delta.items():
+                usage[namespace] = usage.get(namespace, 0) + delta
+            return usage
+
+        return self.update_tenant_usage(add)
+
     def add_usage(self, delta: int, spare_delta: int = 0) -> int:
         """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
         return self.update_usage(lambda usage, spare: (usage + delta, spare + spare_delta))[0]
@@ -430,6 +479,46 @@ class FileLayout:
             self._remove_stale_temp_files(now)
             log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
             return True
+        finally:
+            fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+
+    def make_tenant_room(self, namespace: str, size: int, quota_bytes: int) -> int:
+        """Evict ``namespace``'s oldest files until ``size`` more bytes of it fit under 90 % of its quota
+        (under the quota when ``size`` alone is more than that), and set its estimate to what it then holds
+        plus ``size`` (the bytes the caller is about to publish). Returns the files evicted.
+
+        Reads every file's header (see Quotas in the module docstring); waits for a capacity pass."""
+        assert size <= quota_bytes, f"{size} bytes of {namespace!r} cannot fit its quota of {quota_bytes}"
+        fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
+        try:
+            entries: list[tuple[float, int, Path]] = []
+            for path, key in self.iter_keyed_paths():
+                if namespace_of(key) != namespace:
+                    continue
+                try:
+                    info = path.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((info.st_mtime, info.st_size, path))
+            total = sum(file_size for _mtime, file_size, _path in entries)
+            keep = max(int(quota_bytes * _LOW_WATERMARK), size) - size
+            entries.sort(key=lambda entry: entry[0])
+            num_evicted = 0
+            for _mtime, file_size, path in entries:
+                if total <= keep:
+                    break
+                if self.retire(str(path), file_size):
+                    num_evicted += 1
+                total -= file_size
+            remaining = total + size
+
+            def settle(usage: dict[str, int]) -> dict[str, int]:
+                usage[namespace] = remaining
+                return usage
+
+            self.update_tenant_usage(settle)
+            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, namespace=namespace, num_evicted=num_evicted)
+            return num_evicted
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
 

@@ -14,13 +14,29 @@ Layout (little-endian), written before the payload::
     44     K    key              the UTF-8 key itself (lets file stores list keys from hashed names)
     44+K   N    payload
 
+A store opened with an integrity key (``integrity_key_file`` / ``integrity_key_env``, see
+``hybridkv.store.integrity``) writes version 2 frames instead: the same 44 + K byte header, with three fields
+changed::
+
+    4      1    version          2
+    5      1    checksum_algo    3 = BLAKE3 keyed hash (KEYED_BLAKE3_ALGO_ID; 0-2 are the checksums above)
+    20     8    key_id           which secret sealed the frame (derived from it; reveals nothing of it)
+    28     16   tag              BLAKE3 keyed hash, 128 bits, of header bytes 0-27, the key and the payload
+
+Both versions have the same size for a key and payload length, so a reader of either kind gets the other's
+frames to its frame check, which reports them ``CORRUPT`` and logs why: a version 1 reader (this code
+without a key, or a release before version 2) does not know version 2; a keyed reader requires version 2.
+A version 2 frame has no key digest: its key bytes are compared with the reader's key, and the tag covers
+them.
+
 A reader knows the key and the destination size, so it knows the exact frame size in advance: it reads the
 header into its own small buffer and the payload straight into the destination, then checks everything.
 Any mismatch is ``CORRUPT``; the payload is then unusable.
 
 Checksum choice: ``xxh3`` runs faster than ``np.copyto``, so framing costs a fraction of a copy; ``crc32``
 (zlib) and ``blake2b`` are many times slower (see docs/performance.md, "Figures behind design choices").
-``xxh3`` needs the ``xxhash`` package; without it the default falls back to ``crc32``.
+``xxh3`` needs the ``xxhash`` package; without it the default falls back to ``crc32``. The keyed hash is
+BLAKE3, the fastest keyed hash measured (``hybridkv.store.integrity`` says why).
 """
 
 from __future__ import annotations
@@ -33,7 +49,14 @@ from collections.abc import Sequence
 
 MAGIC = b"HKVF"
 VERSION = 1
+#: The version of frames sealed with an integrity key (``hybridkv.store.integrity``).
+KEYED_VERSION = 2
+#: The ``checksum_algo`` byte of a version 2 frame: its tag is a BLAKE3 keyed hash.
+KEYED_BLAKE3_ALGO_ID = 3
 _FIXED = struct.Struct("<4sBBHIQQ16s")
+#: The fixed part of every frame header, both versions (fields 7 and 8 are checksum and key digest in a
+#: version 1 frame, key id and tag in a version 2 one).
+FIXED_HEADER = _FIXED
 FIXED_HEADER_SIZE = _FIXED.size
 assert FIXED_HEADER_SIZE == 44, f"frame header layout changed: {FIXED_HEADER_SIZE} bytes"
 
@@ -142,7 +165,11 @@ def check_frame(
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}"
     if version != VERSION:
-        return f"unsupported frame version {version}"
+        return (
+            f"frame is sealed with an integrity key (key id {checksum:016x}) and this store has none"
+            if version == KEYED_VERSION
+            else f"unsupported frame version {version}"
+        )
     if reserved != 0:
         return f"reserved field is {reserved}, expected 0"
     if key_length != len(key_bytes) or digest != hashlib.blake2b(key_bytes, digest_size=16).digest():
@@ -180,14 +207,20 @@ def _checksum_problem(
 
 def key_from_header(header: bytes) -> str | None:
     """The key recorded in a frame header prefix (at least ``FIXED_HEADER_SIZE + key_length`` bytes), or
-    ``None`` if the prefix is not a frame header. Used only for listing; reads always check the full frame."""
+    ``None`` if the prefix is not a frame header. Used only for listing; reads always check the full frame.
+    Both versions list: a version 2 frame has no key digest to compare, so its key is taken as written (the
+    file store still requires the file name to be that key's)."""
     if len(header) < FIXED_HEADER_SIZE:
         return None
     magic, version, _algo, _reserved, key_length, _len, _sum, digest = _FIXED.unpack_from(header, 0)
-    if magic != MAGIC or version != VERSION or len(header) < FIXED_HEADER_SIZE + key_length:
+    if (
+        magic != MAGIC
+        or version not in (VERSION, KEYED_VERSION)
+        or len(header) < FIXED_HEADER_SIZE + key_length
+    ):
         return None
     key_bytes = bytes(header[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + key_length])
-    if hashlib.blake2b(key_bytes, digest_size=16).digest() != digest:
+    if version == VERSION and hashlib.blake2b(key_bytes, digest_size=16).digest() != digest:
         return None
     try:
         return key_bytes.decode("utf-8")

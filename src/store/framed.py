@@ -4,6 +4,8 @@
 + payload parts) and knows nothing about their content; ``FramedStore`` builds headers on ``put`` and checks
 them on ``get_into``. Keeping the check above the backend means one implementation of hard rule 7, and lets
 the chaos wrapper (``faulty+``) damage real frame bytes between the two, where the check must catch it.
+With an integrity keyring (``hybridkv.store.integrity``) it seals and checks keyed frames instead, the same
+size, through the same hooks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Protocol, Self, cast
 import structlog
 from hybridkv.store.base import Destination, Status, StoreError, StoreLogEvent, StoreStats, Value, with_extra
 from hybridkv.store.frame import ChecksumAlgo, check_frame, encode_header, header_size
+from hybridkv.store.integrity import Keyring
 from typing_extensions import Buffer
 
 log = structlog.get_logger(__name__)
@@ -135,11 +138,17 @@ def _flat(view: memoryview) -> memoryview:
 
 
 class FramedStore:
-    """A ``Store`` over a ``Backend``: frames values on ``put``, verifies frames on ``get_into``."""
+    """A ``Store`` over a ``Backend``: frames values on ``put``, verifies frames on ``get_into``.
 
-    def __init__(self, backend: Backend, *, checksum: ChecksumAlgo) -> None:
+    Without ``keyring`` frames carry the ``checksum``; with one they carry a keyed hash under its current
+    secret instead (``checksum`` is then unused), and a read accepts only frames sealed with one of its
+    secrets: any other frame, unkeyed ones included, is ``CORRUPT``.
+    """
+
+    def __init__(self, backend: Backend, *, checksum: ChecksumAlgo, keyring: Keyring | None = None) -> None:
         self._backend = backend
         self._checksum = checksum
+        self._keyring = keyring
         self._closed = False
         self._lock = threading.Lock()
         self._num_corrupt = 0
@@ -156,6 +165,17 @@ class FramedStore:
     @property
     def checksum(self) -> ChecksumAlgo:
         return self._checksum
+
+    @property
+    def keyring(self) -> Keyring | None:
+        """The integrity secrets frames are sealed and checked with, or ``None`` (checksummed frames)."""
+        return self._keyring
+
+    def _header_of(self, key: str, payload: Sequence[memoryview]) -> bytes:
+        """The header ``put`` writes before ``payload`` under ``key``."""
+        if self._keyring is not None:
+            return self._keyring.encode_header(key, payload)
+        return encode_header(key, self._checksum, payload)
 
     def answers_late(self, op: str) -> bool:
         """The backend's answer (see ``Backend``): framing adds no call that could go on after answering."""
@@ -178,9 +198,10 @@ class FramedStore:
         if not keys:
             return []
         backend = self._backend
-        checksum = self._checksum
+        header_of = self._header_of
         if _is_just_in_time(backend):
-            # Header placeholders; the backend seals each frame next to copying it (see JustInTimeBackend).
+            # Header placeholders (a keyed header has the same size); the backend seals each frame next to
+            # copying it (see JustInTimeBackend).
             frames = [
                 [memoryview(bytearray(header_size(key))), *value_to_parts(value)]
                 for key, value in zip(keys, values, strict=True)
@@ -188,13 +209,13 @@ class FramedStore:
 
             def seal(index: int) -> None:
                 frame = frames[index]
-                frame[0][:] = encode_header(keys[index], checksum, frame[1:])
+                frame[0][:] = header_of(keys[index], frame[1:])
 
             return self._checked_results("put", keys, backend.put_frames_sealed(keys, frames, seal))  # type: ignore[attr-defined]
         frames = []
         for key, value in zip(keys, values, strict=True):
             payload = value_to_parts(value)
-            frames.append([memoryview(encode_header(key, checksum, payload)), *payload])
+            frames.append([memoryview(header_of(key, payload)), *payload])
         return self._checked_results("put", keys, backend.put_frames(keys, frames))
 
     def get_into(self, keys: Sequence[str], destinations: Sequence[Destination]) -> list[Status]:
@@ -228,7 +249,10 @@ class FramedStore:
         return results
 
     def _frame_ok(self, key: str, frame: FrameParts) -> bool:
-        problem = check_frame(key, frame[0], frame[1:], required=self._checksum)
+        if self._keyring is not None:
+            problem = self._keyring.check_frame(key, frame[0], frame[1:])
+        else:
+            problem = check_frame(key, frame[0], frame[1:], required=self._checksum)
         if problem is None:
             return True
         with self._lock:
@@ -253,9 +277,11 @@ class FramedStore:
     def stats(self) -> StoreStats:
         self._check_open()
         stats = self._backend.stats()
-        return with_extra(
-            stats, {"checksum": self._checksum.url_name, "num_corrupt_reads": self._num_corrupt}
-        )
+        if self._keyring is None:
+            framing: dict[str, object] = {"checksum": self._checksum.url_name}
+        else:  # key ids only: every frame carries one, they reveal nothing of the secrets
+            framing = {"checksum": "blake3-keyed", "integrity_key_ids": self._keyring.key_ids}
+        return with_extra(stats, {**framing, "num_corrupt_reads": self._num_corrupt})
 
     def close(self) -> None:
         if self._closed:

@@ -2,7 +2,8 @@
 
 All stores opened with the same NAME in one process share one table; ``close()`` closes the handle only.
 An optional ``capacity`` bounds the framed bytes held, evicting least-recently-used entries (a read or an
-``exists`` counts as a use).
+``exists`` counts as a use). ``quotas=NS:SIZE[,NS:SIZE...]`` bounds the bytes of each named tenant
+(namespace), evicting that tenant's own least-recently-used entries (``hybridkv.store.quotas``).
 
 Frames of 256 KiB or more live in buffers rounded up to whole pages; when such a frame is removed or evicted
 its buffer is kept as a spare (at most ``_SPARE_BYTES`` per table, within ``capacity``) for a later put of
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
+from hybridkv.store.quotas import TenantCounters, namespace_of
 
 #: ``exists``' answer for a key, indexed by whether it is present
 _STATUS_OF_PRESENT = (Status.NOT_FOUND, Status.OK)
@@ -60,15 +62,26 @@ def _join(frame: FrameParts, size: int, data: np.ndarray | None = None) -> np.nd
     return data
 
 
+class _Tenant:
+    """A namespace under a quota: its counters and its keys in LRU order (oldest first)."""
+
+    def __init__(self, quota_bytes: int) -> None:
+        self.counters = TenantCounters(quota_bytes)
+        self.key_order: OrderedDict[str, None] = OrderedDict()
+
+
 class _MemoryTable:
     """One named table: frames by key, in LRU order (oldest first)."""
 
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(self, capacity_bytes: int | None, quotas: dict[str, int]) -> None:
         self.lock = threading.Lock()
         self.key_to_frame: OrderedDict[str, np.ndarray] = OrderedDict()
         self.num_bytes = 0
         self.capacity_bytes = capacity_bytes
         self.num_evicted = 0
+        self.quotas = dict(quotas)
+        #: The namespaces under a quota (empty: no per-key tenant bookkeeping at all).
+        self.namespace_to_tenant = {namespace: _Tenant(quota) for namespace, quota in quotas.items()}
         #: id(frame) -> readers copying out of it right now (they copy outside the lock).
         self.pins: dict[int, int] = {}
         #: frame size -> spare buffers of exactly that size, for puts to reuse (see the module docstring).
@@ -76,6 +89,49 @@ class _MemoryTable:
         self.spare_bytes = 0
 
     # All methods below are called with ``lock`` held.
+
+    def tenant_of(self, key: str) -> _Tenant | None:
+        if not self.namespace_to_tenant:
+            return None
+        namespace = namespace_of(key)
+        return None if namespace is None else self.namespace_to_tenant.get(namespace)
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` (present) used now: in the table's LRU order and in its tenant's."""
+        self.key_to_frame.move_to_end(key)
+        tenant = self.tenant_of(key)
+        if tenant is not None:
+            tenant.key_order.move_to_end(key)
+
+    def insert(self, key: str, data: np.ndarray) -> None:
+        self.key_to_frame[key] = data
+        self.num_bytes += data.nbytes
+        tenant = self.tenant_of(key)
+        if tenant is not None:
+            tenant.key_order[key] = None
+            tenant.counters.usage_bytes += data.nbytes
+
+    def drop(self, key: str) -> np.ndarray | None:
+        """Take ``key`` out of the table (and its tenant) and retire its buffer; its frame, or ``None``."""
+        data = self.key_to_frame.pop(key, None)
+        if data is None:
+            return None
+        self.num_bytes -= data.nbytes
+        tenant = self.tenant_of(key)
+        if tenant is not None:
+            del tenant.key_order[key]
+            tenant.counters.usage_bytes -= data.nbytes
+        self.retire(data)
+        return data
+
+    def make_tenant_room(self, tenant: _Tenant, size: int) -> None:
+        """Evict ``tenant``'s oldest entries until ``size`` more bytes fit in its quota (``size`` <= quota)."""
+        counters = tenant.counters
+        while counters.usage_bytes + size > counters.quota_bytes:
+            assert tenant.key_order, f"tenant usage {counters.usage_bytes} with no entries, or {size} > quota"
+            oldest = next(iter(tenant.key_order))
+            self.drop(oldest)
+            counters.num_quota_evicted += 1
 
     def retire(self, data: np.ndarray) -> None:
         """Frame ``data`` left the table: keep its buffer as a spare if big, unpinned, and there is room."""
@@ -113,15 +169,19 @@ _name_to_table: dict[str, _MemoryTable] = {}
 _registry_lock = threading.Lock()
 
 
-def _table_for(name: str, capacity_bytes: int | None) -> _MemoryTable:
+def _table_for(name: str, capacity_bytes: int | None, quotas: dict[str, int]) -> _MemoryTable:
     with _registry_lock:
         table = _name_to_table.get(name)
         if table is None:
-            table = _name_to_table[name] = _MemoryTable(capacity_bytes)
+            table = _name_to_table[name] = _MemoryTable(capacity_bytes, quotas)
         elif capacity_bytes is not None and table.capacity_bytes != capacity_bytes:
             raise StoreError(
                 f"memory://{name} is already open in this process with capacity {table.capacity_bytes}, "
                 f"not {capacity_bytes}"
+            )
+        elif quotas and table.quotas != quotas:
+            raise StoreError(
+                f"memory://{name} is already open in this process with quotas {table.quotas}, not {quotas}"
             )
         return table
 
@@ -129,10 +189,14 @@ def _table_for(name: str, capacity_bytes: int | None) -> _MemoryTable:
 class MemoryBackend:
     """Frames in a process-wide dict; copies in on put and out on get (one memcpy each)."""
 
-    def __init__(self, url: str, name: str, *, capacity_bytes: int | None) -> None:
+    def __init__(
+        self, url: str, name: str, *, capacity_bytes: int | None, quotas: dict[str, int] | None = None
+    ) -> None:
+        """``quotas``: bytes per namespace (``hybridkv.store.quotas``); every handle of one NAME that names
+        quotas must name the same ones (a handle naming none shares the table's)."""
         self.url = url
         self.name = name
-        self._table = _table_for(name, capacity_bytes)
+        self._table = _table_for(name, capacity_bytes, quotas or {})
 
     @property
     def table(self) -> _MemoryTable:
@@ -151,9 +215,8 @@ class MemoryBackend:
         with table.lock:
             present = list(map(table.key_to_frame.__contains__, keys))
             # touch the entries found (LRU order), as a get would
-            collections.deque(
-                map(table.key_to_frame.move_to_end, itertools.compress(keys, present)), maxlen=0
-            )
+            touch = table.touch if table.namespace_to_tenant else table.key_to_frame.move_to_end
+            collections.deque(map(touch, itertools.compress(keys, present)), maxlen=0)
         return list(map(_STATUS_OF_PRESENT.__getitem__, present))
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
@@ -168,10 +231,15 @@ class MemoryBackend:
         for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             with table.lock:
                 if key in table.key_to_frame:  # insert-if-absent
-                    table.key_to_frame.move_to_end(key)
+                    table.touch(key)
                     results.append(Status.OK)
                     continue
                 size = sum(part.nbytes for part in frame)
+                tenant = table.tenant_of(key)
+                if tenant is not None and size > tenant.counters.quota_bytes:
+                    tenant.counters.num_refused_puts += 1
+                    results.append(Status.NO_SPACE)
+                    continue
                 spare = table.take_spare(_buffer_size(size)) if size >= SPARE_MIN_FRAME else None
             if table.capacity_bytes is not None and size > table.capacity_bytes:
                 results.append(Status.NO_SPACE)
@@ -184,15 +252,14 @@ class MemoryBackend:
                     table.retire(data)
                     results.append(Status.OK)
                     continue
+                if tenant is not None:  # the tenant's own entries first: its put must not grow the table
+                    table.make_tenant_room(tenant, size)
                 if table.capacity_bytes is not None:
                     table.drop_spares(size)
                     while table.num_bytes + size > table.capacity_bytes:
-                        _evicted_key, evicted = table.key_to_frame.popitem(last=False)
-                        table.num_bytes -= evicted.nbytes
+                        table.drop(next(iter(table.key_to_frame)))
                         table.num_evicted += 1
-                        table.retire(evicted)
-                table.key_to_frame[key] = data
-                table.num_bytes += size
+                table.insert(key, data)
                 if table.capacity_bytes is not None:
                     table.drop_spares(0)  # spares retired by the evictions above must fit too
             results.append(Status.OK)
@@ -214,7 +281,7 @@ class MemoryBackend:
                 if data is None:
                     results.append(Status.NOT_FOUND)
                     continue
-                table.key_to_frame.move_to_end(key)
+                table.touch(key)
                 if data.nbytes != sum(part.nbytes for part in frame):
                     results.append(Status.CORRUPT)
                     continue
@@ -238,14 +305,7 @@ class MemoryBackend:
         table = self._table
         results: list[Status] = []
         with table.lock:
-            for key in keys:
-                data = table.key_to_frame.pop(key, None)
-                if data is None:
-                    results.append(Status.NOT_FOUND)
-                else:
-                    table.num_bytes -= data.nbytes
-                    table.retire(data)
-                    results.append(Status.OK)
+            results.extend(Status.NOT_FOUND if table.drop(key) is None else Status.OK for key in keys)
         return results
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
@@ -265,7 +325,21 @@ class MemoryBackend:
                 num_keys=len(table.key_to_frame),
                 num_bytes=table.num_bytes,
                 capacity_bytes=table.capacity_bytes,
-                extra={"name": self.name, "num_evicted": table.num_evicted, "spare_bytes": table.spare_bytes},
+                extra={
+                    "name": self.name,
+                    "num_evicted": table.num_evicted,
+                    "spare_bytes": table.spare_bytes,
+                    **(
+                        {
+                            "tenants": {
+                                namespace: tenant.counters.as_dict()
+                                for namespace, tenant in sorted(table.namespace_to_tenant.items())
+                            }
+                        }
+                        if table.namespace_to_tenant
+                        else {}
+                    ),
+                },
             )
 
     def close(self) -> None:

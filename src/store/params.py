@@ -175,6 +175,13 @@ class Params:
             raise self.fail(name, value, f"contains the control character {control!r}")
         return value
 
+    def optional_text(self, name: str) -> str | None:
+        """``text`` without a default: ``None`` when the URL does not name ``name`` (an empty value is ``""``)."""
+        if name not in self._params:
+            self._known.append(name)
+            return None
+        return self.text(name, "")
+
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         value = self._take(name)
         if value is None:

@@ -3,7 +3,8 @@
 =====================================================  =======================================================
 URL                                                    parameters (all optional)
 =====================================================  =======================================================
-``memory://NAME``                                      ``capacity`` (LRU bound; default unbounded)
+``memory://NAME``                                      ``capacity`` (LRU bound; default unbounded),
+                                                       ``quotas`` (``NS:SIZE,...``: bytes per namespace)
 ``file:///ABS/DIR``                                    ``capacity`` (default 4GiB), ``timeout_ms`` (deadline
                                                        of each call; default 30000 where DIR is on a network
                                                        or FUSE file system, none on a local one; > 0)
@@ -16,15 +17,24 @@ URL                                                    parameters (all optional)
                                                        ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
 ``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``,
                                                        ``get_late``, ``put_late`` (probabilities),
-                                                       ``delay_ms``, ``late_ms``, ``late_scribble``, ``seed``
+                                                       ``delay_ms``, ``late_ms``, ``late_scribble``, ``seed``;
+                                                       faults by position: ``{exists,get,put}_gap``,
+                                                       ``_tail``, ``_random_gaps``, ``fail_after``,
+                                                       ``fail_calls``, ``fail_ops``, scoped by
+                                                       ``fault_group``, ``fault_tp_rank``, ``fault_dcp_rank``
 =====================================================  =======================================================
 
 Every scheme also takes ``checksum=xxh3|crc32|none|auto`` (default ``auto``: xxh3 when ``xxhash`` is
-installed, else crc32). Sizes accept ``4096``, ``64KiB`` (binary), ``2GB`` (decimal); a bare ``64m`` is
-rejected as ambiguous (``hybridkv.store.params.byte_size``). Anything else -- an unknown scheme or
-parameter, a bad size, a probability outside [0, 1], a missing directory or host, a fragment -- raises one
-``StoreError`` that names the offending part. ``check_store_url(url)`` runs every one of those checks and
-opens nothing (no directory, no connection): the connector's configuration calls it at engine start.
+installed, else crc32), and, opt-in, an integrity key: ``integrity_key_file=/ABS/PATH`` or
+``integrity_key_env=NAME`` (one of them) names a secret (one per line, the current one first, each at least
+16 bytes) that seals every frame with a keyed hash, so that values written without it read ``CORRUPT``
+(``hybridkv.store.integrity``; with a key, ``checksum=none`` is refused). Sizes accept ``4096``,
+``64KiB`` (binary), ``2GB`` (decimal); a bare ``64m`` is rejected as ambiguous
+(``hybridkv.store.params.byte_size``). Anything else -- an unknown scheme or parameter, a bad size, a
+probability outside [0, 1], a missing directory or host, a fragment, a missing, unreadable or short key --
+raises one ``StoreError`` that names the offending part. ``check_store_url(url)`` runs every one of those
+checks and opens nothing (no directory, no connection; it does read the key): the connector's configuration
+calls it at engine start.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
+from hybridkv.store.integrity import Keyring, keyring_from_environment, keyring_from_file
 from hybridkv.store.memory import MemoryBackend
 from hybridkv.store.params import MAX_DURATION_MS, Params, ParsedUrl, split_url
+from hybridkv.store.quotas import check_quotas, parse_quotas
 
 DEFAULT_FILE_CAPACITY = 4 << 30
 #: A ``mooncake://`` master address: HOST:PORT with an ASCII port.
@@ -71,7 +83,7 @@ class StoreKind:
     tier: StoreTier
     #: Only this process sees its entries (engines with several worker processes need another store).
     process_local: bool
-    #: The query parameters it takes besides ``checksum`` (the chaos view adds its own).
+    #: The query parameters it takes besides ``checksum`` and ``INTEGRITY_PARAMS`` (the chaos view adds its own).
     params: tuple[str, ...]
     #: Why a URL of this kind names no existing store, so that opening it would create one (read-only tools
     #: refuse then); None when it names one or the kind cannot tell without connecting.
@@ -95,8 +107,9 @@ def open_store(url: str) -> FramedStore:
     """Open the store ``url`` names (see the module docstring). Raises ``StoreError`` on any bad part."""
     if not isinstance(url, str) or not url:
         raise StoreError(f"store URL must be a non-empty string, got {url!r}")
+    keyring = store_keyring(url)
     backend, checksum = open_backend(url)
-    return FramedStore(backend, checksum=checksum)
+    return FramedStore(backend, checksum=checksum, keyring=keyring)
 
 
 def check_store_url(url: str) -> None:
@@ -119,17 +132,87 @@ def _backend_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
         return _faulty_opener(url)
     parsed = split_url(url)
     kind = store_kind(url)
+    _refuse_secrets(parsed)  # first: before any other error message repeats the URL, and the secret in it
     params = Params(url, parsed.scheme, parsed.params)
-    checksum = _checksum_param(params)
+    # Read and checked here (``check_store_url`` reports a bad key at engine start); ``open_store`` reads it
+    # again through ``store_keyring`` for the keyring it uses, and that read logs a shared key file.
+    keyring = _integrity_param(params, warn_if_shared=False)
+    checksum = _checksum_param(params, keyed=keyring is not None)
     return kind.opener(parsed, params), checksum
 
 
-def _checksum_param(params: Params) -> ChecksumAlgo:
+def _checksum_param(params: Params, *, keyed: bool) -> ChecksumAlgo:
+    """The ``checksum`` parameter. With an integrity key (``keyed``) frames carry a keyed hash instead, which
+    catches whatever a checksum would; ``none`` is refused then, since it asks for no verification."""
     name = params.text("checksum", "auto")
     try:
-        return checksum_from_name(name)
+        checksum = checksum_from_name(name)
     except ValueError as error:
         raise params.fail("checksum", name, str(error)) from None
+    if keyed and checksum is ChecksumAlgo.NONE:
+        raise params.fail(
+            "checksum",
+            name,
+            f"a store with an integrity key ({', '.join(INTEGRITY_PARAMS)}) verifies every value with its "
+            "keyed hash; leave checksum out (the connector adds checksum=none when verify_checksums is false)",
+        )
+    return checksum
+
+
+#: The parameters that name a store's integrity secret (``hybridkv.store.integrity``), at most one of them.
+INTEGRITY_PARAMS = ("integrity_key_file", "integrity_key_env")
+#: Parameters that would carry a secret in the URL itself: refused without repeating the URL.
+_SECRET_PARAMS = ("integrity_key", "integrity_secret")
+
+
+def _refuse_secrets(parsed: ParsedUrl) -> None:
+    """Raise ``StoreError`` if ``parsed`` carries a secret in one of ``_SECRET_PARAMS``. Not ``Params.fail``:
+    its message repeats the URL, and with it the secret, into every log that shows the error."""
+    for name in _SECRET_PARAMS:
+        if name in parsed.params:
+            raise StoreError(
+                f"store URL parameter {name} is refused: a store URL names where its integrity secret is "
+                f"({' or '.join(f'{param}=...' for param in INTEGRITY_PARAMS)}), never the secret itself "
+                "(the URL is not repeated here, since it holds one)"
+            )
+
+
+def _integrity_param(params: Params, *, warn_if_shared: bool) -> Keyring | None:
+    """The keyring ``integrity_key_file=PATH`` or ``integrity_key_env=NAME`` names, read and checked now;
+    ``None`` without either. Raises ``StoreError`` naming the parameter: both given, a missing, unreadable
+    or non-regular file, an unset variable, no secret, one shorter than 16 bytes, a repeated one. With
+    ``warn_if_shared``, a key file that others may read is logged."""
+    key_file = params.optional_text("integrity_key_file")
+    key_env = params.optional_text("integrity_key_env")
+    if key_file is not None and key_env is not None:
+        raise params.fail(
+            "integrity_key_env",
+            key_env,
+            "give one of integrity_key_file and integrity_key_env, not both (one source of secrets, so that "
+            "rotating it cannot miss the other)",
+        )
+    if key_file is not None:
+        try:
+            return keyring_from_file(key_file, warn_if_shared=warn_if_shared)
+        except ValueError as error:
+            raise params.fail("integrity_key_file", key_file, str(error)) from None
+    if key_env is not None:
+        try:
+            return keyring_from_environment(key_env)
+        except ValueError as error:
+            raise params.fail("integrity_key_env", key_env, str(error)) from None
+    return None
+
+
+def store_keyring(url: str) -> Keyring | None:
+    """The integrity keyring ``url`` names (through any ``faulty+`` view), or ``None`` without one; raises
+    ``StoreError`` naming a bad integrity parameter (``open_store`` checks the rest of the URL)."""
+    inner = url.removeprefix(FAULTY_PREFIX)
+    if "://" not in inner:
+        return None  # no store URL at all: ``open_backend`` says why
+    parsed = split_url(inner)
+    _refuse_secrets(parsed)
+    return _integrity_param(Params(url, parsed.scheme, parsed.params), warn_if_shared=True)
 
 
 def _faulty_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
@@ -145,19 +228,7 @@ def _faulty_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
     inner_url = f"{base}?{urlencode(parsed.params)}" if parsed.params else base
     params = Params(url, FAULTY_PREFIX, faulty_values)
     # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the inner store opens.
-    faulty = functools.partial(
-        FaultyBackend,
-        get_fail=params.probability("get_fail"),
-        put_fail=params.probability("put_fail"),
-        exists_fail=params.probability("exists_fail"),
-        corrupt=params.probability("corrupt"),
-        delay_ms=params.number("delay_ms", 0.0, maximum=MAX_DURATION_MS),
-        get_late=params.probability("get_late"),
-        put_late=params.probability("put_late"),
-        late_ms=params.number("late_ms", 200.0, maximum=MAX_DURATION_MS),
-        late_scribble=params.integer("late_scribble", 1, minimum=0) != 0,
-        seed=params.integer("seed", 0, minimum=-(1 << 63)),
-    )
+    faulty = FaultyBackend.factory(params)
     params.finish()
     open_inner, checksum = _backend_opener(inner_url)
     return lambda: faulty(url, open_inner()), checksum
@@ -182,10 +253,28 @@ def _open_memory(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     if parsed.path not in ("", "/"):
         raise StoreError(f"store URL {parsed.url!r}: memory:// takes a name, not a path ({parsed.path!r})")
     capacity = params.size("capacity", -1)
+    quotas = _quotas_param(params, capacity_bytes=None if capacity < 0 else capacity)
     params.finish()
     return functools.partial(
-        MemoryBackend, parsed.url, parsed.netloc, capacity_bytes=None if capacity < 0 else capacity
+        MemoryBackend,
+        parsed.url,
+        parsed.netloc,
+        capacity_bytes=None if capacity < 0 else capacity,
+        quotas=quotas,
     )
+
+
+def _quotas_param(params: Params, *, capacity_bytes: int | None) -> dict[str, int]:
+    """``quotas=NS:SIZE[,NS:SIZE...]`` (``hybridkv.store.quotas``), checked against the capacity."""
+    text = params.optional_text("quotas")
+    if text is None:
+        return {}
+    try:
+        quotas = parse_quotas(text)
+        check_quotas(quotas, capacity_bytes=capacity_bytes)
+    except ValueError as error:
+        raise params.fail("quotas", text, str(error)) from None
+    return quotas
 
 
 def _open_file(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:

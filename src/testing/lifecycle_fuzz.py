@@ -5,10 +5,18 @@ sliding-window / Mamba mixes, DCP 1-8 with TP a multiple of it, interleave, hash
 no sliding window under DCP, as in vLLM), a model store (a set of keys), and then interleaves: saves
 (whole or partial, per rank), save waves that fail part-way, lookups with local hits, loads failing
 per (rank, group, block) or split loads stopping early, evictions of store entries, preemptions and
-finishes. The hard rules are checked where they apply and as invariants:
+finishes. At times a seeded positional fault pattern (``faulty+``'s gaps, tails and random gaps of
+exists / get / put calls, a run of failed calls, scoped to some groups or ranks; the real
+``FaultyBackend`` over the model store, ``hybridkv.testing.fault_patterns``) stands in front of the store:
+lookups, loads and save waves then go through it. The hard rules are checked where they apply and as
+invariants:
 
 - a reported hit is restorable by every group on every rank (plan coverage + every key exists), on a
-  first lookup and on the retry after a truncation alike;
+  first lookup and on the retry after a truncation alike; every planned key was answered present by the
+  store (a gapped exists answer never yields a hit past the gap), and a probing search answers what the
+  full scan answers over the store as the search saw it (its answers, gaps included);
+- a slot a load answered ``OK`` holds exactly its own entry's bytes (what recomputing it gives), a slot
+  that failed holds nothing;
 - every planned key is derived from the request's own hashes (never mixed-prefix state);
 - the retry cap of a truncation is exactly the largest aligned boundary (strictly below a plan with a
   faulted entry, never below the local hit) that no faulted entry (definite or transient) of any group
@@ -29,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +50,15 @@ from hybridkv.lifecycle.lookup import plan_lookup
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.lifecycle.table import MAX_LOAD_RETRIES, State
+from hybridkv.store.base import Status
+from hybridkv.store.faulty import FaultyBackend
+from hybridkv.testing.fault_patterns import (
+    RECOMPUTED_NUM_BYTES,
+    STATUS_TO_LOAD_OUTCOME,
+    fault_patterns,
+    faulty_model_store,
+    recomputed_slot,
+)
 
 #: Load states the connector may refuse from (every live one but REFUSED).
 _REFUSABLE = (
@@ -131,6 +149,8 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         self.live_waves: list[Any] = []
         #: Keys a truncation invalidated and no save has stored again since.
         self.invalidated: set[str] = set()
+        #: The seeded positional faults in front of ``store`` (``store_fault_patterns``), if any.
+        self.faulty: FaultyBackend | None = None
 
     @initialize(geometry=geometries())
     def setup(self, geometry: Geometry) -> None:
@@ -171,6 +191,61 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def _store_add(self, keys: list[str] | tuple[str, ...]) -> None:
         self.store.update(keys)
         self.invalidated.difference_update(keys)
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """The store's answer to one exists call: the model, through the fault patterns if any."""
+        if self.faulty is None:
+            return [key in self.store for key in keys]
+        return [status is Status.OK for status in self.faulty.exists(keys)]
+
+    def _load_through_patterns(self, plan: LoadPlan, tp_rank: int) -> dict[EntryId, LoadOutcome]:
+        """One rank's load as one get of its planned keys through the fault patterns. A slot answered
+        ``OK`` must hold its own entry's bytes (a gap shifts no bytes to another slot); any other slot
+        must be untouched."""
+        assert self.faulty is not None
+        rank_loads = plan.loads_for_rank(tp_rank)
+        slots = [bytearray(RECOMPUTED_NUM_BYTES) for _ in rank_loads]
+        statuses = self.faulty.get_frames_into(
+            [key for _, key in rank_loads], [[memoryview(slot)] for slot in slots]
+        )
+        outcomes = {}
+        for (load, key), status, slot in zip(rank_loads, statuses, slots, strict=True):
+            expected = recomputed_slot(key) if status is Status.OK else bytes(RECOMPUTED_NUM_BYTES)
+            assert slot == expected, (
+                f"rank {tp_rank}: the slot of {key} ({status.name}) holds {slot.hex()}, not {expected.hex()}"
+            )
+            outcomes[load.entry(tp_rank)] = STATUS_TO_LOAD_OUTCOME[status]
+        return outcomes
+
+    def _put_through_patterns(
+        self, entries: Sequence[tuple[EntryId, str]], sent: Mapping[EntryId, bool]
+    ) -> dict[EntryId, bool]:
+        """Each rank's put of its entries that reach the store (``sent``) as one call through the fault
+        patterns: stored exactly where it answered ``OK``."""
+        assert self.faulty is not None
+        stored = dict(sent)
+        for rank in self.geometry.topology.ranks:
+            batch = [(entry, key) for entry, key in entries if entry.tp_rank == rank.tp_rank and sent[entry]]
+            statuses = self.faulty.put_frames([key for _, key in batch], [[] for _ in batch])
+            for (entry, _), status in zip(batch, statuses, strict=True):
+                stored[entry] = status is Status.OK
+        return stored
+
+    # -- store faults ---------------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def store_fault_patterns(self, data: st.DataObject) -> None:
+        """Seeded positional faults in front of the store (gaps, tails, random gaps; a run of failed calls;
+        scoped to some groups or ranks), or none: lookups, loads and save waves go through them from now."""
+        if data.draw(st.booleans(), label="no store faults"):
+            self.faulty = None
+            return
+        self._arm_fault_patterns(data)
+
+    def _arm_fault_patterns(self, data: st.DataObject) -> None:
+        patterns = data.draw(fault_patterns(self.geometry), label="fault patterns")
+        self.faulty = faulty_model_store(self.store, patterns, data.draw(st.integers(0, 7), label="seed"))
+        note(f"store faults: {self.faulty.url}")
 
     # -- store-side rules ----------------------------------------------------------------------------
 
@@ -237,11 +312,11 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             wave.drop()
             return
         wave.start_put()
-        outcomes = {}
+        outcomes = {entry: data.draw(st.integers(0, 5)) > 0 for entry, _ in plan.entries}
+        if self.faulty is not None:
+            outcomes = self._put_through_patterns(plan.entries, outcomes)
         for entry, key in plan.entries:
-            ok = data.draw(st.integers(0, 5)) > 0
-            outcomes[entry] = ok
-            if ok:
+            if outcomes[entry]:
                 self._store_add([key])
         events = wave.finish_put(outcomes)
         event(f"save wave: {wave.state}")
@@ -307,12 +382,21 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             req.lifecycle.lookup_unavailable("timeout")
             assert req.lifecycle.num_external_tokens == 0
             return
+        # key -> present, as the store answered this lookup (through the fault patterns, gaps included)
+        answered: dict[str, bool] = {}
+
+        def exists(keys: Sequence[str]) -> list[bool]:
+            found = self._exists(keys)
+            answered.update(zip(keys, found, strict=True))
+            return found
+
         if search is not None:
-            found = search.run(lambda keys: [key in self.store for key in keys])
+            found = search.run(exists)
             full = plan_lookup(
                 self.scheme, req.hashes, req.num_tokens, local, max_boundary=search.max_boundary
             )
-            expected = full.resolve([key in self.store for key in full.keys])
+            # The store as the search saw it: its answers where it asked, the model where it did not.
+            expected = full.resolve([answered.get(key, key in self.store) for key in full.keys])
             assert (found.boundary, found.plan) == (expected.boundary, expected.plan), (
                 f"probing search found {found.boundary}, the full scan {expected.boundary}"
             )
@@ -320,7 +404,10 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             result = req.lifecycle.finish_search(found)
         else:
             assert candidates is not None
-            result = req.lifecycle.finish_lookup([key in self.store for key in candidates.keys])
+            result = req.lifecycle.finish_lookup(exists(candidates.keys))
+        if self.faulty is not None:
+            gapped = any(not found and key in self.store for key, found in answered.items())
+            event(f"lookup through fault patterns: {'gapped' if gapped else 'whole'} answer")
         req.retrying = was_truncated
         geometry = self.geometry
         assert result.boundary % geometry.hit_alignment == 0, f"boundary {result.boundary} is not aligned"
@@ -332,12 +419,15 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         event(("retry" if was_truncated else "lookup") + (": hit" if result.is_hit else ": miss"))
         if result.is_hit:
             assert result.plan is not None and result.boundary > local
-            self._check_plan_restorable(req, result.plan, local)
+            self._check_plan_restorable(req, result.plan, local, answered)
         else:
             assert req.lifecycle.num_external_tokens == 0
 
-    def _check_plan_restorable(self, req: _Req, plan: LoadPlan, local: int) -> None:
-        """Hard rule 1: every group on every rank can restore the boundary from local + plan."""
+    def _check_plan_restorable(
+        self, req: _Req, plan: LoadPlan, local: int, answered: Mapping[str, bool]
+    ) -> None:
+        """Hard rule 1: every group on every rank can restore the boundary from local + plan, each planned
+        key being one the lookup's store ``answered`` present."""
         geometry = self.geometry
         boundary = plan.boundary
         planned = {(load.group_index, load.block_index): load for load in plan.loads}
@@ -347,6 +437,9 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             )
             for key in self._keys(load.group_index, load.key_boundary, req.hashes):
                 assert key in self.store, f"planned key {key} does not exist: a hit some rank cannot restore"
+                assert answered.get(key) is True, (
+                    f"planned key {key} was not answered present: a hit past a gap in the exists answer"
+                )
                 assert key not in self.invalidated, f"planned key {key} was invalidated by a truncation"
         for g, (group, span) in enumerate(zip(geometry.groups, geometry.spans, strict=True)):
             if group.kind is GroupKind.FULL:
@@ -421,12 +514,14 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
     def load_finishes(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(self._live(State.LOADING)))
         req = self.requests[request_id]
-        mode = data.draw(st.sampled_from(["ok", "ok", "random", "split"]), label="load_mode")
+        modes = ["ok", "ok", "random", "split"] + (["patterns", "patterns"] if self.faulty else [])
+        mode = data.draw(st.sampled_from(modes), label="load_mode")
         self._load(data, req, mode)
 
     def _load(self, data: st.DataObject, req: _Req, mode: str) -> None:
         """Finish ``req``'s load: "ok", "random" failures, "split" (a rank stops at its first failure),
-        or "fail" (at least one entry of the plan fails on some rank)."""
+        "fail" (at least one entry of the plan fails on some rank), or "patterns" (each rank's batch
+        through the fault patterns)."""
         lookup = req.lifecycle.lookup
         assert lookup is not None and lookup.plan is not None
         plan = lookup.plan
@@ -435,6 +530,12 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         )
         outcomes: dict[EntryId, LoadOutcome] = {}
         for tp_rank in range(self.geometry.topology.tp_size):
+            if mode == "patterns":
+                rank_outcomes = self._load_through_patterns(plan, tp_rank)
+                outcomes.update(rank_outcomes)
+                faulted = any(outcome.is_fault for outcome in rank_outcomes.values())
+                event(f"load through fault patterns: a rank's batch {'faulted' if faulted else 'loaded'}")
+                continue
             failed_early = False
             cut = data.draw(st.integers(0, len(plan.loads) + 2)) if mode == "split" else None
             for position, (load, key) in enumerate(plan.loads_for_rank(tp_rank)):
@@ -545,6 +646,29 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         if req.lifecycle.current is State.PARTIAL_HIT:
             req.lifecycle.start_load()
             req.num_loads += 1
+
+    @rule(data=st.data(), family=st.integers(0, 1))
+    def stored_prompt_loads_through_fault_patterns(self, data: st.DataObject, family: int) -> None:
+        """A prompt stored at every boundary, looked up and loaded by a new request through freshly drawn
+        positional faults (the lookup may meet a gap, a rank's load batch a failed tail or a failed run);
+        after a truncation the one retry goes through them too (and, if it hits, ``load_finishes`` judges
+        its load)."""
+        self.previous_request_saved_everything(data, family)
+        self._arm_fault_patterns(data)
+        self.new_request(data, family)
+        req = self.requests[f"req-{self.num_requests - 1}"]
+        self._lookup(data, req, 0, may_be_unavailable=False)
+        if req.lifecycle.current is not State.PARTIAL_HIT:
+            return
+        req.lifecycle.start_load()
+        req.num_loads += 1
+        self._load(data, req, "patterns")
+        # (``state``, not ``current``: a type checker keeps ``current`` narrowed to PARTIAL_HIT from above)
+        if req.lifecycle.state == State.TRUNCATED.name:
+            self._lookup(data, req, 0, may_be_unavailable=False)  # vLLM's recompute policy: from 0
+            if req.lifecycle.current is State.PARTIAL_HIT:
+                req.lifecycle.start_load()
+                req.num_loads += 1
 
     @precondition(lambda self: bool(self._live(*(s for s in State if s not in (State.EVICTED,)))))
     @rule(data=st.data(), reason=st.sampled_from(["finished", "aborted", "preempted"]))

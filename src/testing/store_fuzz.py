@@ -21,6 +21,11 @@ and whether the key is certainly present. The properties:
 - ``CORRUPT`` only where corruption is allowed or the destination size is wrong; ``TRANSFER_FAILED`` and
   ``TIMEOUT`` only where failures are allowed. A read into a destination of the wrong size is never ``OK``.
 - ``stats()``: when both are known, bytes stay within capacity (plus the values written concurrently).
+- With ``quotas`` (``hybridkv.store.quotas``; the pool then holds keys of those tenants and of one without a
+  quota): each tenant's bytes stay within its quota (plus the values written concurrently); a value at
+  least as large as its tenant's quota is refused with ``NO_SPACE``; a put may evict only entries of its
+  own tenant -- every other key certainly stored stays readable (with no capacity bound the machine
+  checks it on every read, ``exists`` and listing).
 
 Every key has a fixed value size (derived from the key), so a size mismatch is never the model's doing.
 """
@@ -28,23 +33,28 @@ Every key has a fixed value size (derived from the key), so a size mismatch is n
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from hybridkv.store.base import Status, Store
+from hybridkv.store.quotas import namespace_of
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 _FAILURES = frozenset({Status.TRANSFER_FAILED, Status.TIMEOUT})
 
 
-def key_pool(max_value_size: int) -> list[tuple[str, int]]:
-    """The keys the machine uses, each with its fixed value size; prefixes exercise ``remove_prefix``."""
+#: The tenant without a quota whose keys the pool holds next to the quota'd ones.
+FREE_TENANT = "free"
+#: Bytes a frame adds to its value at most (header, key, checksum) for the pool's keys.
+_FRAME_OVERHEAD = 512
+
+
+def key_pool(max_value_size: int, tenants: tuple[str, ...] = ()) -> list[tuple[str, int]]:
+    """The keys the machine uses, each with its fixed value size; prefixes exercise ``remove_prefix``;
+    ``tenants`` adds keys ``hkv1/<tenant>/...`` of each."""
     sizes = sorted({0, 1, 33, min(1000, max_value_size), max_value_size})
-    return [
-        (f"{prefix}{index}-{size}", size)
-        for prefix in ("a/", "b/", "ключ/")
-        for index, size in enumerate(sizes)
-    ]
+    prefixes = ("a/", "b/", "ключ/", *(f"hkv1/{tenant}/" for tenant in tenants))
+    return [(f"{prefix}{index}-{size}", size) for prefix in prefixes for index, size in enumerate(sizes)]
 
 
 def make_store_machine(
@@ -56,6 +66,7 @@ def make_store_machine(
     supports_listing: bool = True,
     max_value_size: int = 4096,
     num_writer_threads: int = 3,
+    quotas: Mapping[str, int] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """Build a conformance state machine for the stores ``factory`` returns.
 
@@ -67,10 +78,19 @@ def make_store_machine(
         supports_listing: ``iter_keys`` works (Mooncake cannot list keys).
         max_value_size: the largest value size in the key pool.
         num_writer_threads: writers of one key at once in the concurrency rule.
+        quotas: the bytes per tenant the store was opened with (``None``: it has none).
     """
-    pool = key_pool(max_value_size)
+    tenant_quotas: dict[str, int] = dict(quotas or {})
+    pool = key_pool(max_value_size, (*sorted(tenant_quotas), FREE_TENANT) if tenant_quotas else ())
+    tenant_to_keys: dict[str, set[str]] = {}
+    for pool_key, _size in pool:
+        tenant = namespace_of(pool_key)
+        if tenant in tenant_quotas:
+            tenant_to_keys.setdefault(tenant, set()).add(pool_key)
     key_to_size = dict(pool)
     keys = st.sampled_from([key for key, _size in pool])
+    if tenant_to_keys:  # half the draws from the tenants under a quota, so that they fill it often
+        keys = st.one_of(st.sampled_from(sorted(set().union(*tenant_to_keys.values()))), keys)
 
     def value_for(draw_data: st.DataObject, key: str) -> bytes:
         size = key_to_size[key]
@@ -102,7 +122,28 @@ def make_store_machine(
         def _check_failure_allowed(self, op: str, key: str, status: Status) -> None:
             assert status in _FAILURES and allows_failures, f"{op}({key!r}) returned {status} unexpectedly"
 
+        def _after_put(self, key: str) -> None:
+            """A put of ``key`` may have evicted any other entry of its tenant (its quota), none of another."""
+            tenant = namespace_of(key)
+            if tenant in tenant_to_keys:
+                self.certain -= tenant_to_keys[tenant]
+
+        def _check_quota_answer(self, key: str, status: Status) -> None:
+            tenant = namespace_of(key)
+            if tenant not in tenant_quotas or status in _FAILURES:
+                return
+            size, quota = key_to_size[key], tenant_quotas[tenant]
+            if size >= quota:
+                assert status is Status.NO_SPACE, (
+                    f"put({key!r}) of {size} bytes returned {status}: tenant {tenant!r} has a quota of {quota}"
+                )
+            elif size + _FRAME_OVERHEAD <= quota and not allows_eviction:
+                assert status is not Status.NO_SPACE, (
+                    f"put({key!r}) of {size} bytes returned NO_SPACE within tenant {tenant!r}'s quota {quota}"
+                )
+
         def _record_put(self, key: str, value: bytes, status: Status) -> None:
+            self._check_quota_answer(key, status)
             if status is Status.OK:
                 # Insert-if-absent: the old value stays. If the store were to overwrite, the next read
                 # returns bytes not in `possible` and fails.
@@ -111,7 +152,7 @@ def make_store_machine(
                 self.possible.setdefault(key, set()).add(value)
                 self.certain.add(key)
             elif status is Status.NO_SPACE:
-                assert allows_eviction or allows_failures, (
+                assert allows_eviction or allows_failures or namespace_of(key) in tenant_quotas, (
                     f"put({key!r}) returned NO_SPACE without a capacity"
                 )
             else:
@@ -143,8 +184,13 @@ def make_store_machine(
             ]
             statuses = self.store.put(batch, offered)
             assert len(statuses) == len(batch), f"put returned {len(statuses)} results for {len(batch)} keys"
+            for key in batch:
+                self._after_put(key)
             for key, value, status in zip(batch, values, statuses, strict=True):
                 self._record_put(key, value, status)
+            for key, status in zip(batch, statuses, strict=True):  # a later key may evict an earlier one
+                if status is Status.OK:
+                    self._after_put(key)
 
         @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), split=st.booleans())
         def get_into(self, batch: list[str], split: bool) -> None:
@@ -249,6 +295,7 @@ def make_store_machine(
                 thread.start()
             for thread in threads:
                 thread.join()
+            self._after_put(key)
             landed = [v for v, s in zip(values, thread_statuses, strict=True) if s is Status.OK]
             if key in self.certain and not allows_eviction:
                 pass  # insert-if-absent: nothing new may land
@@ -273,6 +320,20 @@ def make_store_machine(
             assert stats.num_bytes <= stats.capacity_bytes + slack, (
                 f"{stats.url}: {stats.num_bytes} bytes stored, capacity {stats.capacity_bytes} (+{slack} slack)"
             )
+
+        @precondition(lambda self: bool(tenant_quotas))
+        @invariant()
+        def tenants_within_quota(self) -> None:
+            tenants = self.store.stats().extra.get("tenants")
+            assert isinstance(tenants, dict) and set(tenants) == set(tenant_quotas), (
+                f"{self.store.url}: stats name the tenants {tenants}, the store was opened with {tenant_quotas}"
+            )
+            slack = num_writer_threads * (max_value_size + _FRAME_OVERHEAD)
+            for tenant, quota in tenant_quotas.items():
+                usage = tenants[tenant]["usage_bytes"]
+                assert usage <= quota + slack, (
+                    f"{self.store.url}: tenant {tenant!r} holds {usage} bytes, quota {quota} (+{slack} slack)"
+                )
 
     StoreMachine.__name__ = StoreMachine.__qualname__ = "StoreMachine"
     return StoreMachine

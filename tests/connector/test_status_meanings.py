@@ -33,3 +33,10 @@ def test_only_a_definite_answer_invalidates_a_loaded_entry() -> None:
 def test_an_entry_never_read_is_not_attempted() -> None:
     assert load_outcome(None) is LoadOutcome.NOT_ATTEMPTED
     assert not LoadOutcome.NOT_ATTEMPTED.is_fault
+
+
+def test_the_lifecycle_fuzzer_reads_a_get_as_the_worker_does() -> None:
+    """``hybridkv.testing.fault_patterns`` keeps the load column without importing vLLM: it must not drift."""
+    from hybridkv.testing.fault_patterns import STATUS_TO_LOAD_OUTCOME
+
+    assert dict(STATUS_TO_LOAD_OUTCOME) == {status: meaning.load for status, meaning in STATUS_MEANINGS.items()}

@@ -194,7 +194,7 @@ def concrete_url(url: str, file_dir: Path) -> str:
         port = "50051" if re.fullmatch(r"[A-Z_]+", port) else port
         base = f"mooncake://{host}:{port}"
     elif scheme == "memory" and re.fullmatch(r"[A-Z_]+", rest):
-        base = "memory://doc-name"
+        base = f"memory://doc-name-{file_dir.parent.name}"  # one table per example: tables keep their quotas
     query = re.sub(
         r"=([A-Z]+)(?=&|$)", lambda m: "=" + _PLACEHOLDER_VALUES.get(m.group(1), m.group(1)), query
     )

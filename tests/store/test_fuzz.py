@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 from hybridkv.store import open_store
 from hybridkv.store.framed import FramedStore
+from hybridkv.store.quotas import write_quotas
 from hybridkv.testing.store_fuzz import make_store_machine
 
 
@@ -58,6 +60,20 @@ TestFaultyFileStore = make_store_machine(
 ).TestCase
 
 
+# Keyed frames (``integrity_key_file``) under injected corruption: the keyed hash must catch every flip.
+_KEY_FILE = Path(_SCRATCH.name) / "integrity.key"
+_KEY_FILE.write_text("store-fuzz-integrity-secret-0123456789\n")
+_KEY_FILE.chmod(0o600)
+TestFaultyKeyedMemoryStore = make_store_machine(
+    lambda: open_store(
+        f"faulty+memory://fuzz-{uuid.uuid4().hex}?corrupt=0.2&get_fail=0.1&seed=7&integrity_key_file={_KEY_FILE}"
+    ),
+    allows_eviction=False,
+    allows_corruption=True,
+    allows_failures=True,
+).TestCase
+
+
 class _KeepOpen:
     """Forwards to a shared store but does not close it (one Mooncake client serves all examples)."""
 
@@ -79,3 +95,22 @@ def test_mooncake_store_conforms(shared_mooncake_store: FramedStore) -> None:
 
     machine = make_store_machine(factory, allows_eviction=False, supports_listing=False)  # type: ignore[arg-type]
     machine.TestCase().runTest()
+
+#: Tenant ``t1`` cannot hold the pool's largest value (4096 bytes): it is refused; ``t2`` holds a few of
+#: its values at once and evicts its own to take more.
+_QUOTAS = {"t1": 3000, "t2": 5000}
+
+
+def _file_with_quotas() -> FramedStore:
+    directory = f"{_fresh_dir()}/store"
+    store = open_store(f"file://{directory}?capacity=64MiB")
+    write_quotas(Path(directory), _QUOTAS)
+    return store
+
+
+TestMemoryStoreWithQuotas = make_store_machine(
+    lambda: _memory("?quotas=t1:3000,t2:5000"), allows_eviction=False, quotas=_QUOTAS
+).TestCase
+TestFileStoreWithQuotas = make_store_machine(
+    _file_with_quotas, allows_eviction=False, quotas=_QUOTAS
+).TestCase

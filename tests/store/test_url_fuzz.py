@@ -3,9 +3,9 @@ raises ``StoreError`` naming the bad part, never another error; the configuratio
 ``ValueError`` naming the ``store`` key; a valid URL stays valid, and a valid memory / file URL opens.
 
 URLs are built from parts -- scheme (case variants, unknown), location, every parameter each kind declares
-(``StoreKind.params``, ``checksum``, the ``faulty+`` view's) with valid or garbage values, unknown and
-near-miss names, duplicates, empty names, fragments, percent-encoding -- with at most one part broken, so
-that the error can be checked to name it. No Mooncake connection is opened: mooncake URLs are only checked.
+(``StoreKind.params``, ``checksum``, the integrity key's, the ``faulty+`` view's, its positional ones included) with valid or
+garbage values, unknown and near-miss names, duplicates, empty names, fragments, percent-encoding -- with at
+most one part broken, so that the error can be checked to name it. No Mooncake connection is opened: mooncake URLs are only checked.
 The inputs that once crashed or were silently misread are kept as ``@example``s.
 """
 
@@ -13,20 +13,35 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.store import StoreError, open_store
-from hybridkv.store.faulty import FAULTY_PARAMS
+from hybridkv.store.faulty import FAULTY_PARAMS, MAX_PATTERN_NUMBER, PATTERN_OPS
 from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size, parse_size
-from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, absent_store, check_store_url
+from hybridkv.store.url import FAULTY_PREFIX, INTEGRITY_PARAMS, STORE_KINDS, absent_store, check_store_url
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 # One scratch root for the module, removed at interpreter exit: file stores open under fresh folders of it.
 _SCRATCH = tempfile.TemporaryDirectory(prefix="hybridkv-url-fuzz-")
+# An integrity key, from a file and from the environment (set for this module's tests by ``_key_env``).
+_KEY_FILE = Path(_SCRATCH.name) / "integrity.key"
+_KEY_FILE.write_text("url-fuzz-integrity-secret-0123456789\n")
+_KEY_FILE.chmod(0o600)
+_KEY_ENV = "HYBRIDKV_URL_FUZZ_INTEGRITY_KEY"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _key_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_KEY_ENV, "url-fuzz-integrity-secret-from-the-environment")
+        yield
+
 
 _SIZES = st.builds(
     lambda number, unit: f"{number}{unit}",
@@ -40,6 +55,10 @@ _PROBABILITY = st.floats(0, 1).map(repr) | st.sampled_from(["0", "1", "0.5", "1e
 _DURATION = st.integers(1, MAX_DURATION_MS).map(str)
 _MS = st.floats(0, MAX_DURATION_MS).map(repr) | st.integers(0, MAX_DURATION_MS).map(str)
 _HOSTNAME = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,20}", fullmatch=True)
+#: positions, groups, ranks: distinct whole numbers, comma-separated, in any order
+_NUMBER_LIST = st.lists(st.integers(0, MAX_PATTERN_NUMBER), min_size=1, max_size=4, unique=True).map(
+    lambda numbers: ",".join(map(str, numbers))
+)
 
 #: valid values of every parameter, by name (a kind's own meaning where two kinds share a name)
 _VALID: dict[tuple[str, str], st.SearchStrategy[str]] = {
@@ -57,6 +76,8 @@ _VALID: dict[tuple[str, str], st.SearchStrategy[str]] = {
     ("mooncake", "breaker_reset_s"): st.floats(0, 1e6).map(repr),
     ("mooncake", "preferred_segment"): st.sampled_from(["local", "none", "10.0.0.2:12345"]),
     ("*", "checksum"): st.sampled_from(["xxh3", "crc32", "none", "auto", "CRC32", "None"]),
+    ("*", "integrity_key_file"): st.just(str(_KEY_FILE)),
+    ("*", "integrity_key_env"): st.just(_KEY_ENV),
     ("faulty", "get_fail"): _PROBABILITY,
     ("faulty", "put_fail"): _PROBABILITY,
     ("faulty", "exists_fail"): _PROBABILITY,
@@ -67,6 +88,15 @@ _VALID: dict[tuple[str, str], st.SearchStrategy[str]] = {
     ("faulty", "late_ms"): _MS,
     ("faulty", "late_scribble"): st.sampled_from(["0", "1", "7"]),
     ("faulty", "seed"): st.integers(-(1 << 63), 1 << 70).map(str),
+    **{("faulty", f"{op}_gap"): _NUMBER_LIST for op in PATTERN_OPS},
+    **{("faulty", f"{op}_tail"): _PROBABILITY for op in PATTERN_OPS},
+    **{("faulty", f"{op}_random_gaps"): st.integers(0, 64).map(str) for op in PATTERN_OPS},
+    ("faulty", "fail_after"): st.integers(0, 1 << 40).map(str),
+    ("faulty", "fail_calls"): st.integers(0, 1 << 40).map(str),
+    ("faulty", "fail_ops"): st.lists(st.sampled_from(PATTERN_OPS), min_size=1, unique=True).map(",".join),
+    ("faulty", "fault_group"): _NUMBER_LIST,
+    ("faulty", "fault_tp_rank"): _NUMBER_LIST,
+    ("faulty", "fault_dcp_rank"): _NUMBER_LIST,
 }
 for _kind in STORE_KINDS.values():
     for _param in _kind.params:
@@ -107,6 +137,14 @@ _GARBAGE = st.text(max_size=12) | st.sampled_from(
         "%ff",
         "rdma",
         "TCP",
+        "0,,5",
+        "1,",
+        ",",
+        "1,1",
+        "1, 2",
+        "get,get",
+        "exists,remove",
+        "9223372036854775808",
     ]
 )
 
@@ -184,12 +222,17 @@ def store_cases(draw: st.DrawFn) -> Case:
     """A URL of valid parts, or with one part broken (``Case.expect`` says what a refusal must name)."""
     scheme = draw(st.sampled_from(sorted(STORE_KINDS)))
     faulty = draw(st.booleans())
-    names = [("*", "checksum"), *((scheme, name) for name in STORE_KINDS[scheme].params)]
+    names = [("*", "checksum"), *(("*", name) for name in INTEGRITY_PARAMS)]
+    names += [(scheme, name) for name in STORE_KINDS[scheme].params]
     names += [("faulty", name) for name in FAULTY_PARAMS] if faulty else []
     chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=5))
+    if all(("*", name) in chosen for name in INTEGRITY_PARAMS):  # valid URLs name one source of secrets
+        chosen.remove(("*", INTEGRITY_PARAMS[1]))
+    keyed = any(("*", name) in chosen for name in INTEGRITY_PARAMS)
     percent = draw(st.booleans())
     params = [
-        (_encoded(name, percent), _encoded(draw(_VALID[owner, name]), percent)) for owner, name in chosen
+        (_encoded(name, percent), _encoded(draw(_valid_value(owner, name, keyed=keyed)), percent))
+        for owner, name in chosen
     ]
     case = Case(scheme=scheme, faulty=faulty, location=draw(_locations(scheme)), params=tuple(params))
     fault = draw(st.sampled_from(_FAULTS))
@@ -198,6 +241,13 @@ def store_cases(draw: st.DrawFn) -> Case:
     if fault in ("value", "unknown", "duplicate", "empty_name"):
         return _broken_query(draw, case, fault, names, percent)
     return _broken_url(draw, case, fault)
+
+
+def _valid_value(owner: str, name: str, *, keyed: bool) -> st.SearchStrategy[str]:
+    """Valid values of parameter ``name``; with an integrity key, ``checksum=none`` is not one."""
+    if keyed and name == "checksum":
+        return _VALID[owner, name].filter(lambda value: value.lower() != "none")
+    return _VALID[owner, name]
 
 
 def _broken_query(draw: st.DrawFn, case: Case, fault: str, names: _Names, percent: bool) -> Case:
@@ -269,6 +319,27 @@ def _opened(case: Case) -> None:
 
 @given(case=store_cases())
 @example(
+    case=Case(
+        "memory",
+        False,
+        "x",
+        (("integrity_key_file", str(_KEY_FILE)), ("integrity_key_env", _KEY_ENV)),
+        expect=("parameter integrity_key_env",),
+    )
+)  # two sources of secrets
+@example(
+    case=Case(
+        "file",
+        True,
+        "/d",
+        (("integrity_key_env", _KEY_ENV), ("checksum", "none")),
+        expect=("parameter checksum",),
+    )
+)  # a keyed store verifies every value
+@example(
+    case=Case("memory", False, "x", (("integrity_key", "a-secret-in-the-url"),), expect=("integrity_key is",))
+)  # refused without repeating the secret
+@example(
     case=Case("mooncake", False, "[::1:80", (), expect=("cannot be parsed",))
 )  # was ValueError (urlsplit)
 @example(case=Case("memory", False, "[x", (), expect=("cannot be parsed",)))  # was ValueError (urlsplit)
@@ -292,6 +363,11 @@ def _opened(case: Case) -> None:
 @example(case=Case("mooncake", False, "h:1", (("segment", "1" + "0" * 30),), expect=("parameter segment",)))
 @example(case=Case("mooncake", False, "h:1", (("metadata", "%00"),), expect=("parameter metadata",)))
 @example(case=Case("file", False, "/a%20b", ()))  # absent_store read /a b, the store opened /a%20b
+@example(case=Case("memory", True, "x", (("get_gap", "0,0"),), expect=("parameter get_gap",)))
+@example(case=Case("memory", True, "x", (("fault_group", ""),), expect=("parameter fault_group",)))
+@example(case=Case("memory", True, "x", (("exists_tail", "1.5"),), expect=("parameter exists_tail",)))
+@example(case=Case("memory", True, "x", (("fail_ops", "get,remove"),), expect=("parameter fail_ops",)))
+@example(case=Case("memory", True, "x", (("fail_after", "3"), ("fail_calls", "2"), ("fail_ops", "get,put"))))
 def test_store_url_is_valid_or_refused_naming_the_bad_part(case: Case) -> None:
     url = case.url
     try:

@@ -1,0 +1,224 @@
+"""Quotas per tenant (namespace): a tenant at its quota evicts its own oldest entries, never another's.
+
+The conformance machine (tests/store/test_fuzz.py, ``quotas=``) checks the rules on random call sequences;
+these tests pin the scenarios an operator relies on, on the memory store and the file store."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hybridkv.cli import main
+from hybridkv.store import StoreError, open_store
+from hybridkv.store.base import Status
+from hybridkv.store.framed import FramedStore
+from hybridkv.store.quotas import namespace_of, parse_quotas, read_quotas, write_quotas
+
+VALUE = 40_000
+#: Room for four framed values of tenant ``agent``; ``flood`` may hold two.
+QUOTAS = {"agent": 4 * VALUE + 2000, "flood": 2 * VALUE + 1000}
+
+StoreFactory = Callable[[dict[str, int]], FramedStore]
+
+
+def _memory(quotas: dict[str, int]) -> FramedStore:
+    text = ",".join(f"{namespace}:{size}" for namespace, size in quotas.items())
+    return open_store(f"memory://quota-{uuid.uuid4().hex}?quotas={text}")
+
+
+@pytest.fixture(params=["memory", "file"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+    if request.param == "memory":
+        return _memory
+
+    def file_store(quotas: dict[str, int]) -> FramedStore:
+        store = open_store(f"file://{tmp_path}/store?capacity=64MiB")
+        write_quotas(tmp_path / "store", quotas)
+        return store
+
+    return file_store
+
+
+def _value(seed: int, size: int = VALUE) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _keys(namespace: str, count: int, start: int = 0) -> list[str]:
+    return [f"hkv1/{namespace}/fp/g0/tp0/dcp0/{index:04x}" for index in range(start, start + count)]
+
+
+def _present(store: FramedStore, keys: list[str]) -> list[bool]:
+    return [status is Status.OK for status in store.exists(keys)]
+
+
+def _tenants(store: FramedStore) -> dict[str, dict[str, int]]:
+    tenants = store.stats().extra["tenants"]
+    assert isinstance(tenants, dict)
+    return tenants
+
+
+def test_a_flooding_tenant_evicts_only_its_own_entries(make_store: StoreFactory) -> None:
+    store = make_store(QUOTAS)
+    agent_keys = _keys("agent", 4)
+    assert store.put(agent_keys, [_value(i) for i in range(4)]) == [Status.OK] * 4
+    other_keys = _keys("no-quota", 3)
+    store.put(other_keys, [_value(10 + i) for i in range(3)])
+    flood_keys = _keys("flood", 12)
+    for index, key in enumerate(flood_keys):  # one put per call: each may evict the flood's older ones
+        assert store.put([key], [_value(100 + index)]) == [Status.OK]
+    assert all(_present(store, agent_keys)), "the flood evicted another tenant's entries"
+    assert all(_present(store, other_keys)), "the flood evicted entries of a namespace without a quota"
+    flood_present = _present(store, flood_keys)
+    assert flood_present[-1] and not any(flood_present[:8]), (
+        f"the flood tenant should keep only its newest entries, kept {flood_present}"
+    )
+    tenants = _tenants(store)
+    assert tenants["flood"]["usage_bytes"] <= QUOTAS["flood"]
+    assert tenants["flood"]["num_quota_evicted"] >= 10
+    assert tenants["agent"]["num_quota_evicted"] == 0
+    destination = np.empty(VALUE, dtype=np.uint8)
+    assert store.get_into([agent_keys[0]], [destination]) == [Status.OK]
+    assert np.array_equal(destination, _value(0))
+    store.close()
+
+
+def test_inside_a_tenant_the_least_recently_used_entry_goes_first(make_store: StoreFactory) -> None:
+    store = make_store(QUOTAS)
+    keys = _keys("agent", 4)
+    for index, key in enumerate(keys):
+        store.put([key], [_value(index)])
+    # A read of the oldest entry makes the second oldest the tenant's least recently used. (The file
+    # store's LRU clock is a file's mtime, refreshed at most once a second: age the files to see it.)
+    _age_files(store, keys)
+    assert store.exists([keys[0]]) == [Status.OK]
+    store.put(_keys("agent", 1, start=100), [_value(100)])
+    present = _present(store, keys)
+    # The file store evicts down to 90 % of the quota (one pass per 10 % written), so it may take the
+    # third oldest too; the entry just read and the newest stay.
+    assert present[0] and not present[1] and present[3], f"kept {present}"
+    store.close()
+
+
+def _age_files(store: FramedStore, keys: list[str]) -> None:
+    """Give a file store's files distinct mtimes in key order, all older than the touch interval."""
+    layout = getattr(store._backend, "layout", None)
+    if layout is None:
+        return
+    now = time.time()
+    for index, key in enumerate(keys):
+        stamp = now - 100 + index
+        os.utime(layout.path_of(key), (stamp, stamp))
+
+
+def test_a_value_larger_than_the_quota_is_refused_and_counted(make_store: StoreFactory) -> None:
+    store = make_store(QUOTAS)
+    kept = _keys("flood", 2)
+    store.put(kept, [_value(1), _value(2)])
+    [too_big] = _keys("flood", 1, start=50)
+    assert store.put([too_big], [_value(3, QUOTAS["flood"] + 1)]) == [Status.NO_SPACE]
+    assert store.exists([too_big]) == [Status.NOT_FOUND]
+    assert all(_present(store, kept)), "a refused put evicted the tenant's entries"
+    assert _tenants(store)["flood"]["num_refused_puts"] == 1
+    store.close()
+
+
+def test_removing_entries_gives_their_bytes_back_to_the_tenant(make_store: StoreFactory) -> None:
+    store = make_store(QUOTAS)
+    keys = _keys("flood", 2)
+    store.put(keys, [_value(1), _value(2)])
+    assert store.remove(keys) == [Status.OK, Status.OK]
+    assert _tenants(store)["flood"]["usage_bytes"] == 0
+    fresh = _keys("flood", 2, start=10)
+    store.put(fresh, [_value(3), _value(4)])
+    assert all(_present(store, fresh))
+    assert _tenants(store)["flood"]["num_quota_evicted"] == 0
+    store.close()
+
+
+def test_file_store_processes_share_the_directory_quotas(tmp_path: Path) -> None:
+    """Two handles (as two engines) on one directory: quotas written after both opened apply to both, and
+    the tenant's bytes are counted across them."""
+    url = f"file://{tmp_path}/store?capacity=64MiB"
+    first, second = open_store(url), open_store(url)
+    write_quotas(tmp_path / "store", {"flood": QUOTAS["flood"]})
+    keys = _keys("flood", 6)
+    for index, key in enumerate(keys):
+        (first if index % 2 else second).put([key], [_value(index)])
+    assert _present(first, keys)[:3] == [False] * 3
+    assert _tenants(first)["flood"]["usage_bytes"] <= QUOTAS["flood"]
+    write_quotas(tmp_path / "store", {})  # dropped: no tenant bookkeeping, nothing evicted any more
+    more = _keys("flood", 4, start=20)
+    second.put(more, [_value(20 + i) for i in range(4)])
+    assert all(_present(first, more))
+    assert "tenants" not in first.stats().extra
+    first.close()
+    second.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("quotas=agent", "is not NAMESPACE:SIZE"),
+        ("quotas=agent:64m", "ambiguous"),
+        ("quotas=a/b:1MiB", "is not a namespace"),
+        ("quotas=agent:0", "must be > 0"),
+        ("quotas=agent:1MiB,agent:2MiB", "two quotas"),
+        ("capacity=1MiB&quotas=agent:2MiB", "above the store's capacity"),
+    ],
+)
+def test_bad_memory_quotas_are_refused_naming_the_parameter(query: str, named: str) -> None:
+    with pytest.raises(StoreError, match="parameter quotas=") as error:
+        open_store(f"memory://bad-{uuid.uuid4().hex}?{query}")
+    assert named in str(error.value)
+
+
+def test_quota_command_sets_reads_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/store?capacity=1GiB"
+    open_store(url).close()
+    assert main(["store", "quota", url, "--set", "team-a=100MiB", "--set", "team-b=1MB"]) == 0
+    assert "team-b     1000000B" in capsys.readouterr().out
+    assert read_quotas(tmp_path / "store") == {"team-a": 100 << 20, "team-b": 10**6}
+    assert main(["store", "quota", url, "--clear", "team-b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["tenants"]) == {"team-a"}
+    for bad, message in [
+        (["--set", "team-a=2GiB"], "above the store's capacity"),
+        (["--set", "team a=1GiB"], "is not a namespace"),
+        (["--set", "team-a"], "expected NS=SIZE"),
+        (["--clear", "nobody"], "has no quota to clear"),
+    ]:
+        assert main(["store", "quota", url, *bad]) == 2
+        assert message in capsys.readouterr().err
+    assert read_quotas(tmp_path / "store") == {"team-a": 100 << 20}, "a refused change wrote the quotas"
+    assert main(["store", "quota", f"memory://x-{uuid.uuid4().hex}"]) == 2
+    assert "part of its URL" in capsys.readouterr().err
+    assert main(["store", "quota", "mooncake://127.0.0.1:1"]) == 2
+    assert "knows no tenants" in capsys.readouterr().err
+    assert main(["store", "quota", f"file://{tmp_path}/absent"]) == 2
+    assert not (tmp_path / "absent").exists(), "the quota command created a store"
+
+
+def test_a_quota_file_that_is_not_json_keeps_the_last_quotas(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store?capacity=64MiB"
+    store = open_store(url)
+    write_quotas(tmp_path / "store", {"flood": QUOTAS["flood"]})
+    keys = _keys("flood", 3)
+    store.put(keys[:1], [_value(0)])
+    (tmp_path / "store" / "quotas.json").write_text("{not json")
+    store.put(keys[1:], [_value(1), _value(2)])
+    assert _present(store, keys) == [False, True, True], "the last quotas read were not enforced"
+    store.close()
+
+
+def test_parsing_helpers() -> None:
+    assert namespace_of("hkv1/team-a/fp/g0/tp0/dcp0/ab") == "team-a"
+    assert namespace_of("other/team-a/x") is None
+    assert namespace_of("hkv1/") is None
+    assert parse_quotas(" a:1KiB , b:2KB ,") == {"a": 1024, "b": 2000}
+    assert parse_quotas("") == {}
