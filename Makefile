@@ -14,7 +14,7 @@ READY033 := $(VENV033)/.hybridkv-ready
 VLLM033_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
 	tests/docs/test_examples.py -m "vllm and not slow"
 
-.PHONY: demo test test-vllm033 test-fast fuzz-long typecheck setup clean
+.PHONY: demo test test-vllm033 test-fast fuzz-long test-races typecheck setup clean
 
 $(READY): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -48,6 +48,18 @@ test-fast: $(READY)
 # The stateful fuzzers with the deep profile.
 fuzz-long: $(READY)
 	scripts/netns-run $(PY) -m pytest tests -k "fuzz or stateful" --hypothesis-profile=long $(PYTEST_ARGS)
+
+# The threaded tests (lookups off the scheduler thread, load/save pipelines, late store calls, ownership of
+# buffers, concurrent stores) under the interpreter's development checks, switching threads every microsecond
+# so that rare interleavings happen all the time, a traceback dump of every thread if one hangs.
+RACE_TESTS = tests/connector/test_async_lookup.py tests/connector/test_transfer_ownership.py \
+	tests/connector/test_lookup_service.py tests/connector/test_staging_host_buffers.py \
+	tests/connector/test_worker.py tests/connector/test_preemption.py tests/connector/test_lifecycle_gates.py \
+	tests/connector/test_datapath.py tests/store/test_fuzz.py tests/store/test_file_recycling.py \
+	tests/store/test_file_deadline.py
+test-races: $(READY)
+	PYTHONDEVMODE=1 HYBRIDKV_SWITCH_INTERVAL=1e-6 scripts/netns-run $(PY) -m pytest $(RACE_TESTS) \
+		-o faulthandler_timeout=300 $(PYTEST_ARGS)
 
 # mypy --strict over the package under its import name (`hybridkv` is src/). mypy cannot see through the
 # editable install's import hook (`mypy src` would read every `hybridkv.*` import as Any), so a link under

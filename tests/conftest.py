@@ -35,3 +35,11 @@ structlog.configure(
     wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     cache_logger_on_first_use=False,
 )
+
+# Race hunting (`make test-races`): HYBRIDKV_SWITCH_INTERVAL=1e-6 makes the interpreter
+# switch threads after every few bytecodes, so interleavings that a normal run almost never takes happen
+# all the time; run it with PYTHONDEVMODE=1 (the interpreter's own checks) and faulthandler's timeout.
+if os.environ.get("HYBRIDKV_SWITCH_INTERVAL"):
+    import sys
+
+    sys.setswitchinterval(float(os.environ["HYBRIDKV_SWITCH_INTERVAL"]))

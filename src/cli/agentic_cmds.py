@@ -45,7 +45,7 @@ def register(
         "--store",
         choices=_STORE_CHOICES,
         default="memory",
-        help="memory: lru, lru+quotas; file: file-lru, file-lru+quotas; both: all four (%(default)s)",
+        help="memory: lru, lru+quotas, lru+sessions; file: file-lru, file-lru+quotas; both: all five (%(default)s)",
     )
     bench.add_argument(
         "--background-quota-fraction",

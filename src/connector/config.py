@@ -31,6 +31,14 @@ Keys (all optional):
                     update) moves the keys to ``<weights_version>+reset<n>``: replicas declaring one
                     version and updated in lockstep keep sharing. Without it a reset moves this engine to
                     keys of its own until restart, so no engine on other weights reads its KV.
+``divergent_local_hits``  (bool, default false) let vLLM keep a full-attention local hit whose recurrent
+                    (Mamba / linear-attention) state at that depth is not local, and complete it from the
+                    store: the request then loads only the tokens past the local full-attention hit and the
+                    state at the hit's end. Only where every KV cache group is full attention or recurrent
+                    (with a sliding-window group it stays off). A trade: when the store holds nothing past
+                    the local full-attention hit, vLLM falls back to the prefix every group agrees on and
+                    the store is not asked again, so what it holds below that hit is recomputed (see
+                    docs/failure-semantics.md, "Divergent local hits").
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -66,6 +74,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "load_mode",
     "cuda_copy",
     "weights_version",
+    "divergent_local_hits",
 )
 
 #: values of ``load_mode``
@@ -163,6 +172,7 @@ class ConnectorConfig:
     load_mode: str = "async"
     cuda_copy: str = "auto"
     weights_version: str = ""
+    divergent_local_hits: bool = False
 
     @property
     def layerwise(self) -> bool:
@@ -216,11 +226,8 @@ class ConnectorConfig:
 
         budget = _lookup_budget_ms(extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS))
 
-        verify = extra.get("verify_checksums", True)
-        if not isinstance(verify, bool):
-            raise ValueError(  # noqa: TRY004 -- the brief: bad config values are ValueError
-                f"kv_connector_extra_config['verify_checksums']: expected true or false, got {verify!r}"
-            )
+        verify = _flag(extra, "verify_checksums", default=True)
+        divergent_local_hits = _flag(extra, "divergent_local_hits", default=False)
 
         load_mode = extra.get("load_mode", "async")
         if load_mode not in LOAD_MODES:
@@ -254,4 +261,15 @@ class ConnectorConfig:
             load_mode=load_mode,
             cuda_copy=cuda_copy,
             weights_version=weights_version or "",
+            divergent_local_hits=divergent_local_hits,
         )
+
+
+def _flag(extra: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    """The boolean ``extra[key]`` (``default`` when absent); ``ValueError`` naming the key otherwise."""
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(  # noqa: TRY004 -- the brief: bad config values are ValueError
+            f"kv_connector_extra_config[{key!r}]: expected true or false, got {value!r}"
+        )
+    return value

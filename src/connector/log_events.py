@@ -25,6 +25,7 @@ class ConnectorLogEvent(enum.StrEnum):
     HIT_DECLINED = "hybridkv: hit declined; request recomputes"
     LOAD_FAILED = "hybridkv load failed; request recomputes"
     LOADS_DISABLED = "hybridkv: loads disabled; this engine cannot use external KV (saves continue)"
+    DIVERGENT_LOCAL_HITS_OFF = "hybridkv: divergent_local_hits stays off for this model"
     MODEL_IDENTITY_UNRESOLVED = (
         "hybridkv: model weights not found locally; keys identify the model by its name and revision only"
     )

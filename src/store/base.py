@@ -164,6 +164,17 @@ class Store(Protocol):
         goes on using the caller's buffers (see "Buffer ownership"); ``False``: it always returns first."""
         ...
 
+    @property
+    def supports_retention(self) -> bool:
+        """Whether ``retain`` keeps entries; ``False``: it answers ``TRANSFER_FAILED`` for every key."""
+        ...
+
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        """Keep each stored key ahead of ordinary entries until ``until`` (``time.time()`` seconds; in the
+        past: release it), within a budget (``hybridkv.store.retention``): ``OK``, ``NOT_FOUND`` if absent,
+        ``TRANSFER_FAILED`` where the store cannot retain."""
+        ...
+
     def remove(self, keys: Sequence[str]) -> list[Status]:
         """Delete each key: ``OK`` if removed, ``NOT_FOUND`` if absent, or an error status."""
         ...

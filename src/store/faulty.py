@@ -559,6 +559,20 @@ class FaultyBackend:
                     byte -= part.nbytes
         return self._merge(results, passing, inner)
 
+    @property
+    def can_retain(self) -> bool:
+        """Whether the inner store retains (``hybridkv.store.framed.RetainingBackend``)."""
+        return callable(getattr(self.inner, "retain", None))
+
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        """The inner store's retention, untouched by faults (it changes no bytes and no presence);
+        ``TRANSFER_FAILED`` where the inner store cannot retain."""
+        retain = getattr(self.inner, "retain", None)
+        if not callable(retain):
+            return [Status.TRANSFER_FAILED] * len(keys)
+        statuses: list[Status] = retain(keys, until)
+        return statuses
+
     def remove(self, keys: Sequence[str]) -> list[Status]:
         self._delay()
         statuses: list[Status] = self.inner.remove(keys)

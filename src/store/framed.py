@@ -96,6 +96,20 @@ class JustInTimeBackend(Backend, Protocol):
     ) -> list[Status]: ...
 
 
+class RetainingBackend(Backend, Protocol):
+    """Optional: a backend that keeps entries a client expects to reuse ahead of the others for a while
+    (``hybridkv.store.retention``; ``FramedStore`` detects it). Without it ``retain`` answers
+    ``TRANSFER_FAILED``."""
+
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]: ...
+
+
+def _retain_of(backend: object) -> Callable[[Sequence[str], float], list[Status]] | None:
+    """The backend's ``retain``, or ``None``: it has none, or it wraps one that cannot (``can_retain``)."""
+    retain = getattr(backend, "retain", None)
+    return retain if callable(retain) and getattr(backend, "can_retain", True) else None
+
+
 def _is_just_in_time(backend: object) -> bool:
     return callable(getattr(backend, "put_frames_sealed", None)) and callable(
         getattr(backend, "get_frames_verified", None)
@@ -259,6 +273,23 @@ class FramedStore:
             self._num_corrupt += 1
         log.warning(StoreLogEvent.CORRUPT_VALUE, url=self.url, key=key, problem=problem)
         return False
+
+    @property
+    def supports_retention(self) -> bool:
+        """Whether ``retain`` can keep entries (``hybridkv.store.retention``); ``False``: it answers
+        ``TRANSFER_FAILED`` for every key."""
+        return _retain_of(self._backend) is not None
+
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        """Keep each stored key ahead of ordinary entries until ``until`` (``time.time()`` seconds; in the
+        past: release it), within the store's retention budget (``hybridkv.store.retention``)."""
+        self._check_open()
+        if not keys:
+            return []
+        retain = _retain_of(self._backend)
+        if retain is None:
+            return [Status.TRANSFER_FAILED] * len(keys)
+        return self._checked_results("retain", keys, retain(keys, until))
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         self._check_open()

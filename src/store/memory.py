@@ -3,7 +3,8 @@
 All stores opened with the same NAME in one process share one table; ``close()`` closes the handle only.
 An optional ``capacity`` bounds the framed bytes held, evicting least-recently-used entries (a read or an
 ``exists`` counts as a use). ``quotas=NS:SIZE[,NS:SIZE...]`` bounds the bytes of each named tenant
-(namespace), evicting that tenant's own least-recently-used entries (``hybridkv.store.quotas``).
+(namespace), evicting that tenant's own least-recently-used entries (``hybridkv.store.quotas``). Retained
+entries (``retain``, ``hybridkv.store.retention``) go last, within their budget.
 
 Frames of 256 KiB or more live in buffers rounded up to whole pages; when such a frame is removed or evicted
 its buffer is kept as a spare (at most ``_SPARE_BYTES`` per table, within ``capacity``) for a later put of
@@ -18,13 +19,15 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.quotas import TenantCounters, namespace_of
+from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 #: ``exists``' answer for a key, indexed by whether it is present
 _STATUS_OF_PRESENT = (Status.NOT_FOUND, Status.OK)
@@ -82,6 +85,8 @@ class _MemoryTable:
         self.quotas = dict(quotas)
         #: The namespaces under a quota (empty: no per-key tenant bookkeeping at all).
         self.namespace_to_tenant = {namespace: _Tenant(quota) for namespace, quota in quotas.items()}
+        #: Retained entries: key -> the time (``time.time()``) until which it goes last.
+        self.key_to_until: dict[str, float] = {}
         #: id(frame) -> readers copying out of it right now (they copy outside the lock).
         self.pins: dict[int, int] = {}
         #: frame size -> spare buffers of exactly that size, for puts to reuse (see the module docstring).
@@ -111,11 +116,31 @@ class _MemoryTable:
             tenant.key_order[key] = None
             tenant.counters.usage_bytes += data.nbytes
 
+    def victim(self, key_order: Iterable[str], budget_bytes: float) -> str:
+        """The entry to evict next among ``key_order`` (oldest first): the oldest one not retained within
+        ``budget_bytes``, else the retained one that expires first (``hybridkv.store.retention``)."""
+        if self.key_to_until:
+            now = time.time()
+            for key in [key for key, until in self.key_to_until.items() if until <= now]:
+                del self.key_to_until[key]  # expired: an ordinary entry again
+        if not self.key_to_until:
+            return next(iter(key_order))
+        candidates = list(key_order)
+        retained = {key: self.key_to_until[key] for key in candidates if key in self.key_to_until}
+        protected = protected_keys(
+            retained, {key: self.key_to_frame[key].nbytes for key in retained}, budget_bytes
+        )
+        for key in candidates:
+            if key not in protected:
+                return key
+        return min(protected, key=retained.__getitem__)
+
     def drop(self, key: str) -> np.ndarray | None:
         """Take ``key`` out of the table (and its tenant) and retire its buffer; its frame, or ``None``."""
         data = self.key_to_frame.pop(key, None)
         if data is None:
             return None
+        self.key_to_until.pop(key, None)
         self.num_bytes -= data.nbytes
         tenant = self.tenant_of(key)
         if tenant is not None:
@@ -129,8 +154,7 @@ class _MemoryTable:
         counters = tenant.counters
         while counters.usage_bytes + size > counters.quota_bytes:
             assert tenant.key_order, f"tenant usage {counters.usage_bytes} with no entries, or {size} > quota"
-            oldest = next(iter(tenant.key_order))
-            self.drop(oldest)
+            self.drop(self.victim(tenant.key_order, counters.quota_bytes * RETAIN_FRACTION))
             counters.num_quota_evicted += 1
 
     def retire(self, data: np.ndarray) -> None:
@@ -257,7 +281,7 @@ class MemoryBackend:
                 if table.capacity_bytes is not None:
                     table.drop_spares(size)
                     while table.num_bytes + size > table.capacity_bytes:
-                        table.drop(next(iter(table.key_to_frame)))
+                        table.drop(table.victim(table.key_to_frame, table.capacity_bytes * RETAIN_FRACTION))
                         table.num_evicted += 1
                 table.insert(key, data)
                 if table.capacity_bytes is not None:
@@ -301,6 +325,27 @@ class MemoryBackend:
             results.append(Status.OK if verify is None or verify(index) else Status.CORRUPT)
         return results
 
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        """Retain each stored key until ``until`` (``hybridkv.store.retention``): ``OK``, or ``NOT_FOUND`` when
+        it is not stored; ``until`` in the past releases it (it then ages as if used now)."""
+        table = self._table
+        now = time.time()
+        results: list[Status] = []
+        with table.lock:
+            for key in keys:
+                if key not in table.key_to_frame:
+                    results.append(Status.NOT_FOUND)
+                    continue
+                if until > now:
+                    table.key_to_until[key] = until
+                else:
+                    table.key_to_until.pop(key, None)
+                table.touch(
+                    key
+                )  # a retained entry ages from now once its retention ends, or from its release
+                results.append(Status.OK)
+        return results
+
     def remove(self, keys: Sequence[str]) -> list[Status]:
         table = self._table
         results: list[Status] = []
@@ -329,6 +374,7 @@ class MemoryBackend:
                     "name": self.name,
                     "num_evicted": table.num_evicted,
                     "spare_bytes": table.spare_bytes,
+                    "num_retained": len(table.key_to_until),
                     **(
                         {
                             "tenants": {

@@ -464,6 +464,9 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
                         f"swa group {g}: window block {i} missing"
                     )
             else:
+                # Always from the store, even when the local hit reaches this block: a recurrent state at
+                # the local hit is never reused past it (what makes divergent local hits exact, where
+                # vLLM's local full-attention hit runs past any local state).
                 state = planned.get((g, cdiv(boundary, span) - 1))
                 assert state is not None and state.key_boundary == boundary, (
                     f"mamba group {g}: no state exactly at {boundary} in block {cdiv(boundary, span) - 1}"

@@ -21,6 +21,8 @@ and whether the key is certainly present. The properties:
 - ``CORRUPT`` only where corruption is allowed or the destination size is wrong; ``TRANSFER_FAILED`` and
   ``TIMEOUT`` only where failures are allowed. A read into a destination of the wrong size is never ``OK``.
 - ``stats()``: when both are known, bytes stay within capacity (plus the values written concurrently).
+- ``retain`` answers like ``exists`` and changes neither what is stored nor what a read returns (a store
+  that cannot retain answers ``TRANSFER_FAILED`` for every key).
 - With ``quotas`` (``hybridkv.store.quotas``; the pool then holds keys of those tenants and of one without a
   quota): each tenant's bytes stay within its quota (plus the values written concurrently); a value at
   least as large as its tenant's quota is refused with ``NO_SPACE``; a put may evict only entries of its
@@ -33,6 +35,7 @@ Every key has a fixed value size (derived from the key), so a size mismatch is n
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from hybridkv.store.base import Status, Store
@@ -191,6 +194,7 @@ def make_store_machine(
             for key, status in zip(batch, statuses, strict=True):  # a later key may evict an earlier one
                 if status is Status.OK:
                     self._after_put(key)
+            self._check_tenants_within_quota()
 
         @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), split=st.booleans())
         def get_into(self, batch: list[str], split: bool) -> None:
@@ -243,6 +247,16 @@ def make_store_machine(
         @rule(batch=st.lists(keys, min_size=1, max_size=6))
         def exists(self, batch: list[str]) -> None:
             self._check_presence("exists", batch, self.store.exists(batch))
+
+        @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), release=st.booleans())
+        def retain(self, batch: list[str], release: bool) -> None:
+            """Retention changes neither presence nor bytes (``hybridkv.store.retention``); a store that
+            cannot retain says ``TRANSFER_FAILED`` for every key."""
+            statuses = self.store.retain(batch, 0.0 if release else time.time() + 600)
+            if not self.store.supports_retention:
+                assert statuses == [Status.TRANSFER_FAILED] * len(batch), f"retain({batch}) -> {statuses}"
+                return
+            self._check_presence("retain", batch, statuses)
 
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
@@ -309,6 +323,7 @@ def make_store_machine(
             destination = bytearray(key_to_size[key])
             [status] = self.store.get_into([key], [destination])
             self._check_read(key, status, bytes(destination))
+            self._check_tenants_within_quota()
 
         @invariant()
         def bytes_within_capacity(self) -> None:
@@ -321,9 +336,10 @@ def make_store_machine(
                 f"{stats.url}: {stats.num_bytes} bytes stored, capacity {stats.capacity_bytes} (+{slack} slack)"
             )
 
-        @precondition(lambda self: bool(tenant_quotas))
-        @invariant()
-        def tenants_within_quota(self) -> None:
+        def _check_tenants_within_quota(self) -> None:
+            """After every put (only a put can grow a tenant): each tenant within its quota."""
+            if not tenant_quotas:
+                return
             tenants = self.store.stats().extra.get("tenants")
             assert isinstance(tenants, dict) and set(tenants) == set(tenant_quotas), (
                 f"{self.store.url}: stats name the tenants {tenants}, the store was opened with {tenant_quotas}"

@@ -103,6 +103,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "put_wave_bytes": _SIZE | st.integers(-5, 2**64),
     "lookup_budget_ms": st.floats(-1, 2 * MAX_DURATION_MS) | st.integers(-5, 2 * MAX_DURATION_MS),
     "verify_checksums": st.booleans(),
+    "divergent_local_hits": st.booleans(),
     "load_mode": st.sampled_from([*LOAD_MODES, "Async", "LAYERWISE", "sync"]),
     "cuda_copy": st.sampled_from([*CUDA_COPY_DIRECTIONS, "Auto", "cuda"]),
     "weights_version": _NAME | st.sampled_from(["v1\n", "v1/step", ""]),
@@ -153,6 +154,7 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert type(cfg.lookup_budget_ms) is float and math.isfinite(cfg.lookup_budget_ms)
     assert 0 < cfg.lookup_budget_ms <= MAX_DURATION_MS
     assert type(cfg.verify_checksums) is bool
+    assert type(cfg.divergent_local_hits) is bool
     assert cfg.load_mode in LOAD_MODES and cfg.cuda_copy in CUDA_COPY_DIRECTIONS
     assert isinstance(cfg.weights_version, str)
     assert cfg.weights_version == "" or NAMESPACE_RE.fullmatch(cfg.weights_version)

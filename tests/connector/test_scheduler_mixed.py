@@ -24,6 +24,7 @@ live (``Cluster.assert_empty``: block pool, connector, audit-log replay).
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,9 +97,16 @@ class Probe:
     """One fresh engine, instrumented: vLLM's own local hit (``raw``), what it hands the connector and the
     external tokens answered (``asks``); every step checks the planned loads against the local hit."""
 
-    def __init__(self, stored: Stored) -> None:
-        self.cl = cl = Cluster(stored.vc, stored.kvc)
+    def __init__(self, stored: Stored, *, divergent_local_hits: bool = False) -> None:
+        vc = stored.vc
+        if divergent_local_hits:
+            vc = copy.deepcopy(vc)
+            extra = vc.kv_transfer_config.kv_connector_extra_config
+            vc.kv_transfer_config.kv_connector_extra_config = {**extra, "divergent_local_hits": True}
+        self.cl = cl = Cluster(vc, stored.kvc)
         self.raw: dict[str, int] = {}
+        #: vLLM's local hit for a connector that opts in to divergent hits: (tokens, whether it diverged)
+        self.raw_for_connector: dict[str, tuple[int, bool]] = {}
         self.asks: list[tuple[str, int, int]] = []
         self.exact: set[str] = set()  # requests whose every prompt slot was checked after the prefill
         self.p_len = 0
@@ -116,8 +124,16 @@ class Probe:
             self.raw[request.request_id] = hit[1]
             return hit
 
+        for_connector = mgr.get_computed_blocks_for_connector
+
+        def recorded_for_connector(request: Any) -> Any:
+            hit = for_connector(request)
+            self.raw_for_connector[request.request_id] = (hit[1], hit[3])
+            return hit
+
         conn.get_num_new_matched_tokens = recorded_ask
         mgr.get_computed_blocks = recorded_local
+        mgr.get_computed_blocks_for_connector = recorded_for_connector
 
     def split(self, rid: str) -> tuple[int, int]:
         """(local tokens handed to the connector, external tokens it answered) at ``rid``'s last ask."""
@@ -182,11 +198,14 @@ def assert_prompt_exact(cl: Cluster, rid: str, n: int) -> None:
 
 
 @contextmanager
-def fresh_engine(stored: Stored, shape: str | None = None) -> Iterator[Probe]:
+def fresh_engine(
+    stored: Stored, shape: str | None = None, *, divergent_local_hits: bool = False
+) -> Iterator[Probe]:
     """A fresh engine (no device cache, same store); with ``shape``, P = X[:SHAPES[shape](S)] has run on it
     first: loaded from the store and finished, its pages left cached and free in vLLM's block pool. On
-    exit X's outputs equal the cold run's and nothing is pinned or live (the audit log replays clean)."""
-    probe = Probe(stored)
+    exit X's outputs equal the cold run's and nothing is pinned or live (the audit log replays clean).
+    ``divergent_local_hits``: the connector's ``kv_connector_extra_config`` switch of that name."""
+    probe = Probe(stored, divergent_local_hits=divergent_local_hits)
     cl = probe.cl
     try:
         if shape is not None:
@@ -231,6 +250,68 @@ def test_divergent_local_prefix_is_exact(stored: Stored, where: str) -> None:
         assert probe.raw["x"] <= d - d % cl.hash_unit  # vLLM's local hit never crosses the divergence
         assert local + ext == served_boundary(cl, PROMPT) and ext > 0, (local, ext)
         assert cl.loads_checked["x"] == local + ext
+
+
+@pytest.mark.parametrize("where", list(DIVERGE))
+def test_divergent_local_hit_is_completed_from_the_store(stored: Stored, where: str) -> None:
+    """``divergent_local_hits``: after P + R, vLLM keeps X's full-attention local hit although the Mamba
+    state at its end is not local; the connector loads only the tokens past it and the Mamba state at X's
+    served boundary, and every slot and state is exact. (With a sliding-window group the switch stays off:
+    vLLM reports the boundary every group agrees on, as without it.)"""
+    with fresh_engine(stored, divergent_local_hits=True) as probe:
+        cl = probe.cl
+        d = DIVERGE[where](cl.sched.block_size)
+        kinds = {g.kind for g in cl.geo.groups}
+        opted_in = GroupKind.SLIDING_WINDOW not in kinds
+        assert cl.sched.connector.supports_divergent_local_hybrid_hits is opted_in
+        probe.run("pr", divergent(stored.x, d))
+        probe.run("x", stored.x)
+        local, ext = probe.split("x")
+        H = served_boundary(cl, PROMPT)
+        assert local + ext == H and ext > 0, (local, ext)
+        assert cl.loads_checked["x"] == H
+        if not opted_in:
+            assert "x" not in probe.raw_for_connector
+            return
+        num_local, diverged = probe.raw_for_connector["x"]
+        # vLLM hands the connector a scheduler-block cut of its hit, which never crosses the divergence.
+        assert num_local <= d and local == num_local - num_local % cl.sched.block_size, (num_local, local, d)
+        if cl.dcp == 1 and where == "mid-unit":
+            # full + Mamba: the full-attention hit (80) runs past the last Mamba state P + R left locally
+            # (64): without the switch vLLM would hand over 64; with it, 80's cut (64) and the load brings
+            # the Mamba state at X's served boundary. (Under DCP the Mamba group, block 16, holds a state
+            # past the full-attention hit, and vLLM reconciles as without the switch.)
+            assert diverged and local > 0, (num_local, local)
+
+
+def test_resident_full_attention_prefix_is_reused_without_its_mamba_state(stored: Stored) -> None:
+    """P's pages stay local but its Mamba state is evicted (block pressure): vLLM's reconciled hit is 0, so
+    without ``divergent_local_hits`` the store serves X's whole prefix; with it vLLM keeps P's
+    full-attention pages and the store serves only the rest plus the Mamba state. Exact both ways."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    splits: dict[bool, tuple[int, int]] = {}
+    for switch in (False, True):
+        with fresh_engine(stored, "2blk+tail", divergent_local_hits=switch) as probe:
+            cl = probe.cl
+            mamba = [g.vllm_group_index for g in cl.geo.groups if g.kind is GroupKind.MAMBA]
+            assert cl.sched.connector.supports_divergent_local_hybrid_hits is (switch and bool(mamba))
+            if mamba:
+                states = {
+                    b.block_id
+                    for b in cl.pool.blocks
+                    if b.block_hash is not None and get_group_id(b.block_hash) in mamba
+                }
+                assert states, "P left no Mamba state to evict"
+                cl.pool.evict_blocks(states)
+            probe.run("x", stored.x)
+            splits[switch] = probe.split("x")
+            assert cl.loads_checked["x"] == served_boundary(cl, PROMPT)
+    if not mamba:
+        return  # full + sliding window: the switch stays off, both runs are the plain mixed hit
+    (local_off, ext_off), (local_on, ext_on) = splits[False], splits[True]
+    assert local_off == 0 and local_on > 0, splits
+    assert local_off + ext_off == local_on + ext_on, splits
 
 
 def test_a_failed_external_block_keeps_the_local_hit_and_stays_exact(stored: Stored) -> None:

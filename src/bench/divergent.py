@@ -1,0 +1,200 @@
+"""Divergent local hits on real engines, with the connector's ``divergent_local_hits`` off and on (``hybridkv
+bench divergent``), as pure functions returning dicts.
+
+The scenario is a conversation that branched: X = P + Q was served and stored (by this engine or another one
+sharing the store); then the local cache served P + R, a branch leaving X after P (an edited turn, a
+sub-agent's fork). Now X comes back. vLLM's local cache holds P's full-attention pages, but a recurrent
+model's state only at P + R's end. With the switch off vLLM reports the boundary every group agrees on --
+0 here -- and the store serves X's whole prefix; with it on vLLM keeps P's pages and the store serves only
+the rest plus the state at X's boundary. Both resume at the same boundary, so they compute the same tokens:
+what the switch saves is the load (tokens and bytes moved from the store, and the time to first token
+they cost).
+
+Per configuration one in-process engine (a tiny random-weight model of ``family``) runs ``num_scenarios``
+scenarios with fresh tokens each; rounds alternate which configuration runs first. Reported per
+configuration: for the returning X, the local and external hit tokens, the tokens it computes, the load's
+bytes, its time to first token (one greedy token, wall clock), medians with [min, max] over every
+scenario of every round; ratios (on / off) are taken per round, then their median and spread; and whether
+X's tokens equal its cold run's in every scenario (they must).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridkv.bench.report import target_row
+from hybridkv.devkit import vllm_harness
+from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.ops import inprocess
+
+__all__ = ["CONFIGURATIONS", "DIVERGENT_COLUMNS", "run_divergent_bench"]
+
+#: configuration name -> the ``divergent_local_hits`` switch
+CONFIGURATIONS: dict[str, bool] = {"switch off": False, "switch on": True}
+
+DIVERGENT_COLUMNS = [
+    "configuration",
+    "local_tokens",
+    "external_tokens",
+    "computed_tokens",
+    "loaded_mib",
+    "ttft_ms",
+    "ttft_ms_spread",
+    "loaded_ratio",
+    "ttft_ratio",
+    "ttft_ratio_spread",
+    "identical",
+]
+
+
+def _prompt(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(num_tokens)]
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"[{min(values):.3g}, {max(values):.3g}]"
+
+
+def _scenario(llm: Any, scheduler_stats: Any, worker_stats: Any, seed: int, block: int) -> dict[str, Any]:
+    """One branched conversation on ``llm``: X cold (stored), the local cache dropped, P + R served, X again.
+    The figures of X's return (hit tokens are the scheduler's count, loaded bytes the worker's)."""
+
+    def hit_tokens() -> int:
+        return int(scheduler_stats.totals.get("hit_tokens", 0))
+
+    def loaded_bytes() -> int:
+        return int(worker_stats.totals.get("load_bytes", 0))
+
+    p = _prompt(2 * block + 4, seed)
+    q = _prompt(2 * block + 44, seed + 1)
+    r = _prompt(2 * block + 44, seed + 2)
+    x = p + q
+    cold = list(vllm_harness.greedy(llm, x, 1).outputs[0].token_ids)
+    vllm_harness.settle(llm)
+    vllm_harness.drop_local_cache(llm)
+    vllm_harness.greedy(llm, p + r, 1)
+    vllm_harness.settle(llm)
+    before_hits, before_bytes = hit_tokens(), loaded_bytes()
+    started = time.perf_counter()
+    out = vllm_harness.greedy(llm, x, 1)
+    ttft_s = time.perf_counter() - started
+    num_cached = int(out.num_cached_tokens or 0)
+    num_external = hit_tokens() - before_hits
+    vllm_harness.settle(llm)
+    return {
+        "local_tokens": num_cached - num_external,
+        "external_tokens": num_external,
+        "computed_tokens": len(x) - num_cached,
+        "loaded_bytes": loaded_bytes() - before_bytes,
+        "ttft_s": ttft_s,
+        "identical": list(out.outputs[0].token_ids) == cold,
+    }
+
+
+def _run_configuration(
+    model_dir: Path, store_dir: Path, switch: bool, seeds: Sequence[int], block: int
+) -> list[dict[str, Any]]:
+    extra = {"store": f"file://{store_dir}?capacity=1GiB", "divergent_local_hits": switch}
+    transfer = inprocess.connector_transfer_config(extra)
+    with inprocess.inprocess_engine(model_dir, transfer) as llm:
+        scheduler_half, worker_half = inprocess.connector_halves(llm)
+        scheduler_stats = scheduler_half.scheduler_side.stats
+        worker_stats = worker_half.worker_side.stats
+        return [_scenario(llm, scheduler_stats, worker_stats, seed, block) for seed in seeds]
+
+
+def run_divergent_bench(
+    *,
+    family: str = "qwen3_next",
+    num_rounds: int = 3,
+    num_scenarios: int = 4,
+    models_dir: Path = DEFAULT_MODELS_DIR,
+    scratch_dir: str | None = None,
+    progress: Callable[[str], None] = lambda _line: None,
+) -> dict[str, Any]:
+    """Run the bench (see the module docstring); the report dict (``rows``, ``rounds``, ``targets``, setup)."""
+    assert num_rounds >= 1 and num_scenarios >= 1, f"rounds {num_rounds}, scenarios {num_scenarios}"
+    inprocess.prepare_inprocess_environment(quiet=True)
+    model_dir = build_tiny_model(family, models_dir)
+    block = 128  # the tiny families' block (full attention and state alike)
+    names = list(CONFIGURATIONS)
+    name_to_scenarios: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    rounds: list[dict[str, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory(prefix="hybridkv-divergent-", dir=scratch_dir) as scratch:
+        for round_index in range(num_rounds):
+            order = names if round_index % 2 == 0 else names[::-1]
+            seeds = [1000 * round_index + 10 * k for k in range(num_scenarios)]
+            per_round: dict[str, dict[str, float]] = {}
+            for name in order:
+                store_dir = Path(scratch) / f"r{round_index}-{names.index(name)}"
+                scenarios = _run_configuration(model_dir, store_dir, CONFIGURATIONS[name], seeds, block)
+                name_to_scenarios[name].extend(scenarios)
+                per_round[name] = {
+                    "loaded_bytes": statistics.median(s["loaded_bytes"] for s in scenarios),
+                    "ttft_s": statistics.median(s["ttft_s"] for s in scenarios),
+                }
+                progress(
+                    f"round {round_index + 1}/{num_rounds} {name}: "
+                    f"ttft {1e3 * per_round[name]['ttft_s']:.1f} ms, "
+                    f"loaded {per_round[name]['loaded_bytes'] / 2**20:.2f} MiB"
+                )
+            rounds.append(per_round)
+    rows = []
+    for name in names:
+        scenarios = name_to_scenarios[name]
+        ttfts_ms = [1e3 * s["ttft_s"] for s in scenarios]
+        row: dict[str, Any] = {
+            "configuration": name,
+            "local_tokens": statistics.median(s["local_tokens"] for s in scenarios),
+            "external_tokens": statistics.median(s["external_tokens"] for s in scenarios),
+            "computed_tokens": statistics.median(s["computed_tokens"] for s in scenarios),
+            "loaded_mib": round(statistics.median(s["loaded_bytes"] for s in scenarios) / 2**20, 3),
+            "ttft_ms": round(statistics.median(ttfts_ms), 2),
+            "ttft_ms_spread": _spread(ttfts_ms),
+            "identical": f"{sum(s['identical'] for s in scenarios)}/{len(scenarios)}",
+        }
+        if name != names[0]:
+            loaded = [
+                r[name]["loaded_bytes"] / r[names[0]]["loaded_bytes"]
+                for r in rounds
+                if r[names[0]]["loaded_bytes"]
+            ]
+            ttft = [r[name]["ttft_s"] / r[names[0]]["ttft_s"] for r in rounds]
+            row["loaded_ratio"] = round(statistics.median(loaded), 3) if loaded else None
+            row["ttft_ratio"] = round(statistics.median(ttft), 3)
+            row["ttft_ratio_spread"] = _spread(ttft)
+        rows.append(row)
+    on, off = rows[1], rows[0]
+    num_scenarios_total = num_rounds * num_scenarios
+    targets = [
+        target_row(
+            "X's tokens identical to its cold run, both configurations",
+            sum(int(row["identical"].split("/")[0]) for row in rows),
+            "==",
+            2 * num_scenarios_total,
+        ),
+        target_row("switch on: local tokens kept (median)", on["local_tokens"], ">=", block),
+        target_row(
+            "switch on: tokens computed (median) vs switch off",
+            on["computed_tokens"],
+            "<=",
+            off["computed_tokens"],
+        ),
+        target_row("switch on: loaded bytes vs switch off (ratio)", on["loaded_ratio"], "<=", 0.9),
+    ]
+    return {
+        "family": family,
+        "num_rounds": num_rounds,
+        "num_scenarios": num_scenarios,
+        "block": block,
+        "rows": rows,
+        "rounds": rounds,
+        "targets": targets,
+    }
