@@ -126,8 +126,8 @@ class Probe:
 
         for_connector = mgr.get_computed_blocks_for_connector
 
-        def recorded_for_connector(request: Any) -> Any:
-            hit = for_connector(request)
+        def recorded_for_connector(request: Any, *args: Any, **kwargs: Any) -> Any:
+            hit = for_connector(request, *args, **kwargs)  # vLLM 0.33 passes more arguments than 0.32
             self.raw_for_connector[request.request_id] = (hit[1], hit[3])
             return hit
 
