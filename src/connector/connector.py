@@ -16,6 +16,8 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata
 from hybridkv.connector.stats import HybridStoreStats, build_stats
+from hybridkv.lifecycle.geometry import Geometry
+from hybridkv.lifecycle.kinds import GroupKind
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -65,6 +67,15 @@ def hit_source(store: str) -> CacheHitSource:
     }[store_kind(store).tier]
 
 
+def divergent_local_hits_safe(geometry: Geometry) -> bool:
+    """Whether vLLM's divergent local hits can be completed exactly on ``geometry``: full attention and
+    recurrent groups only. vLLM reports the full-attention group's local hit; a recurrent group needs just
+    its state at the loaded boundary, but a sliding-window group that lags locally would need window blocks
+    below the local hit that no load restores."""
+    kinds = {group.kind for group in geometry.groups}
+    return kinds == {GroupKind.FULL, GroupKind.MAMBA}
+
+
 class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """External prefix cache that stays exact for hybrid models (full / sliding window / Mamba groups)."""
 
@@ -103,6 +114,16 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.config)
         self._source = hit_source(self.config.store)
+        self._divergent_local_hits = False
+        if self.config.divergent_local_hits and self._sched is not None:
+            geometry = self._sched.geo.geometry
+            self._divergent_local_hits = divergent_local_hits_safe(geometry)
+            if not self._divergent_local_hits:
+                log.warning(
+                    ConnectorLogEvent.DIVERGENT_LOCAL_HITS_OFF,
+                    group_kinds=sorted({group.kind.value for group in geometry.groups}),
+                    reason="needs full-attention and recurrent groups only (no sliding window)",
+                )
         #: breaker state last exported as a gauge (None: never exported)
         self._breaker_reported: bool | None = None
         self._settle_lock = threading.Lock()
@@ -110,6 +131,14 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a preempted request just recomputes
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """With ``divergent_local_hits`` on a full-attention + recurrent model: vLLM may hand the connector a
+        local full-attention hit whose recurrent state at that depth is not local. The lookup answers only
+        boundaries past that hit, and every load restores each recurrent group's state at its own boundary
+        (never one at the local hit), so the request resumes on a state loaded for its boundary."""
+        return self._divergent_local_hits
 
     @property
     def scheduler_side(self) -> SchedulerSide:

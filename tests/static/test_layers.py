@@ -49,6 +49,10 @@ ALLOWED: dict[str, set[str]] = {
 #: tooling, lazily, when that command runs. (CLI module, function) -> the tooling modules it imports.
 CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
     ("hybridkv.cli.agentic_cmds", "handle_agentic"): {"hybridkv.bench.agentic", "hybridkv.bench.report"},
+    ("hybridkv.cli.divergent_cmds", "handle_divergent"): {
+        "hybridkv.bench.divergent",
+        "hybridkv.bench.report",
+    },
     ("hybridkv.cli.datapath_cmds", "handle_bench"): {"hybridkv.bench.datapath"},
     ("hybridkv.cli.demo_cmds", "handler"): {"hybridkv.demo", "hybridkv.bench.report"},
     ("hybridkv.cli.lifecycle_cmds", "_bench"): {"hybridkv.bench.lifecycle", "hybridkv.bench.report"},
