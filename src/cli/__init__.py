@@ -36,6 +36,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.mooncake_cmds",
     "hybridkv.cli.agentic_cmds",
     "hybridkv.cli.divergent_cmds",
+    "hybridkv.cli.soak_cmds",
 )
 
 

@@ -15,9 +15,8 @@ import structlog
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata
-from hybridkv.connector.stats import HybridStoreStats, build_stats
+from hybridkv.connector.stats import HybridStoreStats, build_stats, with_gauges
 from hybridkv.lifecycle.geometry import Geometry
-from hybridkv.lifecycle.kinds import GroupKind
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -68,12 +67,10 @@ def hit_source(store: str) -> CacheHitSource:
 
 
 def divergent_local_hits_safe(geometry: Geometry) -> bool:
-    """Whether vLLM's divergent local hits can be completed exactly on ``geometry``: full attention and
-    recurrent groups only. vLLM reports the full-attention group's local hit; a recurrent group needs just
-    its state at the loaded boundary, but a sliding-window group that lags locally would need window blocks
-    below the local hit that no load restores."""
-    kinds = {group.kind for group in geometry.groups}
-    return kinds == {GroupKind.FULL, GroupKind.MAMBA}
+    """Whether vLLM's divergent local hits can be completed exactly on ``geometry``: the rules of every
+    group say so (``KindRules.exact_under_divergent_local_hits``: full attention and recurrent groups, not a
+    sliding window). vLLM uses them only on models with a recurrent group."""
+    return all(group.rules.exact_under_divergent_local_hits for group in geometry.groups)
 
 
 class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -124,8 +121,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     group_kinds=sorted({group.kind.value for group in geometry.groups}),
                     reason="needs full-attention and recurrent groups only (no sliding window)",
                 )
-        #: breaker state last exported as a gauge (None: never exported)
-        self._breaker_reported: bool | None = None
+        #: the scheduler's gauges as last exported (a gauge missing: never exported)
+        self._gauges_reported: dict[str, int] = {}
         self._settle_lock = threading.Lock()
 
     @property
@@ -217,17 +214,15 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> HybridStoreStats | None:
         if self._worker is not None:
-            return self._worker.stats.take()
+            # Every rank sends its gauges each step: aggregated over ranks by max (stats.PER_RANK_GAUGES).
+            return with_gauges(self._worker.stats.take(), self._worker.gauges())
         if self._sched is None:
             return None
-        stats = self._sched.stats.take()
-        # The breaker is a state, not a counter: exported (as 0 or 1) whenever it changed.
-        open_now = self.breaker_open()
-        if open_now != self._breaker_reported:
-            self._breaker_reported = open_now
-            stats = stats if stats is not None else build_stats(None)
-            stats.data["breaker_open"] = int(open_now)
-        return stats
+        # The scheduler's gauges (the breaker as 0 or 1, what it holds) are exported whenever they changed.
+        now = {"breaker_open": int(self.breaker_open()), **self._sched.gauges()}
+        changed = {name: value for name, value in now.items() if self._gauges_reported.get(name) != value}
+        self._gauges_reported.update(changed)
+        return with_gauges(self._sched.stats.take(), changed)
 
     def breaker_open(self) -> bool:
         """Whether the scheduler's lookup circuit breaker is open now (lookups answer "miss")."""

@@ -41,6 +41,12 @@ log = structlog.get_logger(__name__)
 #: costs only this request (other requests are scheduled meanwhile).
 _MAX_WAIT_BUDGETS = 20
 _MIN_WAIT_S = 5.0
+#: Asks of one answered hit that vLLM may leave unallocated before the connector refuses it (``REFUSED``:
+#: the request then computes its prefix). vLLM asks a waiting request again every step; a hit it cannot
+#: allocate for that long may never fit: vLLM 0.32 keeps a request whose async load failed among its
+#: in-flight prefills, so the retry's load must fit beside that request's own phantom reservation, which a
+#: small KV cache never frees. Under load a hit waits tens of steps at most before it fits.
+MAX_UNALLOCATED_ASKS = 256
 
 
 class LookupAnswers:
@@ -124,13 +130,23 @@ class LookupAnswers:
             and not self.gate.closed
         ):
             boundary = r.memo[1]
+            if lc.current is State.PARTIAL_HIT and boundary > num_computed_tokens:
+                r.num_unallocated_asks += 1
+                if r.num_unallocated_asks > MAX_UNALLOCATED_ASKS:
+                    reason = f"vLLM did not allocate the hit in {MAX_UNALLOCATED_ASKS} asks"
+                    self.stats.add("hit_declined")
+                    log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
+                    r.memo = None
+                    r.abandon_search()
+                    lc.refuse(reason)
+                    return 0, False
         else:
             answer = self._answer(r, inputs)
             if answer is None:
                 return None, False
             boundary = answer
             self.stats.add("lookups")
-            r.memo = (inputs, boundary)
+            r.memo, r.num_unallocated_asks = (inputs, boundary), 0
             if lc.current is State.PARTIAL_HIT:
                 self.stats.add("lookup_hits")
         ext = boundary - num_computed_tokens
@@ -176,6 +192,8 @@ class LookupAnswers:
             # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
             if r.known and search.next_keys() is None:
                 assert search.result is not None
+                if search.num_inconsistent_guesses:
+                    self.stats.add("lookup_inconsistent_facts", search.num_inconsistent_guesses)
                 return lc.finish_search(search.result).boundary
             if not self.store_usable():
                 return self._unavailable(r, "store unavailable (circuit open or a store call hung)")

@@ -101,6 +101,8 @@ class Quarantine:
         self.num_refusals = 0
         #: store calls that answered before returning and kept their buffers quarantined (tests, debugging)
         self.num_late_calls = 0
+        #: of those, the calls that have not returned yet
+        self._num_calls_pending = 0
 
     def hold_until_returned(self, owned: LateOwnership, then: Callable[[], None]) -> None:
         """Once every call in ``owned`` really returned (on the thread of the last one): release its
@@ -109,6 +111,7 @@ class Quarantine:
         assert owned.calls, "Quarantine.hold_until_returned: no late call (report the job at once instead)"
         with self._returned:
             self.num_late_calls += len(owned.calls)
+            self._num_calls_pending += len(owned.calls)
             self._num_batches += len(owned.batches)
             if owned.owns_kv_pages:
                 self._num_kv_jobs += 1
@@ -116,6 +119,8 @@ class Quarantine:
         count_lock = threading.Lock()
 
         def returned(_call: Future[object]) -> None:
+            with self._returned:
+                self._num_calls_pending -= 1
             with count_lock:
                 num_left[0] -= 1
                 if num_left[0]:
@@ -133,6 +138,12 @@ class Quarantine:
 
         for call in owned.calls:
             call.add_done_callback(returned)
+
+    @property
+    def num_calls_pending(self) -> int:
+        """Late store calls that have not returned yet."""
+        with self._returned:
+            return self._num_calls_pending
 
     def refuses_new_batch(self) -> bool:
         """Host path: whether a new private batch must be refused (too many held by late calls); counts the

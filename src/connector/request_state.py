@@ -46,6 +46,8 @@ class RequestState:
     saves: RequestSaves
     #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
     memo: tuple[LookupInputs, int] | None = None
+    #: asks answered from ``memo`` with a hit vLLM has not allocated (``LookupAnswers``' watchdog)
+    num_unallocated_asks: int = 0
     #: existence facts (key -> present) gathered by this incarnation's searches
     known: dict[str, bool] = field(default_factory=dict)
     #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
@@ -67,9 +69,12 @@ class RequestState:
         return self.load.boundary if self.load is not None else 0
 
     def abandon_search(self) -> None:
-        """Stop the search in flight (a queued one never runs; a running one's answer is ignored)."""
+        """Stop the search in flight (a queued one never runs; a running one's answer is ignored). The facts
+        stay, but not shared with a task still running: it writes its answers into the old dict from the
+        lookup thread, and a search on the scheduler thread must not see facts change under it."""
         if self.task is not None:
             self.task.cancelled = True
+            self.known = dict(self.known)  # whether or not it has finished: a copy costs little
         self.task, self.search, self.search_inputs, self.waiting_since = None, None, None, None
 
     def forget_facts(self, reason: str) -> None:

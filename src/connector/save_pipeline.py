@@ -69,6 +69,12 @@ class SavePipeline:
         self._thread = threading.Thread(target=self._loop, name="hybridkv-save", daemon=True)
         self._thread.start()
 
+    @property
+    def num_inflight_bytes(self) -> int:
+        """Bytes of the jobs admitted and not yet ended (written or failed, and reported)."""
+        with self._lock:
+            return self._num_inflight_bytes
+
     # ------------------------------------------------------------------ engine thread
     def submit(self, scheme: KeyScheme, jobs: list[SaveJob], *, admit: bool = True) -> None:
         """Queue ``jobs`` within the in-flight budget; a job beyond it, or every job when not ``admit``

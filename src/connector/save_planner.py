@@ -342,6 +342,11 @@ class SavePlanner:
         """Whether a job is unsent or not yet finished by every rank (its pins are held)."""
         return bool(self._jobs) or bool(self._unsent)
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks pinned by the jobs not yet finished by every rank (unsent ones included)."""
+        return sum(len(j.pinned) for j in self._jobs.values())
+
     def wave(self, job_id: int) -> SaveWave | None:
         """The lifecycle wave of an unfinished job (inspection)."""
         j = self._jobs.get(job_id)

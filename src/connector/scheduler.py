@@ -447,6 +447,18 @@ class SchedulerSide:
         """The requests this half follows (from ``on_new_request`` until ``request_finished``)."""
         return list(self._reqs)
 
+    def gauges(self) -> dict[str, int]:
+        """What this half holds now (``stats.GAUGES``): requests followed, blocks pinned by save jobs, audit
+        records not yet written."""
+        # Only the JSON-lines sink queues (another sink hands records on synchronously).
+        audit = self.audit
+        num_queued = audit.stats()["num_queued"] if isinstance(audit, JsonLinesAuditSink) else 0
+        return {
+            "tracked_requests": len(self._reqs),
+            "pinned_blocks": self.saves.num_pinned_blocks,
+            "audit_queued_records": num_queued,
+        }
+
     def is_idle(self) -> bool:
         """No tracked request, no load job waiting to be sent, no save job unsent or in flight."""
         return not self._reqs and not self._pending_loads and not self.saves.has_work()

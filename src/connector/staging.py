@@ -208,6 +208,7 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._idle: list[HostBuffer] = []  # by capacity, ascending
         self._pooled_bytes = 0  # capacity of the pooled buffers, idle or out
+        self._num_bytes_out = 0  # capacity of the buffers out (pooled, one-off, forfeited), not released
         #: pooled buffers allocated (each pre-faulted once), one-off buffers, acquires served by an idle
         #: buffer, buffers forfeited to late calls, idle buffers dropped to make room
         self.num_allocated = 0
@@ -226,6 +227,13 @@ class HostBufferPool:
         with self._lock:
             return len(self._idle)
 
+    @property
+    def num_bytes_out(self) -> int:
+        """Capacity of the buffers handed out and not yet released: pooled, one-off, and forfeited ones a
+        late call still holds."""
+        with self._lock:
+            return self._num_bytes_out
+
     def acquire(self, nbytes: int) -> HostBuffer:
         """A buffer of at least ``nbytes`` that no store call uses (never waits)."""
         capacity = host_buffer_capacity(nbytes)
@@ -235,6 +243,7 @@ class HostBufferPool:
                     del self._idle[i]
                     idle._state = "out"
                     self.num_reused += 1
+                    self._num_bytes_out += idle.capacity
                     return idle
             while self._idle and self._pooled_bytes + capacity > self.budget_bytes:
                 self._pooled_bytes -= self._idle.pop(0).capacity
@@ -247,15 +256,19 @@ class HostBufferPool:
                 self.num_one_off += 1
         try:
             if not pooled:
-                return HostBuffer(self, np.empty(nbytes, dtype=np.uint8), pooled=False)
-            array = np.empty(capacity, dtype=np.uint8)
-            array.fill(0)  # touch every page now, once, rather than under each store call
-            return HostBuffer(self, array, pooled=True)
+                buffer = HostBuffer(self, np.empty(nbytes, dtype=np.uint8), pooled=False)
+            else:
+                array = np.empty(capacity, dtype=np.uint8)
+                array.fill(0)  # touch every page now, once, rather than under each store call
+                buffer = HostBuffer(self, array, pooled=True)
         except BaseException:
             if pooled:
                 with self._lock:
                     self._pooled_bytes -= capacity
             raise
+        with self._lock:
+            self._num_bytes_out += buffer.capacity
+        return buffer
 
     def _release(self, buffer: HostBuffer) -> None:
         with self._lock:
@@ -263,6 +276,7 @@ class HostBufferPool:
                 return
             keep = buffer._state == "out" and buffer._pooled
             buffer._state = "released"
+            self._num_bytes_out -= buffer.capacity
             if keep:
                 sizes = [b.capacity for b in self._idle]
                 self._idle.insert(bisect.bisect_right(sizes, buffer.capacity), buffer)

@@ -1,14 +1,20 @@
 """Connector counters, carried through vLLM's ``KVConnectorStats`` (rebuildable from a plain dict).
 
-All values are counters since the previous collection; ``aggregate`` sums them (scheduler + every worker).
-The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states, e.g. ``breaker_open``: 0 or 1, sent by
-the scheduler whenever the lookup circuit breaker changed state) and the per-store-group counter
-``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``). ``add`` refuses any other name, so these tables are the
-whole vocabulary (``docs/metrics.md`` lists them).
+All counter values are counts since the previous collection; ``aggregate`` sums them (scheduler + every
+worker). The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states and what the connector holds
+now) and the per-store-group counter ``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``). ``add`` refuses any
+other name, so these tables are the whole vocabulary (``docs/metrics.md`` lists them).
+
+Gauges come in two kinds. The scheduler's (``breaker_open``, ``tracked_requests``, ``pinned_blocks``,
+``audit_queued_records``) are sent whenever their value changed, and the latest report wins. The workers'
+(``PER_RANK_GAUGES``: ``save_inflight_bytes``, ``staging_bytes_out``, ``late_calls_pending``) are sent by every
+rank with each step's stats, and ``aggregate`` keeps the largest: the busiest rank's value in ``/metrics``, the
+peak of the interval in vLLM's periodic log line. Both refresh at engine steps: an idle engine shows the
+values of its last step.
 
 Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
-``loaded_blocks.g<N>`` as ``vllm:hybridkv_group_loaded_blocks_total{group="N"}``, the gauge as
-``vllm:hybridkv_breaker_open``; all with vLLM's per-engine labels.
+``loaded_blocks.g<N>`` as ``vllm:hybridkv_group_loaded_blocks_total{group="N"}``, each gauge as
+``vllm:hybridkv_<name>``; all with vLLM's per-engine labels.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ class HybridStoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> HybridStoreStats:
         for k, v in other.data.items():
-            if k in GAUGES:
-                self.data[k] = v  # a state: the latest report wins (only the scheduler sends gauges)
+            if k in PER_RANK_GAUGES:
+                self.data[k] = max(self.data.get(k, v), v)  # the busiest rank (or the interval's peak)
+            elif k in GAUGES:
+                self.data[k] = v  # a scheduler state: the latest report wins
             elif isinstance(v, (int, float)):
                 self.data[k] = self.data.get(k, 0) + v
         return self
@@ -87,6 +95,17 @@ def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
     return HybridStoreStats(data=dict(data or {}))
 
 
+def with_gauges(stats: HybridStoreStats | None, gauges: dict[str, int]) -> HybridStoreStats | None:
+    """``stats`` with the gauge values ``gauges`` set (a new stats object when ``stats`` is None); ``stats``
+    as it is when ``gauges`` is empty."""
+    if not gauges:
+        return stats
+    assert all(name in GAUGES for name in gauges), f"not in GAUGES: {sorted(set(gauges) - set(GAUGES))}"
+    out = stats if stats is not None else build_stats(None)
+    out.data.update(gauges)
+    return out
+
+
 #: The per-store-group counter: ``loaded_blocks.g<N>`` counts the blocks of store group ``N`` that verified
 #: loads restored (a full-attention group restores a block per ``block_size`` tokens of the hit, a Mamba group
 #: one state, a sliding-window group only the blocks of its window), counted once per request at the verdict.
@@ -98,7 +117,34 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:hybridkv_breaker_open",
         "1 while the lookup circuit breaker is open (lookups answer miss), else 0.",
     ),
+    "tracked_requests": (
+        "vllm:hybridkv_tracked_requests",
+        "Requests the connector's scheduler half follows (from arrival until finished or aborted).",
+    ),
+    "pinned_blocks": (
+        "vllm:hybridkv_pinned_blocks",
+        "KV blocks pinned as the sources of save jobs not yet finished by every rank.",
+    ),
+    "audit_queued_records": (
+        "vllm:hybridkv_audit_queued_records",
+        "Audit records queued and not yet written (0 without an audit log).",
+    ),
+    "save_inflight_bytes": (
+        "vllm:hybridkv_save_inflight_bytes",
+        "Bytes of save jobs admitted and not yet written and reported (largest rank).",
+    ),
+    "staging_bytes_out": (
+        "vllm:hybridkv_staging_bytes_out",
+        "Host staging bytes out to transfers or held by late store calls (largest rank).",
+    ),
+    "late_calls_pending": (
+        "vllm:hybridkv_late_calls_pending",
+        "Store calls that answered TIMEOUT and have not returned yet (largest rank).",
+    ),
 }
+#: The workers' gauges (of ``GAUGES``): every rank sends them with each step's stats; ``aggregate`` keeps
+#: the largest.
+PER_RANK_GAUGES = frozenset({"save_inflight_bytes", "staging_bytes_out", "late_calls_pending"})
 
 #: counter name in the stats dict -> (Prometheus metric name, help)
 PROM_COUNTERS: dict[str, tuple[str, str]] = {
@@ -114,6 +160,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
     "lookup_errors": (
         "vllm:hybridkv_lookup_errors",
         "Lookups the store failed or ran over budget (circuit opened).",
+    ),
+    "lookup_inconsistent_facts": (
+        "vllm:hybridkv_lookup_inconsistent_facts",
+        "Lookups answered from exact facts alone because facts changed under the search (should stay 0).",
     ),
     "truncations": (
         "vllm:hybridkv_truncations",

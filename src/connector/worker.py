@@ -146,6 +146,19 @@ class WorkerSide:
         """Store calls that answered before returning and kept their buffers quarantined."""
         return self._quarantine.num_late_calls
 
+    def gauges(self) -> dict[str, int]:
+        """This rank's gauges (``stats.PER_RANK_GAUGES``): save bytes in flight, staging bytes out (pinned
+        slabs and private host buffers, late calls' included), late store calls not yet returned."""
+        ctx = self._ctx
+        staging_bytes_out = ctx.host_buffers.num_bytes_out
+        if ctx.staging is not None:
+            staging_bytes_out += ctx.staging.pool.in_use * ctx.staging.pool.slab_bytes
+        return {
+            "save_inflight_bytes": self._saves.num_inflight_bytes,
+            "staging_bytes_out": staging_bytes_out,
+            "late_calls_pending": self._quarantine.num_calls_pending,
+        }
+
     @property
     def num_tail_snapshots(self) -> int:
         """Open full-attention tails copied in ``wait_for_save`` (host path)."""

@@ -152,6 +152,12 @@ class KindRules(abc.ABC):
     #: Blocks are saved as the request's positions fill them. False: entries are saved only at the
     #: hand-off boundaries vLLM reports (Mamba states).
     positional_saves: ClassVar[bool] = True
+    #: A group of this kind is exact under vLLM's divergent local hits, where the local hit is the
+    #: full-attention group's and other groups may lag behind it locally: full attention (the hit is its
+    #: own) and a recurrent state (restored from the store at the loaded boundary, never reused from the
+    #: local hit) are; a sliding window is not (a lagging window needs blocks below the local hit, which
+    #: no load writes).
+    exact_under_divergent_local_hits: ClassVar[bool] = True
     #: A block may be stored under an interior hash boundary (a prompt tail) while later steps still
     #: append to it: a save snapshots it, and a state saved inside such a block needs its tail saved.
     stores_partial_tails: ClassVar[bool] = False
@@ -306,6 +312,7 @@ class SlidingWindowRules(KindRules):
     # vLLM: DCP > 1 with hybrid layouts allows only full attention (incl. MLA) and Mamba.
     supports_dcp = False
     fine_grained_lookup = False
+    exact_under_divergent_local_hits = False
 
     def validate(self, spec: GroupSpec) -> None:
         assert spec.sliding_window is not None and spec.sliding_window > 0, (

@@ -261,13 +261,18 @@ class MooncakeBackend:
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         key_list = list(keys)
-        _nonempty, addresses, sizes = _scatter_gather(frames)
+        nonempty, addresses, sizes = _scatter_gather(frames)
+        # The closure references the parts, not only their addresses: an abandoned call goes on reading them
+        # after this returns, and the header parts are FramedStore's, which nothing else keeps alive -- freed,
+        # their memory would be reused and the late transfer would store other bytes as the header.
         codes = self._guarded(
             "put",
             len(key_list),
-            lambda: self._store.batch_put_from_multi_buffers(key_list, addresses, sizes, self._config),
+            lambda: (
+                nonempty,
+                self._store.batch_put_from_multi_buffers(key_list, addresses, sizes, self._config),
+            )[1],
         )
-        # `frames` stays referenced until here; an abandoned call's closure keeps it alive beyond.
         return self._statuses("put", key_list, codes, _ok_if_not_negative)
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:

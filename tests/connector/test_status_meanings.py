@@ -39,4 +39,6 @@ def test_the_lifecycle_fuzzer_reads_a_get_as_the_worker_does() -> None:
     """``hybridkv.testing.fault_patterns`` keeps the load column without importing vLLM: it must not drift."""
     from hybridkv.testing.fault_patterns import STATUS_TO_LOAD_OUTCOME
 
-    assert dict(STATUS_TO_LOAD_OUTCOME) == {status: meaning.load for status, meaning in STATUS_MEANINGS.items()}
+    assert dict(STATUS_TO_LOAD_OUTCOME) == {
+        status: meaning.load for status, meaning in STATUS_MEANINGS.items()
+    }

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology, plan_lookup
+from hybridkv.lifecycle import lookup as lookup_module
 from hybridkv.lifecycle.lookup import PAUSE_EVERY, LookupSearch
 from hybridkv.testing.lifecycle_fuzz import family_hashes, geometries
 from hypothesis import event, given, note
@@ -170,3 +172,51 @@ def test_searches_sharing_facts_answer_as_one_alone_does() -> None:
             search.feed(keys, exists(keys))
         assert search.result == alone
     assert alone.boundary == 48 * 1024
+
+
+@given(case=_cases(), data=st.data())
+def test_facts_changing_under_a_search_never_stop_it(case, data, monkeypatch_module) -> None:  # type: ignore[no-untyped-def]
+    """Another writer of the shared facts (a cancelled lookup still running on the lookup thread) may turn
+    an entry absent while the search works (here: at every pause, which comes after every step of work):
+    the search never raises, and it ends."""
+    scheme, hashes, num_tokens, local, max_boundary, existing = case
+    known: dict[str, bool] = {}
+
+    every_key = [
+        scheme.key(g, rank.tp_rank, block_hash)
+        for g in range(scheme.geometry.num_groups)
+        for rank in scheme.geometry.topology.ranks
+        for block_hash in hashes
+    ]
+
+    def another_writer() -> None:
+        """Feeds its own answers: a key the search has not asked yet (present or absent), or a key it saw
+        present that has been evicted since."""
+        if not data.draw(st.booleans(), label="write"):
+            return
+        unasked = [key for key in every_key if key not in known]
+        present = [key for key, fact in known.items() if fact]
+        if unasked and data.draw(st.booleans(), label="new fact"):
+            known[data.draw(st.sampled_from(unasked), label="key")] = data.draw(st.booleans(), label="fact")
+        elif present:
+            known[data.draw(st.sampled_from(present), label="evicted")] = False
+
+    search = LookupSearch(
+        scheme, tuple(hashes), num_tokens, local, max_boundary=max_boundary, known=known, pause=another_writer
+    )
+    for _ in range(100):
+        keys = search.next_keys()
+        if keys is None:
+            break
+        search.feed(keys, [key in existing for key in keys])
+    assert search.result is not None, "the search did not end"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> object:
+    """A pause after every step of the search's work (``PAUSE_EVERY = 1``) for the module's tests that
+    ask for it."""
+    saved = lookup_module.PAUSE_EVERY
+    lookup_module.PAUSE_EVERY = 1
+    yield None
+    lookup_module.PAUSE_EVERY = saved

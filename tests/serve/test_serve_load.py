@@ -12,19 +12,27 @@ once the local cache evicted it; greedy tokens at concurrency 1 do not depend on
 ``reset_prefix_cache``, every prefix then from the store, gives the same tokens);
 after the load nothing runs or waits and the local prefix cache resets (no block stays pinned); the audit
 log replays cleanly and every lifecycle in it terminated. The second test does it through a chaos store
-(failed and corrupted gets, failed puts) whose capacity is smaller than the working set.
+(failed, corrupted and late gets and puts) whose capacity is smaller than the working set, and samples the
+series of ``hybridkv bench soak`` while it runs (``hybridkv.bench.soak.take_sample``: the server's processes,
+the connector's gauges, the store's files): nothing may grow past its warm-up level, and once the server is
+settled nothing stays held (no request, pin, late call, save or staging byte; no temp file; the store
+within its capacity). About 50 requests are too few for slopes: the long form is ``hybridkv bench soak``.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hybridkv.bench.serve import LoadResult, divergence, run_load
-from hybridkv.devkit.openai_server import metric, metrics_samples, vllm_bench_serve_command
+from hybridkv.bench.soak import SeriesBound, analyze_series, settle, take_sample
+from hybridkv.devkit.openai_server import OpenAIServer, metric, metrics_samples, vllm_bench_serve_command
 from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
 
 # Each test starts one server (about 20 s on an idle 2-core host, minutes on a busy one) and sends ~110 requests.
@@ -33,6 +41,55 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 def _tokens(load: LoadResult) -> dict[tuple[str, int, int], list[int]]:
     return {(r.phase, r.session, r.turn): r.token_ids for r in load.records}
+
+
+#: A sample of the soak series every this many requests (about 13 over the chaos test's three passes).
+SAMPLE_EVERY = 4
+#: The chaos test's bounds after its warm-up cut (the first quarter of the samples), generous: samples are
+#: taken under load (late calls hold a thread for 200 ms each; the concurrency-3 pass keeps more client
+#: connections), so only growth far beyond that fails. Resident memory grows while the worker's host buffer
+#: pool fills (up to 3 x 64 MiB) over the first few hundred requests: only a gross leak shows in 50.
+CI_BOUNDS = (
+    SeriesBound("num_fds", "fds", "connections and in-flight store files come and go", max_rise=32),
+    SeriesBound("num_threads", "threads", "a late call holds a thread for late_ms", max_rise=16),
+    SeriesBound("num_processes", "processes", "no process starts under load", max_rise=0),
+    SeriesBound("rss_mib", "MiB", "the host buffer pool fills (192 MiB) and allocators grow", max_rise=768),
+)
+
+
+class SoakSampler:
+    """The soak series (``take_sample``) of one server: every ``SAMPLE_EVERY`` requests of ``run_load`` (its
+    ``progress`` callback, on a client thread: under load), and ``settled()`` after ``settle``."""
+
+    def __init__(self, server: OpenAIServer, store_dir: Path) -> None:
+        self.server = server
+        self.store_dir = store_dir
+        self.samples: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+        self._num_requests = 0
+        self._lock = threading.Lock()
+
+    def _take(self) -> dict[str, Any]:
+        sample = take_sample(
+            self._num_requests,
+            self.server.proc.pid,
+            self.server.base_url,
+            self.store_dir,
+            started=self.started,
+        )
+        self.samples.append(sample)
+        return sample
+
+    def progress(self, num_requests: int) -> None:
+        with self._lock:
+            self._num_requests += num_requests
+            if self._num_requests % SAMPLE_EVERY == 0:
+                self._take()
+
+    def settled(self) -> dict[str, Any]:
+        with self._lock:
+            settle(self.server.base_url)
+            return self._take()
 
 
 def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Path) -> None:
@@ -108,24 +165,30 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
 
 def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) -> None:
     audit = tmp_path / "audit.jsonl"
+    store_dir = tmp_path / "store"
+    capacity = 6 << 20
     # 6 MiB hold about 10 blocks of this model (both groups), about half of what the sessions save: the
     # store evicts while the load runs. (At 3 MiB, with these fault rates, a run sometimes found no hit at
-    # all to restore: two or three hits per run, each possibly failed or corrupted.)
+    # all to restore: two or three hits per run, each possibly failed or corrupted.) Late gets and puts
+    # answer TIMEOUT and finish 200 ms later: the host path hands them private buffers, quarantined until
+    # they return.
     store = (
-        f"faulty+file://{tmp_path}/store?capacity=6MiB"
-        "&get_fail=0.15&put_fail=0.1&exists_fail=0.05&corrupt=0.1&seed=3"
+        f"faulty+file://{store_dir}?capacity=6MiB"
+        "&get_fail=0.15&put_fail=0.1&exists_fail=0.05&corrupt=0.1&get_late=0.05&put_late=0.05&seed=3"
     )
     server = make_server(tmp_path, store, audit, max_num_seqs=3)
     try:
         server.wait_healthy()
-        first = run_load(server.base_url, WORKLOAD)
+        sampler = SoakSampler(server, store_dir)
+        started = sampler.settled()
+        first = run_load(server.base_url, WORKLOAD, progress=sampler.progress)
         assert_no_errors(first, "chaos, concurrency 1")
         server.reset_prefix_cache()
-        again = run_load(server.base_url, WORKLOAD)
+        again = run_load(server.base_url, WORKLOAD, progress=sampler.progress)
         assert_no_errors(again, "chaos, concurrency 1, second pass")
-        # Failed and corrupted loads are recomputed: the tokens never change.
+        # Failed, corrupted and late loads are recomputed: the tokens never change.
         assert _tokens(again) == _tokens(first), "greedy tokens changed under store faults"
-        loaded = run_load(server.base_url, replace(WORKLOAD, concurrency=3))
+        loaded = run_load(server.base_url, replace(WORKLOAD, concurrency=3), progress=sampler.progress)
         assert_no_errors(loaded, "chaos, concurrency 3")
         samples = metrics_samples(server.base_url)
         faults = metric(samples, "vllm:hybridkv_load_failed_keys_total") + metric(
@@ -133,6 +196,33 @@ def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) ->
         )
         assert faults > 0, "the chaos store injected no fault the connector saw"
         assert metric(samples, "vllm:external_prefix_cache_hits_total") > 0, "no hit survived the chaos"
+
+        # Settled, nothing stays held; what grew under load came back down.
+        final = sampler.settled()
+        held = {
+            key: final[key]
+            for key in (
+                "vllm_requests_in_engine",
+                "tracked_requests",
+                "pinned_blocks",
+                "save_inflight_bytes",
+                "staging_bytes_out",
+                "late_calls_pending",
+                "num_tmp_files",
+            )
+        }
+        assert held == dict.fromkeys(held, 0), f"held once settled: {held}"
+        assert final["store_bytes"] <= capacity, f"the store holds {final['store_bytes']} > {capacity} bytes"
+        assert final["spare_bytes"] <= capacity // 10, (
+            f"spare files past their budget: {final['spare_bytes']}"
+        )
+        assert final["num_fds"] <= started["num_fds"] + 8, (started["num_fds"], final["num_fds"])
+        assert final["num_processes"] == started["num_processes"], (started["processes"], final["processes"])
+        rows = analyze_series(sampler.samples, CI_BOUNDS, warmup_fraction=0.25)
+        assert len(rows) == len(CI_BOUNDS) and rows[0]["num_after"] >= 8, rows
+        grown = [(row["series"], row["rise"], row["max_rise"]) for row in rows if not row["met"]]
+        assert not grown, f"series grown past their warm-up level: {grown}"
+        print("soak series (samples under load):", [(r["series"], r["first"], r["max_after"]) for r in rows])
         assert_clean_after(server, audit)
     finally:
         server.stop()

@@ -67,6 +67,11 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
         "hybridkv.bench.report",
         "hybridkv.devkit.tiny_models",
     },
+    ("hybridkv.cli.soak_cmds", "handle_soak"): {
+        "hybridkv.bench.soak",
+        "hybridkv.bench.report",
+        "hybridkv.devkit.tiny_models",
+    },
     ("hybridkv.cli.store_cmds", "handle_bench"): {"hybridkv.bench.store", "hybridkv.bench.report"},
     ("hybridkv.cli.ttft_cmds", "handle_ttft"): {
         "hybridkv.bench.ttft",

@@ -96,6 +96,7 @@ def test_mooncake_store_conforms(shared_mooncake_store: FramedStore) -> None:
     machine = make_store_machine(factory, allows_eviction=False, supports_listing=False)  # type: ignore[arg-type]
     machine.TestCase().runTest()
 
+
 #: Tenant ``t1`` cannot hold the pool's largest value (4096 bytes): it is refused; ``t2`` holds a few of
 #: its values at once and evicts its own to take more.
 _QUOTAS = {"t1": 3000, "t2": 5000}
