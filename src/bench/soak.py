@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.bench.serve import Workload
 from hybridkv.devkit.openai_server import (
     OpenAIServer,
     StreamResult,
@@ -109,16 +110,28 @@ HELD_GAUGES = (
 )
 
 
+#: The soak's conversations: 4 open sessions of 3 turns, 2 clients, short prompts, no eviction prompts.
+SOAK_WORKLOAD = Workload(
+    num_sessions=4,
+    num_turns=3,
+    concurrency=2,
+    system_prompt_words=60,
+    user_turn_words=50,
+    max_tokens=8,
+    num_evict_prompts=0,
+    num_top_logprobs=0,
+)
+
+
 @dataclass(frozen=True)
 class SoakPlan:
     """What the soak sends, to which server. Prompt sizes are in words (about 3.3 tokens each)."""
 
     num_requests: int = 1000
     sample_every: int = 25
-    #: conversations open at once; a finished one's slot goes to a new conversation
-    num_sessions: int = 4
-    num_turns: int = 3
-    concurrency: int = 2
+    #: the conversations (``hybridkv.bench.serve.Workload``): ``num_sessions`` open at once (a finished one's
+    #: slot goes to a new conversation) of ``num_turns`` turns, ``concurrency`` clients, prompt sizes
+    workload: Workload = field(default_factory=lambda: SOAK_WORKLOAD)
     #: every this-many-th request is aborted after its first streamed chunk (0: none)
     abort_every: int = 9
     #: after every this-many-th request, ``POST /reset_prefix_cache``; every other one with the connector's
@@ -127,11 +140,6 @@ class SoakPlan:
     #: sessions of the serial exactness pass (0: skip it)
     serial_sessions: int = 2
     warmup_fraction: float = 0.25
-    num_system_prompts: int = 2
-    system_prompt_words: int = 60
-    user_turn_words: int = 50
-    max_tokens: int = 8
-    seed: int = 0
     #: the server's local KV cache: about 12 blocks of 128 tokens of the tiny GDN hybrid, a third of what the
     #: open sessions resend
     kv_cache_bytes: int = 6 << 20
@@ -146,16 +154,12 @@ class SoakPlan:
     request_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_requests",
-            "sample_every",
-            "num_sessions",
-            "num_turns",
-            "concurrency",
-            "max_tokens",
-        ):
+        for name in ("num_requests", "sample_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SoakPlan.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_sessions", "num_turns", "concurrency", "max_tokens"):
+            if getattr(self.workload, name) < 1:
+                raise ValueError(f"SoakPlan.workload.{name} must be >= 1, got {getattr(self.workload, name)}")
         for name in ("abort_every", "reset_every", "serial_sessions", "reserved_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SoakPlan.{name} must be >= 0, got {getattr(self, name)}")
@@ -163,23 +167,6 @@ class SoakPlan:
             raise ValueError(f"SoakPlan.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"SoakPlan.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
-
-    def workload(self) -> Any:
-        """The prompts' shape as ``hybridkv.bench.serve.Workload`` (its conversation builder is reused)."""
-        from hybridkv.bench.serve import Workload
-
-        return Workload(
-            num_sessions=self.num_sessions,
-            num_turns=self.num_turns,
-            concurrency=self.concurrency,
-            num_system_prompts=self.num_system_prompts,
-            system_prompt_words=self.system_prompt_words,
-            user_turn_words=self.user_turn_words,
-            max_tokens=self.max_tokens,
-            num_evict_prompts=0,
-            seed=self.seed,
-            num_top_logprobs=0,
-        )
 
 
 # --- samples ------------------------------------------------------------------------------------------------
@@ -576,7 +563,7 @@ def _chat_body(plan: SoakPlan, workload: Any, session: int, answers: Sequence[st
     return {
         "model": "tiny",
         "messages": conversation_messages(workload, session, answers),
-        "max_tokens": plan.max_tokens,
+        "max_tokens": plan.workload.max_tokens,
         "temperature": 0,
     }
 
@@ -641,13 +628,13 @@ def run_soak_load(
     the first request, at the end of every round that reaches the next multiple of ``sample_every``, and after
     the last. Never raises on a failed request; ends early (``error`` says why) when the server exits or
     stops answering ``/metrics``."""
-    workload = plan.workload()
+    workload = plan.workload
     base_url = server.base_url
     outcome = LoadOutcome()
     started = time.monotonic()
-    slot_to_session = list(range(plan.num_sessions))
+    slot_to_session = list(range(plan.workload.num_sessions))
     session_to_answers: dict[int, list[str]] = {s: [] for s in slot_to_session}
-    next_session = plan.num_sessions
+    next_session = plan.workload.num_sessions
     num_sent = 0
     next_sample_at = plan.sample_every
     lock = threading.Lock()
@@ -668,7 +655,7 @@ def run_soak_load(
     except (OSError, http.client.HTTPException) as error:
         outcome.error = f"the first sample failed: {type(error).__name__}: {error}"[:500]
         return outcome
-    with ThreadPoolExecutor(max_workers=plan.concurrency, thread_name_prefix="soak-client") as pool:
+    with ThreadPoolExecutor(max_workers=plan.workload.concurrency, thread_name_prefix="soak-client") as pool:
         while num_sent < plan.num_requests:
             sessions = slot_to_session[: plan.num_requests - num_sent]
             indexes = range(num_sent, num_sent + len(sessions))
@@ -679,7 +666,9 @@ def run_soak_load(
                 answers = session_to_answers[record.session]
                 # An aborted or failed turn still continues the conversation, with a stand-in answer.
                 answers.append("(no answer)" if record.aborted or not record.ok else record.text)
-                if len(answers) == plan.num_turns:  # the conversation is over: a new one takes the slot
+                if (
+                    len(answers) == plan.workload.num_turns
+                ):  # the conversation is over: a new one takes the slot
                     del session_to_answers[record.session]
                     slot_to_session[slot] = next_session
                     session_to_answers[next_session] = []
@@ -728,7 +717,7 @@ def start_server(
         workdir / ("server.log" if connector else "server-baseline.log"),
         kv_transfer_config=kv,
         max_model_len=plan.max_model_len,
-        max_num_seqs=plan.concurrency,
+        max_num_seqs=plan.workload.concurrency,
         max_num_batched_tokens=plan.max_model_len,
         kv_cache_memory_bytes=plan.kv_cache_bytes,
         extra_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(plan.reserved_cpus)},
@@ -778,16 +767,16 @@ def _reset_all(server: OpenAIServer) -> bool:
 
 def _serial_pass(server: OpenAIServer, plan: SoakPlan) -> tuple[list[Any], bool]:
     """The serial exactness pass (after a local and a connector reset): ``plan.serial_sessions`` sessions of
-    ``plan.num_turns`` turns, turn by turn (every session's first, then every second...), one request at a
+    ``plan.workload.num_turns`` turns, turn by turn (every session's first, then every second...), one request at a
     time, each within ``plan.request_timeout_s``. Returns its records (``hybridkv.bench.serve.RequestRecord``,
     for ``divergence``) and whether the reset succeeded."""
     from hybridkv.bench.serve import RequestRecord
 
     reset_ok = _reset_all(server)
-    workload = plan.workload()
+    workload = plan.workload
     session_to_answers: dict[int, list[str]] = {s: [] for s in range(plan.serial_sessions)}
     records: list[Any] = []
-    for turn in range(plan.num_turns):
+    for turn in range(plan.workload.num_turns):
         for session, answers in session_to_answers.items():
             body = {**_chat_body(plan, workload, session, answers), "ignore_eos": True}
             result = stream_request(
@@ -1040,7 +1029,7 @@ def format_soak_table(report: Mapping[str, Any]) -> str:
     plan = report["plan"]
     requests = report["requests"]
     counts = (
-        f"{requests['sent']} requests in {report['load_wall_s']:.0f} s at concurrency {plan['concurrency']}: "
+        f"{requests['sent']} requests in {report['load_wall_s']:.0f} s at concurrency {plan['workload']['concurrency']}: "
         f"{requests['completed']} completed, {requests['aborted']} aborted mid-stream, "
         f"{requests['failed']} failed; resets {requests['resets_local']} local + "
         f"{requests['resets_external']} with the connector ({requests['resets_refused']} refused: blocks in use)"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import tempfile
@@ -101,16 +102,23 @@ def register(
 def handle_soak(args: argparse.Namespace) -> int:
     """Run the soak, print its table, write the JSON and the PNG; exit 1 when it did not pass."""
     from hybridkv.bench.report import save_report
-    from hybridkv.bench.soak import DEFAULT_CHAOS, SoakPlan, format_soak_table, plot_soak, run_soak
+    from hybridkv.bench.soak import (
+        DEFAULT_CHAOS,
+        SOAK_WORKLOAD,
+        SoakPlan,
+        format_soak_table,
+        plot_soak,
+        run_soak,
+    )
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
     try:
         plan = SoakPlan(
             num_requests=args.requests,
             sample_every=args.sample_every,
-            num_sessions=args.sessions,
-            num_turns=args.turns,
-            concurrency=args.concurrency,
+            workload=dataclasses.replace(
+                SOAK_WORKLOAD, num_sessions=args.sessions, num_turns=args.turns, concurrency=args.concurrency
+            ),
             abort_every=args.abort_every,
             reset_every=args.reset_every,
             serial_sessions=args.serial_sessions,
