@@ -107,7 +107,9 @@ class _Connection:
         self.target = target
         self._lock = threading.Lock()
         self._aborted = False
-        self._num_directions_open = 2
+        # Every thread of the connection, receivers included: the sockets are closed only once none of
+        # them can still be blocked on one (a recv on a closed fd is never woken by a shutdown).
+        self._num_threads_open = 4
         self.threads: list[threading.Thread] = []
         self.directions: list[_Direction] = []
         for source, destination, to_target in ((client, target, True), (target, client, False)):
@@ -131,19 +133,22 @@ class _Connection:
             if self._aborted:
                 return
             self._aborted = True
-        for sock in (self.client, self.target):
-            _shutdown_quietly(sock, socket.SHUT_RDWR)  # wakes threads in recv / sendall
+            # Under the lock: the sockets stay open (``thread_done`` closes them under it) until every
+            # thread that could block on them has woken.
+            for sock in (self.client, self.target):
+                _shutdown_quietly(sock, socket.SHUT_RDWR)  # wakes threads in recv / sendall
         for direction in self.directions:
             direction.wake()  # and those waiting for bytes or for room
 
-    def direction_done(self) -> None:
-        """A sending thread ended (EOF forwarded, or aborted); the last one closes the sockets."""
+    def thread_done(self) -> None:
+        """A receiving or sending thread ended; the last of the four closes the sockets."""
         with self._lock:
-            self._num_directions_open -= 1
-            last = self._num_directions_open == 0
+            self._num_threads_open -= 1
+            last = self._num_threads_open == 0
+            if last:
+                self.client.close()
+                self.target.close()
         if last:
-            self.client.close()
-            self.target.close()
             self.proxy._connection_closed()
 
     def join(self, timeout_s: float) -> None:
@@ -169,6 +174,12 @@ class _Direction:
         self._num_buffered_bytes = 0
 
     def receive(self) -> None:
+        try:
+            self._receive()
+        finally:
+            self.connection.thread_done()
+
+    def _receive(self) -> None:
         proxy = self.connection.proxy
         buffer = bytearray(_READ_CHUNK_BYTES)
         view = memoryview(buffer)
@@ -218,7 +229,7 @@ class _Direction:
                     self._changed.notify_all()
                 self.connection.proxy._delivered(len(chunk), to_target=self.to_target)
         finally:
-            self.connection.direction_done()
+            self.connection.thread_done()
 
     def wake(self) -> None:
         with self._changed:
