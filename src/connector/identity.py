@@ -7,7 +7,11 @@ layout, TP/DCP), what makes KV differ is **which weights** are loaded and **how 
   bytes of ``config.json`` and of the weight index files; a Hugging Face cache snapshot (``.../snapshots/<commit>``)
   is identified by its commit and its files' names and sizes instead (hosts download at different times);
   a model that is not a local folder or file is identified by its id and vLLM's ``revision``;
-- quantization, ``hf_overrides``, RoPE scaling, the model dtype and the weight ``load_format``.
+- quantization, ``hf_overrides``, RoPE scaling, the model dtype and the weight ``load_format``;
+- the drafter of speculative decoding, when it has KV of its own (EAGLE, EAGLE3, MTP, a draft model: vLLM
+  puts its attention layers in the target's KV-cache groups, so a block's value holds the draft layers'
+  pages too): its method, its weights (identified like the target's) and dtype. ``ngram`` and other
+  drafters without a model add nothing, so their keys are the plain target's.
 
 When the weights cannot be found without the network (not a local folder or file, not in the local Hugging
 Face cache: another hub, a custom loader), the identity falls back to the model id and ``revision``, with
@@ -51,6 +55,10 @@ UNRESOLVED_DETAIL = (
     "weights: not a local folder or file and not in the local Hugging Face cache; new weights under the "
     "same model id and revision are not told apart"
 )
+#: Speculative methods whose drafter writes KV pages (vLLM's ``uses_draft_kv_cache``, for a config without it).
+_DRAFTERS_WITH_KV = frozenset(
+    {"eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model", "extract_hidden_states"}
+)
 _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 #: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
 MANIFEST_BYTES = 4096
@@ -73,6 +81,8 @@ class ModelIdentity:
     load_format: str
     hf_overrides: str
     rope_scaling: str
+    #: the drafter's identity (``drafter_identity``); empty without a drafter that has KV
+    drafter: str = ""
 
     @property
     def resolved(self) -> bool:
@@ -85,6 +95,8 @@ class ModelIdentity:
         fields = asdict(self)
         if self.weights != UNRESOLVED:
             fields.pop("model")
+        if not self.drafter:
+            fields.pop("drafter")  # engines without a drafter keep the keys they always had
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -135,6 +147,28 @@ def _local_model_path(model: str, revision: str | None) -> Path | None:
         return None
 
 
+def drafter_identity(vllm_config: VllmConfig) -> str:
+    """The speculative drafter's part of the identity: ``""`` without a drafter that has KV of its own (no
+    speculative decoding, ``ngram``, ``suffix``: vLLM's ``uses_draft_kv_cache()`` is False), else ``<method>:<digest>`` over its method, weights (as
+    :func:`weights_identity`, or its id and revision when not local) and dtype. MTP's drafter is the
+    target's own MTP layers: its weights are the target's, its method still tells it apart."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return ""
+    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)  # vLLM 0.32 / 0.33
+    has_kv = uses_draft_kv() if callable(uses_draft_kv) else str(spec.method) in _DRAFTERS_WITH_KV
+    draft = getattr(spec, "draft_model_config", None)
+    if not has_kv or draft is None:
+        return ""  # ngram, suffix, ...: the draft model config (if any) is the target's, and no KV of its own
+    model = str(draft.model)
+    revision = getattr(draft, "revision", None)
+    path = _local_model_path(model, revision)
+    weights = weights_identity(path)[0] if path is not None else f"{model}@{revision}"
+    fields = {"method": str(spec.method), "weights": weights, "dtype": str(getattr(draft, "dtype", ""))}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return f"{spec.method}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+
+
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
     """Resolve the identity of the model ``vllm_config`` serves (stat calls and small reads only).
 
@@ -171,6 +205,7 @@ def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
         load_format=str(getattr(load_config, "load_format", "auto")),
         hf_overrides=_canonical(getattr(mc, "hf_overrides", None)),
         rope_scaling=_canonical(rope),
+        drafter=drafter_identity(vllm_config),
     )
 
 
@@ -202,6 +237,7 @@ def manifest(scheme: KeyScheme, identity: ModelIdentity, groups: list[str]) -> d
         "load_format": identity.load_format,
         "hf_overrides": identity.hf_overrides,
         "rope_scaling": identity.rope_scaling,
+        "drafter": identity.drafter,
         "hash_algorithm": scheme.hash_algorithm,
         "tp": geometry.topology.tp_size,
         "dcp": geometry.topology.dcp_size,

@@ -72,6 +72,7 @@ class ConnectorGeometry:
             "revision": self.identity.revision,
             "weights": self.identity.weights,
             "model_identity": self.identity.digest,
+            "drafter": self.identity.drafter or None,
             "quantization": self.identity.quantization,
             "hash_unit": g.hash_unit,
             "hit_alignment": g.hit_alignment,

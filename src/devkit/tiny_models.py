@@ -255,6 +255,65 @@ def build_tiny_model(
     return target
 
 
+#: Draft builder version (bump when ``build_eagle_draft`` writes other files for the same target).
+_EAGLE_BUILDER_VERSION = 1
+
+
+def build_eagle_draft(target_dir: Path, out_dir: Path, *, seed: int = 1) -> Path:
+    """Build (or reuse) a random-weight one-layer EAGLE drafter for the ``llama`` tiny model in
+    ``target_dir``, under ``out_dir``; return its folder.
+
+    vLLM's ``EagleLlamaForCausalLM`` layout: ``fc`` ([hidden, 2 x hidden]: the token embedding and the
+    target's hidden state in, one hidden state out), one decoder layer without its input layernorm, no final
+    norm; embeddings and LM head are shared with the target (the checkpoint has none). vLLM names the
+    drafter's attention layer after the target's layers (``model.layers.<num target layers>``) and puts it
+    in the target's KV-cache group. Same publication rules as ``build_tiny_model``.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    if target_cfg.get("model_type") != "llama":
+        raise ValueError(
+            f"EAGLE drafts are built for the llama tiny model, not {target_cfg.get('model_type')!r}"
+        )
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    kwargs = {k: target_cfg[k] for k in keys if k in target_cfg}
+    kwargs |= {"num_hidden_layers": 1, "max_position_embeddings": target_cfg["max_position_embeddings"]}
+    digest = hashlib.sha256(
+        json.dumps({"kwargs": kwargs, "seed": seed, "v": _EAGLE_BUILDER_VERSION}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    target = Path(out_dir) / f"eagle-llama-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    config = transformers.LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    layer = transformers.LlamaForCausalLM(config).model.layers[0].to(torch.bfloat16)  # type: ignore[no-untyped-call]
+    hidden = int(kwargs["hidden_size"])
+    weights = {
+        f"layers.0.{name}": tensor.contiguous()
+        for name, tensor in layer.state_dict().items()
+        if not name.startswith("input_layernorm.")
+    }
+    weights["fc.weight"] = (torch.randn(hidden, 2 * hidden) * (2 * hidden) ** -0.5).to(torch.bfloat16)
+    cfg = config.to_dict() | {"architectures": ["EagleLlamaForCausalLM"], "torch_dtype": "bfloat16"}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".eagle-llama-", dir=out_dir))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 #: Special tokens at fixed ids, matching ``_COMMON``'s pad/bos/eos ids.
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>")
 

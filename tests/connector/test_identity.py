@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hybridkv.cli import main
 from hybridkv.connector.identity import (
     MANIFEST_BYTES,
     ModelIdentity,
+    drafter_identity,
     encode_manifest,
     manifest,
     manifest_key,
@@ -86,6 +89,7 @@ def test_weights_identity_follows_the_files_not_the_path(tmp_path: Path) -> None
         {"hf_overrides": '{"num_hidden_layers": 2}'},
         {"rope_scaling": '{"rope_scaling": {"factor": 4.0, "rope_type": "yarn"}}'},
         {"load_format": "dummy"},
+        {"drafter": "eagle:0123456789abcdef"},
     ],
 )
 def test_every_identity_field_changes_the_fingerprint(change: dict[str, object]) -> None:
@@ -96,6 +100,38 @@ def test_every_identity_field_changes_the_fingerprint(change: dict[str, object])
         for x in (base, changed)
     ]
     assert schemes[0].fingerprint != schemes[1].fingerprint, change
+
+
+def _spec_config(method: str, draft: Path | None) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` ``drafter_identity`` reads (vLLM's ``SpeculativeConfig``: ``method``,
+    ``draft_model_config`` -- None for drafters without a model)."""
+    draft_config = None if draft is None else SimpleNamespace(model=str(draft), revision=None, dtype="bf16")
+    return SimpleNamespace(speculative_config=SimpleNamespace(method=method, draft_model_config=draft_config))
+
+
+def test_a_drafter_with_kv_enters_the_identity_and_one_without_leaves_the_keys_alone(tmp_path: Path) -> None:
+    """EAGLE's draft layer shares the target's KV-cache group, so a block's value holds the draft's pages:
+    two drafters must never read each other's blocks; the same drafter in another folder shares them; an
+    ngram drafter (no model, no KV) keys like no drafter at all, and an identity without a drafter digests
+    as it did before drafters entered it."""
+    a = _model_folder(tmp_path / "a" / "draft")
+    b = _model_folder(tmp_path / "b" / "draft", weights=b"\x03" * 64)
+    shutil.copytree(a, tmp_path / "c" / "same-draft")
+    assert drafter_identity(SimpleNamespace(speculative_config=None)) == ""  # type: ignore[arg-type]
+    assert drafter_identity(_spec_config("ngram", None)) == ""  # type: ignore[arg-type]
+    # vLLM gives ngram the target's model config as its draft config: still no KV of its own.
+    assert drafter_identity(_spec_config("ngram", a)) == ""  # type: ignore[arg-type]
+    eagle_a = drafter_identity(_spec_config("eagle", a))  # type: ignore[arg-type]
+    assert eagle_a.startswith("eagle:")
+    assert drafter_identity(_spec_config("eagle", tmp_path / "c" / "same-draft")) == eagle_a  # type: ignore[arg-type]
+    assert drafter_identity(_spec_config("eagle", b)) != eagle_a  # type: ignore[arg-type]
+    assert drafter_identity(_spec_config("eagle3", a)) != eagle_a  # type: ignore[arg-type]
+    assert _identity(drafter=eagle_a).digest != _identity().digest
+    # No drafter: the digest of the fields there were before (keys of existing stores stay valid).
+    legacy = dataclasses.asdict(_identity())
+    legacy.pop("model"), legacy.pop("drafter")
+    canonical = json.dumps(legacy, sort_keys=True, separators=(",", ":"))
+    assert _identity().digest == hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def test_same_folder_name_different_weights_never_share_keys() -> None:
