@@ -12,7 +12,8 @@ Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with stat
   saves are still being written (a store slowed by 200 ms per call); ``reset_prefix_cache(
   reset_connector=True)`` removes this namespace's entries only (another namespace's keys in the same
   store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``.
-- tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all.
+- tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all;
+  when one rank's reads fail, the whole request is recomputed with the same tokens.
 """
 
 from __future__ import annotations
@@ -203,3 +204,12 @@ def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
     assert second["metrics"]["vllm:hybridkv_hit_tokens"] == hit
     assert second["metrics"].get("vllm:hybridkv_truncations", 0) == 0
     assert second["tokens"] == first["tokens"], f"{family}: tokens differ after a TP 2 external hit"
+
+    # One rank's reads fail (every get of rank 1's keys; rank 0 reads its shards fine): the whole request
+    # is recomputed, on both ranks, never half-loaded.
+    faulty = {**spec, "store": f"faulty+{store}?get_tail=1&fault_tp_rank=1"}
+    third = run_engine(tmp_path, "tp-engine3", multiprocess=True, teardown="shutdown", **faulty)
+    metrics = third["metrics"]
+    assert metrics.get("vllm:hybridkv_truncations", 0) >= 1, metrics
+    assert metrics.get("vllm:hybridkv_load_failed_keys", 0) > 0, metrics
+    assert third["tokens"] == first["tokens"], f"{family}: tokens differ after one rank's load failed"
