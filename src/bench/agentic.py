@@ -65,7 +65,8 @@ What is counted, exactly:
 Configurations (:data:`CONFIGURATIONS`): ``lru`` (``memory://`` as it is: one LRU over everything),
 ``lru+quotas`` (the same with ``quotas=background:SIZE``), ``file-lru`` (``file://``: LRU by file mtime,
 touched at most once a second, so over a replay of seconds it is close to first-in first-out) and
-``file-lru+quotas`` (its directory's quota file). A configuration the store refuses (``StoreError``, e.g.
+``file-lru+quotas`` (its directory's quota file), ``lru+sessions`` / ``file-lru+sessions`` (sessions retain
+their prefix: ``Store.retain``). A configuration the store refuses (``StoreError``, e.g.
 before quotas existed) is reported unavailable with the error. Capacities count framed bytes (a ~100-byte
 header per value); the working set is the payload bytes of every distinct entry the trace saves.
 
@@ -849,6 +850,7 @@ CONFIGURATIONS = (
     StoreConfiguration("lru+sessions", "memory", background_quota=False, sessions=True),
     StoreConfiguration("file-lru", "file", background_quota=False),
     StoreConfiguration("file-lru+quotas", "file", background_quota=True),
+    StoreConfiguration("file-lru+sessions", "file", background_quota=False, sessions=True),
 )
 #: How long a session's retention lasts past its last request (longer than any pause of the trace: a
 #: session's prefix is retained until the session ends; the budget bounds what that protects).

@@ -45,7 +45,7 @@ def register(
         "--store",
         choices=_STORE_CHOICES,
         default="memory",
-        help="memory: lru, lru+quotas, lru+sessions; file: file-lru, file-lru+quotas; both: all five (%(default)s)",
+        help="memory: lru, lru+quotas, lru+sessions; file: file-lru, file-lru+quotas, file-lru+sessions; both: all six (%(default)s)",
     )
     bench.add_argument(
         "--background-quota-fraction",

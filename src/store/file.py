@@ -141,6 +141,29 @@ class FileBackend:
             results.append(Status.OK)
         return results
 
+    def retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        """Retain each stored key until ``until`` (``hybridkv.store.retention``): its file's mtime is set to
+        ``until``, so eviction, which takes oldest mtimes first, reaches it after every ordinary file, the
+        one expiring first first, in every process sharing the directory (``FileLayout.retain``). ``until``
+        in the past releases it (mtime now). ``OK``, or ``NOT_FOUND`` when it is not stored."""
+        key_list = list(keys)
+        return self._guard.run("exists", len(key_list), lambda: self._retain(key_list, until))
+
+    def _retain(self, keys: Sequence[str], until: float) -> list[Status]:
+        layout = self.layout
+        results: list[Status] = []
+        for key in keys:
+            try:
+                layout.retain(layout.path_of(key), until)
+            except FileNotFoundError:
+                results.append(Status.NOT_FOUND)
+                continue
+            except OSError as error:
+                results.append(self._status_of(error, "retain", key))
+                continue
+            results.append(Status.OK)
+        return results
+
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         return self.put_frames_sealed(keys, frames, None)
 

@@ -47,6 +47,13 @@ it, under an flock; when a put would exceed ``capacity`` the putter takes ``evic
 objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usage`` with the real total
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 
+Retention (``Store.retain``, ``hybridkv.store.retention``): a retained file's mtime is set to the time its
+retention ends, in the future. Touches never move it back (a future mtime is "used within the last second"),
+and an eviction pass takes every ordinary file first, then the retained ones, expiring first first; only
+retained files within ``RETAIN_FRACTION`` of the capacity (of the quota, in a tenant's pass) are protected,
+the rest count as used now (``eviction_order``). The mtime is on disk, so every process sharing the directory
+honours a retention any of them made; a new file for the key (after an eviction) is not retained.
+
 Quotas: a put of a tenant under a quota adds its bytes to the tenant's estimate; when that passes the quota,
 the putter takes ``evict.lock`` (waiting for a capacity pass to finish), reads the frame headers of every
 file to find the tenant's (names are digests: the key, hence the namespace, is only in the header), deletes
@@ -77,6 +84,7 @@ import structlog
 from hybridkv.store.base import StoreError, StoreLogEvent
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
 from hybridkv.store.quotas import namespace_of
+from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +109,34 @@ def _size_class(size: int) -> int:
     """The page-rounded size spares are matched on: overwriting a file within its last page needs no new
     page, and truncating it there frees none."""
     return -(-size // _PAGE) * _PAGE
+
+
+def eviction_order(
+    entries: list[tuple[float, int, Path]], now: float, retain_budget_bytes: float
+) -> list[tuple[float, int, Path]]:
+    """``(mtime, size, path)`` entries in the order eviction takes them (``hybridkv.store.retention``).
+
+    A file whose mtime is in the future is retained until then (``FileLayout.retain``). Retained files
+    within ``retain_budget_bytes`` (those expiring last first: ``protected_keys``) go after every other
+    file, the one expiring first first; the other retained files are ordinary files last used when they were
+    retained (or read since: their atime). The rest is least recently used first."""
+    retained = {str(path): mtime for mtime, _size, path in entries if mtime > now}
+    sizes = {str(path): size for _mtime, size, path in entries}
+    protected = protected_keys(retained, sizes, retain_budget_bytes) if retained else set()
+
+    def last_use(path: Path) -> float:
+        try:
+            return min(path.stat().st_atime, now)
+        except FileNotFoundError:
+            return now
+
+    def order(entry: tuple[float, int, Path]) -> tuple[int, float]:
+        mtime, _size, path = entry
+        if str(path) in protected:
+            return (1, mtime)
+        return (0, last_use(path) if str(path) in retained else mtime)
+
+    return sorted(entries, key=order)
 
 
 class FileLayout:
@@ -176,6 +212,16 @@ class FileLayout:
             return
         with contextlib.suppress(OSError):  # evicted meanwhile, or read-only mount: LRU order is best effort
             os.utime(fd if fd is not None else path)
+
+    def retain(self, path: str, until: float) -> None:
+        """Retention (``hybridkv.store.retention``) on disk: the file's mtime becomes ``until`` (now, when
+        ``until`` has passed: a released entry ages as if used now) and its atime now (its last use, for an
+        eviction pass that finds it beyond the retention budget). ``touch`` never moves a future mtime
+        back, and eviction orders by mtime, protected within ``RETAIN_FRACTION`` (``eviction_order``).
+        ``FileNotFoundError`` when the file is not there."""
+        now = time.time()
+        stamp = max(now, until)
+        os.utime(path, (now, stamp))
 
     def _is_recyclable(self, size: int) -> bool:
         """Whether a file of ``size`` bytes may be recycled (readers lock exactly these)."""
@@ -450,7 +496,7 @@ class FileLayout:
             # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
             # older files until objects + spares fit under the watermark (spares stay within their budget).
             target = int(self.capacity_bytes * _LOW_WATERMARK) - size
-            entries.sort(key=lambda entry: entry[0])
+            entries = eviction_order(entries, now, self.capacity_bytes * RETAIN_FRACTION)
             num_evicted = 0
             for _mtime, file_size, path in entries:
                 if total <= target:
@@ -502,7 +548,7 @@ class FileLayout:
                 entries.append((info.st_mtime, info.st_size, path))
             total = sum(file_size for _mtime, file_size, _path in entries)
             keep = max(int(quota_bytes * _LOW_WATERMARK), size) - size
-            entries.sort(key=lambda entry: entry[0])
+            entries = eviction_order(entries, time.time(), quota_bytes * RETAIN_FRACTION)
             num_evicted = 0
             for _mtime, file_size, path in entries:
                 if total <= keep:

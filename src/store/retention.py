@@ -6,7 +6,8 @@ ages as if used at that moment). A session's client retains its prefix for a TTL
 every hit, so a session paused for a tool call or a human keeps its prefix while one-off traffic churns
 through the rest of the store.
 
-Contract (the memory store; ``hybridkv.testing.store_fuzz`` and tests/store/test_retention.py check it):
+Contract (the memory and file stores; ``hybridkv.testing.store_fuzz`` and tests/store/test_retention.py check
+it):
 
 - Eviction (capacity, and a tenant's quota) takes ordinary entries first, least recently used first, and
   retained ones only when no ordinary entry is left, the one that expires first first.
@@ -15,8 +16,9 @@ Contract (the memory store; ``hybridkv.testing.store_fuzz`` and tests/store/test
   entries. So retention can never pin a store full, nor a tenant pin another tenant's share away.
 - Retention never changes what a read returns, nor whether a key is stored; it is not persistent beyond
   the entry (a removed or evicted entry is not retained when it is stored again).
-- A store that cannot retain answers ``TRANSFER_FAILED`` for every key: the file store (its only clock
-  is a file's mtime, which is its LRU order) and Mooncake (eviction is its master's).
+- The file store keeps the same contract across processes: a retained file's mtime (its LRU clock) is set
+  to the end of its retention (``hybridkv.store.file_layout``, Retention).
+- A store that cannot retain answers ``TRANSFER_FAILED`` for every key: Mooncake (eviction is its master's).
 
 What it buys is measured by ``hybridkv bench agentic`` (``lru+sessions``: each session retains its prompt
 after every request and releases it at its end): on its synthetic agentic trace, 0.4 to 1.4 points more

@@ -203,6 +203,7 @@ def test_the_command_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
         "lru+sessions",
         "file-lru",
         "file-lru+quotas",
+        "file-lru+sessions",
         "lru+quotas",
         "file-lru+quotas",
     ]
