@@ -156,7 +156,8 @@ def drafter_identity(vllm_config: VllmConfig) -> str:
     if spec is None:
         return ""
     uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)  # vLLM 0.32 / 0.33
-    has_kv = uses_draft_kv() if callable(uses_draft_kv) else str(spec.method) in _DRAFTERS_WITH_KV
+    method = str(getattr(spec, "method", None))
+    has_kv = uses_draft_kv() if callable(uses_draft_kv) else method in _DRAFTERS_WITH_KV
     draft = getattr(spec, "draft_model_config", None)
     if not has_kv or draft is None:
         return ""  # ngram, suffix, ...: the draft model config (if any) is the target's, and no KV of its own
@@ -164,9 +165,9 @@ def drafter_identity(vllm_config: VllmConfig) -> str:
     revision = getattr(draft, "revision", None)
     path = _local_model_path(model, revision)
     weights = weights_identity(path)[0] if path is not None else f"{model}@{revision}"
-    fields = {"method": str(spec.method), "weights": weights, "dtype": str(getattr(draft, "dtype", ""))}
+    fields = {"method": method, "weights": weights, "dtype": str(getattr(draft, "dtype", ""))}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return f"{spec.method}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+    return f"{method}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:

@@ -23,6 +23,7 @@ class ConnectorLogEvent(enum.StrEnum):
     LOOKUP_ROUND_FAILED = "hybridkv lookup round failed"
     SCHEDULER_GEOMETRY = "hybridkv scheduler geometry"
     HIT_DECLINED = "hybridkv: hit declined; request recomputes"
+    SESSION_HINT_REFUSED = "hybridkv: session hint refused; the request is served without retention"
     LOAD_FAILED = "hybridkv load failed; request recomputes"
     LOADS_DISABLED = "hybridkv: loads disabled; this engine cannot use external KV (saves continue)"
     DIVERGENT_LOCAL_HITS_OFF = "hybridkv: divergent_local_hits stays off for this model"

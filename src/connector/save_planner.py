@@ -29,6 +29,7 @@ from hybridkv.connector.metadata import (
     SaveOutcome,
     SaveResult,
 )
+from hybridkv.connector.sessions import RequestSession
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
 from hybridkv.lifecycle.keys import KeyScheme
@@ -55,8 +56,11 @@ class StoredPublisher(Protocol):
         """The number of namespace resets requested so far."""
         ...
 
-    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, BlockStored]]) -> None:
-        """Publish ``(group_index, block hash, BlockStored)`` for a wave created in reset epoch ``epoch``."""
+    def publish_stored(
+        self, epoch: int, stored: list[tuple[int, bytes, BlockStored]], session: RequestSession | None
+    ) -> None:
+        """Publish ``(group_index, block hash, BlockStored)`` for a wave created in reset epoch ``epoch`` by
+        a request of ``session`` (None: none)."""
         ...
 
 
@@ -71,6 +75,8 @@ class RequestSaves:
     loaded_boundary: int = 0
     #: (group_index, key boundary) of full-attention prompt tails already saved
     tails_saved: set[tuple[int, int]] = field(default_factory=set)
+    #: the request's session hint (``hybridkv.connector.sessions``): what its waves store is retained
+    session: RequestSession | None = None
 
     def restart(self) -> None:
         """A load failed: vLLM recomputes from 0, so nothing came from the store and positional saves
@@ -87,6 +93,8 @@ class _Job:
     request: Request
     #: the namespace reset epoch the job was created in; a reset since then may have removed its entries
     epoch: int
+    #: the request's session (its stored entries are retained), or None
+    session: RequestSession | None
     ranks_done: set[int] = field(default_factory=set)
     results: list[SaveResult] = field(default_factory=list)
 
@@ -277,7 +285,7 @@ class SavePlanner:
             # One pin per physical block (a DCP-sharded block is several planned entries).
             pinned = [self._pool.blocks[bid] for bid in dict.fromkeys(block_ids)]
             self._pool.touch(pinned)
-        self._jobs[job.job_id] = _Job(job, wave, pinned, request, self._publisher.reset_epoch)
+        self._jobs[job.job_id] = _Job(job, wave, pinned, request, self._publisher.reset_epoch, saves.session)
         wave.start_put()
         return job
 
@@ -315,6 +323,7 @@ class SavePlanner:
                 )
                 for block in stored
             ],
+            j.session,
         )
 
     def stored_event(self, group_index: int, end: int, block_hash: bytes, request: Request) -> BlockStored:

@@ -68,6 +68,7 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.request_state import RequestState
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
+from hybridkv.connector.sessions import RequestSession, SessionRetention
 from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, StatsBox
 from hybridkv.connector.store_events import StoreEvents
 from hybridkv.connector.store_upkeep import StoreUpkeep
@@ -138,6 +139,8 @@ class SchedulerSide:
         )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
         self.upkeep = StoreUpkeep(self.events, self.gate, self.stats)
+        #: session hints: what a session's requests store or load stays retained (``connector/sessions.py``)
+        self.sessions = SessionRetention(self.store, self.upkeep.submit, self.stats)
         self.reset_wait_s = RESET_WAIT_S
         #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
         self._num_weight_tags = 0
@@ -181,6 +184,9 @@ class SchedulerSide:
         if r is None:
             r = RequestState(
                 request=request, lc=self.machine.new_request(request.request_id), saves=RequestSaves(request)
+            )
+            r.saves.session = self.sessions.session_of(
+                request.request_id, getattr(request, "kv_transfer_params", None)
             )
             self._reqs[request.request_id] = r
         return r
@@ -369,6 +375,16 @@ class SchedulerSide:
         job = r.end_load()
         if resolution.verified:
             r.saves.loaded_boundary = job.boundary
+            if r.saves.session is not None:  # a hit renews the session's retention
+                self.sessions.retain(
+                    r.saves.session,
+                    self.scheme,
+                    [
+                        (ref.group_index, rank, ref.block_hash)
+                        for ref in job.blocks
+                        for rank in self.geo.ranks
+                    ],
+                )
             for group_index, num_blocks in Counter(ref.group_index for ref in job.blocks).items():
                 self.stats.add(f"{PER_GROUP_LOADED_BLOCKS}{group_index}", num_blocks)
             return
@@ -407,8 +423,11 @@ class SchedulerSide:
         """Namespace resets requested so far (a save job remembers the epoch it was created in)."""
         return self.machine.epoch
 
-    def publish_stored(self, epoch: int, stored: list[tuple[int, bytes, BlockStored]]) -> None:
-        """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``.
+    def publish_stored(
+        self, epoch: int, stored: list[tuple[int, bytes, BlockStored]], session: RequestSession | None
+    ) -> None:
+        """Queue the ``BlockStored`` events of a wave every rank stored, created in reset ``epoch``, and
+        retain its entries for the request's ``session`` (if any).
 
         A reset since the job was created, or an invalidation removal still pending for a block, may
         remove what was just stored: then nothing (or not that block) is published rather than something
@@ -416,6 +435,11 @@ class SchedulerSide:
         if epoch != self.machine.epoch or self.gate.closed:
             return
         self.events.stored(stored)
+        if session is not None:
+            ranks = self.geo.ranks
+            self.sessions.retain(
+                session, self.scheme, [(g, rank, block_hash) for g, block_hash, _ in stored for rank in ranks]
+            )
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()
@@ -428,6 +452,8 @@ class SchedulerSide:
         r.abandon_search()  # a finished or aborted request's lookup stops (a queued one never runs)
         if r.lc.current is not State.EVICTED:
             r.lc.evict("finished")
+        if r.saves.session is not None:
+            self.sessions.finished(r.saves.session, self.scheme)
 
     def has_pending_push_work(self) -> bool:
         return self.saves.has_work()

@@ -178,6 +178,18 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:hybridkv_hit_declined",
         "Hits declined after vLLM allocated tokens that do not match the load plan (request recomputed).",
     ),
+    "session_retained_keys": (
+        "vllm:hybridkv_session_retained_keys",
+        "Store entries retained (or renewed) for a session hint after a save or a hit.",
+    ),
+    "session_hints_refused": (
+        "vllm:hybridkv_session_hints_refused",
+        "Requests whose session hint was refused (malformed, or a store that cannot retain).",
+    ),
+    "session_retain_failed": (
+        "vllm:hybridkv_session_retain_failed",
+        "Entries a session retention call could not retain (store failure, or a full maintenance queue).",
+    ),
     "maintenance_dropped": (
         "vllm:hybridkv_maintenance_dropped",
         "Store removals (invalidations, resets) dropped because the maintenance queue was full.",

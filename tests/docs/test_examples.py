@@ -455,13 +455,29 @@ def audit_records() -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
+def test_request_bodies_carry_session_hints_the_connector_takes() -> None:
+    """A request body's ``kv_transfer_params`` shown in the docs: its session hint parses, unrefused."""
+    from hybridkv.connector.sessions import parse_session_hint
+
+    bodies = [
+        (block.where, json.loads(block.text))
+        for block in all_blocks()
+        if block.lang == "json" and block.marker is None and "kv_transfer_params" in json.loads(block.text)
+    ]
+    assert bodies, "no request body with kv_transfer_params in the docs"
+    for where, body in bodies:
+        hint, reason = parse_session_hint(body["kv_transfer_params"])
+        assert hint is not None and reason is None, f"{where}: {reason}"
+
+
 def test_json_blocks_are_all_checked() -> None:
     """A new kind of JSON example must get a check here: every JSON block is a known kind."""
     for block in all_blocks():
         if block.lang != "json" or block.marker is not None:
             continue
         obj = json.loads(block.text)
-        assert isinstance(obj, dict) and ("trigger" in obj or "kv_connector" in obj or "schema" in obj), (
+        known = ("trigger", "kv_connector", "schema", "kv_transfer_params")
+        assert isinstance(obj, dict) and any(kind in obj for kind in known), (
             f"{block.where}: JSON example of unknown kind; add a check for it in {Path(__file__).name}"
         )
 

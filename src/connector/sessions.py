@@ -1,0 +1,156 @@
+"""Session retention: a request that names a session keeps its prefix in the store while the session lives.
+
+A client marks a request as a turn of a session in vLLM's per-request ``kv_transfer_params`` (the OpenAI
+server passes the request body's ``kv_transfer_params`` through)::
+
+    {"hybridkv_session": {"id": "chat-42", "ttl_s": 600}}          # a turn: keep the prefix 10 minutes
+    {"hybridkv_session": {"id": "chat-42", "ttl_s": 600, "end": true}}  # the last turn: release it after
+
+Contract:
+
+- Every entry such a request stores, and every entry it loads from the store, is retained
+  (``Store.retain``, ``hybridkv.store.retention``) until ``ttl_s`` seconds from then: a later turn's hit
+  renews it. The store bounds what retention protects (``RETAIN_FRACTION`` of its capacity, or of a
+  tenant's quota), so sessions can never pin a store full nor take another tenant's share.
+- A request with ``"end": true`` retains nothing and releases every entry it loaded (and those of its saves
+  that finished before it) when it finishes: they then age like any other entry.
+- Retain calls run on the maintenance thread, never on the scheduler's; a call the full queue refuses,
+  or that the store answers with anything but ``OK`` / ``NOT_FOUND``, is counted (``session_retain_failed``).
+- A bad hint (not an object; ``id`` not a non-empty string of at most ``MAX_SESSION_ID_CHARS``; ``ttl_s``
+  not a number in ``(0, MAX_SESSION_TTL_S]``; ``end`` not a boolean; another key) or a hint for a store
+  that cannot retain (Mooncake) is refused for that request: counted (``session_hints_refused``), logged
+  once with the reason naming the key, and the request is served as if it named no session. Never an error
+  to the request, never a crash.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from hybridkv.connector.log_events import ConnectorLogEvent
+from hybridkv.connector.stats import StatsBox
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.store.base import Status, Store
+
+__all__ = [
+    "MAX_SESSION_ID_CHARS",
+    "MAX_SESSION_TTL_S",
+    "SESSION_PARAM",
+    "RequestSession",
+    "SessionHint",
+    "SessionRetention",
+    "parse_session_hint",
+]
+
+log = structlog.get_logger(__name__)
+
+#: The ``kv_transfer_params`` key of a session hint.
+SESSION_PARAM = "hybridkv_session"
+#: The longest retention one hint may ask for (a day); longer is refused.
+MAX_SESSION_TTL_S = 86400.0
+MAX_SESSION_ID_CHARS = 256
+_HINT_KEYS = frozenset({"id", "ttl_s", "end"})
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """A request's session: its id, how long its entries stay retained, and whether it is the last turn."""
+
+    session_id: str
+    ttl_s: float
+    end: bool = False
+
+
+def parse_session_hint(kv_transfer_params: Any) -> tuple[SessionHint | None, str | None]:
+    """``(hint, None)``; ``(None, None)`` when the request names no session; ``(None, reason)`` for a hint
+    that is refused (the reason names the offending key)."""
+    if not isinstance(kv_transfer_params, Mapping) or SESSION_PARAM not in kv_transfer_params:
+        return None, None
+    raw = kv_transfer_params[SESSION_PARAM]
+    if not isinstance(raw, Mapping):
+        return None, f"{SESSION_PARAM} must be an object, got {type(raw).__name__}"
+    unknown = sorted(str(k) for k in raw if k not in _HINT_KEYS)
+    if unknown:
+        return None, f"{SESSION_PARAM}: unknown key {unknown[0]!r} (expected id, ttl_s, end)"
+    session_id = raw.get("id")
+    if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+        return None, f"{SESSION_PARAM}.id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} chars"
+    ttl_s = raw.get("ttl_s")
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float):
+        return None, f"{SESSION_PARAM}.ttl_s must be a number of seconds, got {ttl_s!r}"
+    if not (math.isfinite(ttl_s) and 0 < ttl_s <= MAX_SESSION_TTL_S):
+        return None, f"{SESSION_PARAM}.ttl_s must be in (0, {MAX_SESSION_TTL_S:g}], got {ttl_s!r}"
+    end = raw.get("end", False)
+    if not isinstance(end, bool):
+        return None, f"{SESSION_PARAM}.end must be true or false, got {end!r}"
+    return SessionHint(session_id, float(ttl_s), end), None
+
+
+@dataclass
+class RequestSession:
+    """One request's session and the entries it retained, as ``(group_index, tp_rank, block_hash)``."""
+
+    hint: SessionHint
+    entries: set[tuple[int, int, bytes]] = field(default_factory=set)
+
+
+#: Runs a store call on the maintenance thread: ``(fn, on_done)`` -> its future, or None when refused.
+Submit = Callable[[Callable[[], Any], Callable[[concurrent.futures.Future[Any]], None]], Any]
+
+
+class SessionRetention:
+    """The scheduler half's session retention (scheduler thread; the store calls go to ``submit``)."""
+
+    def __init__(self, store: Store, submit: Submit, stats: StatsBox) -> None:
+        self._store = store
+        self._submit = submit
+        self._stats = stats
+
+    def session_of(self, request_id: str, kv_transfer_params: Any) -> RequestSession | None:
+        """The request's session, or None (no hint, or one refused: counted and logged)."""
+        hint, reason = parse_session_hint(kv_transfer_params)
+        if hint is not None and not self._store.supports_retention:
+            hint, reason = None, "the store cannot retain entries (it evicts by its own policy)"
+        if reason is not None:
+            self._stats.add("session_hints_refused")
+            log.warning(ConnectorLogEvent.SESSION_HINT_REFUSED, request_id=request_id, reason=reason)
+        return None if hint is None else RequestSession(hint)
+
+    def retain(
+        self, session: RequestSession, scheme: KeyScheme, entries: Iterable[tuple[int, int, bytes]]
+    ) -> None:
+        """Retain ``entries`` (stored or loaded by the session's request) for the session's TTL from now."""
+        batch = sorted(set(entries))
+        if not batch:
+            return
+        session.entries.update(batch)
+        if not session.hint.end:  # the last turn's own entries are released at its end anyway
+            self._call(scheme, batch, time.time() + session.hint.ttl_s)
+
+    def finished(self, session: RequestSession, scheme: KeyScheme) -> None:
+        """The request finished: its entries are released when it was the session's last turn."""
+        if session.hint.end and session.entries:
+            self._call(scheme, sorted(session.entries), 0.0)
+
+    def _call(self, scheme: KeyScheme, batch: list[tuple[int, int, bytes]], until: float) -> None:
+        keys = [scheme.key(group, rank, block_hash) for group, rank, block_hash in batch]
+        store = self._store
+
+        def done(fut: concurrent.futures.Future[Any]) -> None:
+            exc = fut.exception()
+            statuses = fut.result() if exc is None else [Status.TRANSFER_FAILED] * len(keys)
+            num_failed = sum(1 for st in statuses if st not in (Status.OK, Status.NOT_FOUND))
+            num_retained = sum(1 for st in statuses if st is Status.OK)
+            if until > 0:
+                self._stats.add("session_retained_keys", num_retained)
+            if num_failed:
+                self._stats.add("session_retain_failed", num_failed)
+
+        if self._submit(lambda: store.retain(keys, until), done) is None:
+            self._stats.add("session_retain_failed", len(keys))
