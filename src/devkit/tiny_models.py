@@ -20,6 +20,14 @@ Families and the KV-cache groups vLLM makes of them (facts from ``docs/vllm-cpu-
   backends take), MoE. Not in ``FAMILIES`` (the demo, bench and serve families): vLLM keeps prefix
   caching on for it only with the ``AMX_MLA`` backend; with ``CPU_MLA`` it turns prefix caching off.
 
+Sliding-window families, not in ``FAMILIES`` either (for end-to-end tests):
+
+- ``cohere2``     -- 4 groups: 3 sliding-window (64) + 1 full attention, one layer each
+  (``[sliding, sliding, sliding, full]``).
+- ``gemma2``      -- 2 groups, sliding window (64) + full attention (logit soft-capping on).
+- ``gpt_oss``     -- 2 groups, sliding window (64) + full attention, attention sinks, MoE (4 experts, 2
+  active).
+
 Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers) and ``size="bench"`` (hidden 1024, 8 layers, 4 KV
 heads x 128, long context): big enough that prefill compute dominates a 4000-token request on CPU, for
 ``hybridkv bench ttft``. A size only adds overrides, so ``tiny`` folders keep their digests.
@@ -47,15 +55,21 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
-#: Per hybrid family: the two layer types its layers alternate (``None``: every layer full attention).
-_LAYER_PATTERN: dict[str, tuple[str, str] | None] = {
+#: Per hybrid family: the layer types its layers repeat (``None``: every layer full attention).
+_LAYER_PATTERN: dict[str, tuple[str, ...] | None] = {
     "llama": None,
     "gemma3": ("sliding_attention", "full_attention"),
     "qwen3_next": ("linear_attention", "full_attention"),
     "lfm2": ("conv", "full_attention"),
     "deepseek_v3": None,
+    "cohere2": ("sliding_attention", "sliding_attention", "sliding_attention", "full_attention"),
+    "gemma2": ("sliding_attention", "full_attention"),
+    "gpt_oss": ("sliding_attention", "full_attention"),
 }
 
 #: Bump when the builder changes the produced files for an unchanged config.
@@ -95,7 +109,7 @@ def _layer_types(family: str, num_layers: int) -> list[str]:
     """``num_layers`` layer types of a hybrid family: its pattern, repeated."""
     pattern = _LAYER_PATTERN[family]
     assert pattern is not None, family
-    return list(pattern) * (num_layers // 2)
+    return list(pattern) * (num_layers // len(pattern))
 
 
 def size_overrides(family: str, size: str) -> dict[str, Any]:
@@ -184,6 +198,38 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "num_nextn_predict_layers": 0,
             # With the default 0.02 the random model repeats one token; 0.2 gives varied tokens.
             "initializer_range": 0.2,
+        }
+    elif family == "cohere2":
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": _layer_types(family, 4),
+            "sliding_window": 64,
+            "num_key_value_heads": 2,  # head dim: hidden 128 / 4 heads = 32
+            # With the default 0.02 the random model repeats one token; 0.2 gives varied tokens.
+            "initializer_range": 0.2,
+        }
+    elif family == "gemma2":
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": _layer_types(family, 4),
+            "sliding_window": 64,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            # vLLM's Gemma2 always takes the LM head from the embedding. Tied, the random model repeats a
+            # token for a stretch whatever the initializer range; which token, and where it switches,
+            # depends on the whole prompt.
+            "tie_word_embeddings": True,
+        }
+    elif family == "gpt_oss":
+        kw = {
+            "num_hidden_layers": 4,
+            "layer_types": _layer_types(family, 4),
+            "sliding_window": 64,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
         }
     else:  # lfm2
         kw = {
