@@ -103,7 +103,7 @@ class LookupAnswers:
             if r.lc.current is State.LOADING:
                 log.warning(ConnectorLogEvent.LOOKUP_WHILE_LOADING, request_id=request.request_id)
             r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
-            r.lc = self.machine.new_request(request.request_id)
+            r.lc = self.machine.new_request(request.request_id, r.lc.session)
             r.memo, r.load = None, None
             # Its facts stay: the new incarnation answers from them without a round trip when they
             # suffice (confirmed entries are as good as a fresh check: every load is verified anyway).

@@ -182,12 +182,17 @@ class SchedulerSide:
     def _track(self, request: Request) -> RequestState:
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = RequestState(
-                request=request, lc=self.machine.new_request(request.request_id), saves=RequestSaves(request)
-            )
-            r.saves.session = self.sessions.session_of(
+            session = self.sessions.session_of(
                 request.request_id, getattr(request, "kv_transfer_params", None)
             )
+            r = RequestState(
+                request=request,
+                lc=self.machine.new_request(
+                    request.request_id, None if session is None else session.hint.audit_detail()
+                ),
+                saves=RequestSaves(request),
+            )
+            r.saves.session = session
             self._reqs[request.request_id] = r
         return r
 

@@ -66,6 +66,10 @@ class SessionHint:
     ttl_s: float
     end: bool = False
 
+    def audit_detail(self) -> dict[str, Any]:
+        """The detail of the request's ``start_lookup`` audit records."""
+        return {"session": self.session_id, "session_ttl_s": self.ttl_s, "session_end": self.end}
+
 
 def parse_session_hint(kv_transfer_params: Any) -> tuple[SessionHint | None, str | None]:
     """``(hint, None)``; ``(None, None)`` when the request names no session; ``(None, reason)`` for a hint

@@ -107,9 +107,10 @@ class LifecycleMachine:
 
     # -- models ------------------------------------------------------------------------------------
 
-    def new_request(self, request_id: str) -> RequestLifecycle:
-        """A fresh load-side lifecycle in ``NEW`` (cheap: no machine graph is built)."""
-        return RequestLifecycle(self, request_id)
+    def new_request(self, request_id: str, session: Mapping[str, Any] | None = None) -> RequestLifecycle:
+        """A fresh load-side lifecycle in ``NEW`` (cheap: no machine graph is built); ``session``: the
+        request's session hint for its ``start_lookup`` records."""
+        return RequestLifecycle(self, request_id, session)
 
     def new_save_wave(self, request_id: str, wave: int, plan: SavePlan) -> SaveWave:
         """A fresh save wave in ``QUEUED`` for the entries of ``plan``."""
@@ -224,10 +225,15 @@ class RequestLifecycle(_Model):
     - request finished / aborted / preempted: ``evict``.
     """
 
-    __slots__ = ("candidates", "epoch", "lookup", "max_boundary", "num_retries", "resolution")
+    __slots__ = ("candidates", "epoch", "lookup", "max_boundary", "num_retries", "resolution", "session")
 
-    def __init__(self, machine: LifecycleMachine, request_id: str) -> None:
+    def __init__(
+        self, machine: LifecycleMachine, request_id: str, session: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(machine, request_id, None, LOAD_INITIAL)
+        #: the request's session hint, as ``start_lookup``'s record detail (``session``, ``session_ttl_s``,
+        #: ``session_end``); None: the request names no session
+        self.session = session
         self.lookup: LookupResult | None = None
         self.candidates: LookupCandidates | None = None
         self.resolution: LoadResolution | None = None
@@ -278,7 +284,7 @@ class RequestLifecycle(_Model):
         elif state is State.LOOKUP:
             self._machine.fire(self, "reask", num_tokens=num_tokens, num_computed_tokens=num_computed_tokens)
         else:
-            self._machine.fire(self, "start_lookup")
+            self._machine.fire(self, "start_lookup", **(self.session or {}))
         self.num_computed_tokens = num_computed_tokens
         self.epoch = self._machine.epoch
         return True

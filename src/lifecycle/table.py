@@ -194,7 +194,7 @@ _CONSUMER, _PRODUCER = ("consumer", "pull"), ("producer", "push")
 # fmt: off
 #: One row per trigger: its ``detail`` fields, trace counterpart and replay counts.
 TRIGGERS: Mapping[Trigger, TriggerRow] = {row.trigger: row for row in (
-    TriggerRow(_T.START_LOOKUP),
+    TriggerRow(_T.START_LOOKUP,  ("session", "session_ttl_s", "session_end"), detail_optional=True),
     TriggerRow(_T.REASK,         ("num_tokens", "num_computed_tokens")),
     TriggerRow(_T.LOOKUP_HIT,    trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
     TriggerRow(_T.LOOKUP_MISS,   ("reason",), detail_optional=True, trace=("blocks_matched", *_CONSUMER), replay=_LOAD),

@@ -5,7 +5,8 @@ blocks. The session's prompt S (4 blocks) is sent with ``kv_transfer_params.hybr
 prompt C of the same size without. Then six one-off prompts of 4 blocks each flood the store, far past its
 capacity. With the local cache dropped, S comes back from the store (every block: its entries were retained,
 within half the capacity) with the cold run's tokens, while C's entries were evicted (no external hit). A
-malformed hint is refused, counted, and its request served as usual.
+malformed hint is refused, counted, and its request served as usual. The session's requests carry their
+hint in their audit records (``lookup_started``'s detail).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from hybridkv.devkit.tiny_models import build_tiny_model
 from hybridkv.ops import inprocess
-from support.engines import MODELS_DIR, connectors, flush_saves, prompt, reset_local_cache
+from support.engines import MODELS_DIR, audit, connectors, flush_saves, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -39,7 +40,10 @@ def _run(
 
 def test_a_sessions_prefix_outlives_a_flood_and_a_bad_hint_is_refused(tmp_path: Path) -> None:
     model = build_tiny_model("llama", MODELS_DIR)
-    transfer = inprocess.connector_transfer_config({"store": f"file://{tmp_path}/store?capacity={CAPACITY}"})
+    audit_path = tmp_path / "audit.jsonl"
+    transfer = inprocess.connector_transfer_config(
+        {"store": f"file://{tmp_path}/store?capacity={CAPACITY}", "audit_log": str(audit_path)}
+    )
     session = {"hybridkv_session": {"id": "chat-1", "ttl_s": 600}}
     s, c = prompt(NUM_BLOCKS * BLOCK + 20, seed=1), prompt(NUM_BLOCKS * BLOCK + 20, seed=2)
     floods = [prompt(NUM_BLOCKS * BLOCK + 20, seed=100 + i) for i in range(6)]
@@ -70,3 +74,10 @@ def test_a_sessions_prefix_outlives_a_flood_and_a_bad_hint_is_refused(tmp_path: 
     # The hit renewed the session's four entries.
     assert totals.get("session_retained_keys", 0) == 2 * NUM_BLOCKS, totals
     assert totals.get("session_retain_failed", 0) == 0, totals
+    # The session's requests say so in their audit records (the first record of each lookup).
+    starts = [r for r in audit(audit_path) if r["event"] in ("lookup_started", "lookup_restarted")]
+    with_session = [r["detail"] for r in starts if r["detail"] is not None]
+    assert with_session and all(
+        d == {"session": "chat-1", "session_ttl_s": 600.0, "session_end": False} for d in with_session
+    ), with_session
+    assert len({r["request_id"] for r in starts if r["detail"] is not None}) == 2  # cold and hot S
