@@ -75,6 +75,8 @@ class RequestSaves:
     loaded_boundary: int = 0
     #: (group_index, key boundary) of full-attention prompt tails already saved
     tails_saved: set[tuple[int, int]] = field(default_factory=set)
+    #: EAGLE: (group_index, key boundary) of tails one margin past a saved state, not computed yet
+    deferred_tails: set[tuple[int, int]] = field(default_factory=set)
     #: the request's session hint (``hybridkv.connector.sessions``): what its waves store is retained
     session: RequestSession | None = None
 
@@ -143,10 +145,14 @@ class SavePlanner:
         load in flight for the request (0: none); boundaries up to it come from this store.
         """
         items = self._positional_saves(saves, num_done_tokens, block_state)
+        if saves.deferred_tails:
+            items += self._due_tails(
+                saves, num_done_tokens, block_state.get_block_ids(saves.request.request_id)
+            )
         states = self._boundary_saves(saves, state_offloads, loading_boundary)
         if states:
             items += states + self._tail_saves(
-                saves, states, block_state.get_block_ids(saves.request.request_id)
+                saves, states, block_state.get_block_ids(saves.request.request_id), num_done_tokens
             )
         return self._new_job(saves, items) if items else None
 
@@ -161,7 +167,7 @@ class SavePlanner:
         a job sent with the next step's metadata."""
         items = self._boundary_saves(saves, tails, loading_boundary)
         if items:
-            items += self._tail_saves(saves, items, block_ids)
+            items += self._tail_saves(saves, items, block_ids, saves.request.num_computed_tokens)
             self._unsent.append(self._new_job(saves, items))
 
     def take_unsent(self) -> list[SaveJob]:
@@ -236,7 +242,11 @@ class SavePlanner:
         return out
 
     def _tail_saves(
-        self, saves: RequestSaves, states: list[SaveItem], table: tuple[list[int], ...] | None
+        self,
+        saves: RequestSaves,
+        states: list[SaveItem],
+        table: tuple[list[int], ...] | None,
+        num_done_tokens: int,
     ) -> list[SaveItem]:
         """(group_index, boundary, block id) of the full-attention prompt tails the saved Mamba states need.
 
@@ -246,22 +256,59 @@ class SavePlanner:
         (vLLM's ``FullAttentionManager`` caches the same partial tail locally). Whole blocks before it
         are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
         recomputes from ``b`` and overwrites them.
+
+        With EAGLE (``Geometry.eagle``) a lookup verifies an attention group one EAGLE margin past the
+        boundary it reports (``eagle_margin``), so the tail under ``b + margin`` is stored too, when the
+        request has computed that far (``num_done_tokens``; else in the first later step that has:
+        ``deferred_tails``) and it is a prompt position.
         """
         if table is None:
             return []
+        geometry = self.scheme.geometry
+        limit = min(saves.request.num_prompt_tokens, len(saves.request.block_hashes) * geometry.hash_unit)
         out = []
-        for _, boundary, _ in states:
+        for _, state_boundary, _ in states:
             for g in self.geo.groups:
-                if not KIND_RULES[g.kind].stores_partial_tails or boundary % g.span == 0:
+                rules = KIND_RULES[g.kind]
+                if not rules.stores_partial_tails:
                     continue
-                if (g.group_index, boundary) in saves.tails_saved:
-                    continue
-                idx = boundary // g.span
-                bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
-                if bid == 0:
-                    continue
-                saves.tails_saved.add((g.group_index, boundary))
-                out.append((g.group_index, boundary, bid))
+                boundaries = [state_boundary]
+                if geometry.eagle:
+                    past = state_boundary + rules.eagle_margin(geometry, (g.group_index,))
+                    if past <= min(limit, num_done_tokens):
+                        boundaries.append(past)
+                    elif past <= limit and past % g.span:
+                        saves.deferred_tails.add((g.group_index, past))
+                for boundary in boundaries:
+                    if boundary % g.span == 0 or (g.group_index, boundary) in saves.tails_saved:
+                        continue
+                    idx = boundary // g.span
+                    bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
+                    if bid == 0:
+                        continue
+                    saves.tails_saved.add((g.group_index, boundary))
+                    out.append((g.group_index, boundary, bid))
+        return out
+
+    def _due_tails(
+        self, saves: RequestSaves, num_done_tokens: int, table: tuple[list[int], ...] | None
+    ) -> list[SaveItem]:
+        """The deferred EAGLE tails (``_tail_saves``) the request has now computed."""
+        due = sorted(t for t in saves.deferred_tails if t[1] <= num_done_tokens)
+        if not due or table is None:
+            return []
+        out = []
+        for group_index, boundary in due:
+            saves.deferred_tails.discard((group_index, boundary))
+            if (group_index, boundary) in saves.tails_saved:
+                continue
+            g = self.geo.groups[group_index]
+            idx = boundary // g.span
+            bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
+            if bid == 0:
+                continue
+            saves.tails_saved.add((group_index, boundary))
+            out.append((group_index, boundary, bid))
         return out
 
     def _new_job(self, saves: RequestSaves, items: list[SaveItem]) -> SaveJob:
