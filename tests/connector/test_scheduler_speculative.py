@@ -3,7 +3,7 @@ one-layer EAGLE draft the tiny-model builder makes), with simulated worker ranks
 
 vLLM's CPU build cannot run a hybrid model with speculative decoding and prefix caching (its Mamba precopy
 fails), so this is where hybrids meet the EAGLE block drop. Per geometry (full attention + Mamba align at
-TP 2; MLA + Mamba under DCP = TP = 4):
+TP 2; MLA + Mamba under DCP = TP = 4 and 8, the Kimi-K3-like sharding):
 
 - a cold engine serves X and stores it; the same prompt again there is vLLM's own local hit, which with
   EAGLE stops short of the prompt's last cached block;
@@ -56,7 +56,9 @@ def _first_start(cl: Cluster, rid: str) -> tuple[int, list[tuple[str, int]]]:
     return starts.get(rid, -1), loads
 
 
-@pytest.mark.parametrize(("kind", "dcp", "tp"), [("full_mamba", 1, 2), ("mla_mamba", 4, 4)])
+@pytest.mark.parametrize(
+    ("kind", "dcp", "tp"), [("full_mamba", 1, 2), ("mla_mamba", 4, 4), ("mla_mamba", 8, 8)]
+)
 def test_eagle_hits_equal_vllms_local_hit_and_restore_every_slot(kind: str, dcp: int, tp: int) -> None:
     vc, kvc = _eagle_configs(kind, dcp, tp)
     x = tokens(1)
