@@ -235,12 +235,20 @@ def resolve_geometry(
         if i not in cacheable
     )
     cc = vllm_config.cache_config
+    # vLLM drops in the groups holding the drafter's layers (``is_eagle_group``), in every group when none is.
+    flagged = {
+        i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)
+    }
+    eagle_groups = (
+        frozenset(i for i, vllm_gid in enumerate(cacheable) if vllm_gid in flagged) if flagged else None
+    )
     geometry = Geometry(
         groups=tuple(specs),
         topology=Topology(tp_size=tp, dcp_size=dcp, interleave=interleave),
         prefix_match_unit=getattr(cc, "prefix_match_unit", None) if len(specs) > 1 or other_spans else None,
         other_group_spans=other_spans,
         eagle=_eagle_block_drop(vllm_config),
+        eagle_groups=eagle_groups,
     )
     for info, span in zip(infos, geometry.spans, strict=True):
         assert info.span == span, (

@@ -62,6 +62,10 @@ class Geometry:
             use_eagle_block_drop()``): the drafter needs the target's hidden states of the tokens right
             before the generation point, so they are recomputed. Lookups then follow vLLM's EAGLE rules
             (``KindRules.unit_hit(drop=True)``). Not in :meth:`describe` (keys do not depend on it).
+        eagle_groups: with ``eagle``, the store groups vLLM flags ``is_eagle_group`` (those holding the
+            drafter's layers); a lookup unit drops when any of its groups is flagged (vLLM's coordinator
+            flags the spec group). None: every group (vLLM's fallback when no group is flagged). Not in
+            :meth:`describe`.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -69,6 +73,7 @@ class Geometry:
     prefix_match_unit: int | None = None
     other_group_spans: tuple[int, ...] = ()
     eagle: bool = False
+    eagle_groups: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         assert self.groups, "a Geometry needs at least one prefix-cacheable group"
@@ -138,13 +143,24 @@ class Geometry:
         )
         return enabled and permitted
 
+    def group_drops(self, group_index: int) -> bool:
+        """Whether an EAGLE lookup drops in the lookup unit of ``group_index``."""
+        return any(self.unit_drops(unit) for unit in self.lookup_units if group_index in unit)
+
+    def unit_drops(self, unit: tuple[int, ...]) -> bool:
+        """Whether an EAGLE lookup drops in ``unit`` (``eagle``, and one of its groups is flagged)."""
+        return self.eagle and (self.eagle_groups is None or any(g in self.eagle_groups for g in unit))
+
     @cached_property
     def eagle_lookahead(self) -> int:
-        """Tokens an EAGLE lookup may look past its cap (the widest unit's margin; 0 without EAGLE, or for one
-        group, whose vLLM coordinator looks up once without a margin)."""
+        """Tokens an EAGLE lookup may look past its cap (the widest dropping unit's margin; 0 without EAGLE,
+        or for one group, whose vLLM coordinator looks up once without a margin)."""
         if not self.eagle or self.is_single_group:
             return 0
-        return max(self.groups[unit[0]].rules.eagle_margin(self, unit) for unit in self.lookup_units)
+        return max(
+            (self.groups[u[0]].rules.eagle_margin(self, u) for u in self.lookup_units if self.unit_drops(u)),
+            default=0,
+        )
 
     @cached_property
     def hit_alignment(self) -> int:

@@ -401,7 +401,7 @@ class SlidingWindowRules(KindRules):
         end = boundary // span
         num_blocks = self.num_window_blocks(geometry.groups[group_index], span)
         window = geometry.groups[group_index].sliding_window
-        if geometry.eagle and window is not None:
+        if geometry.group_drops(group_index) and window is not None:
             # The window blocks vLLM's EAGLE lookup verified before the boundary (none for a 1-token window:
             # its one matched block is the dropped one past the boundary).
             num_blocks = cdiv(window - 1, span)

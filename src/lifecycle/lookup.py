@@ -236,7 +236,8 @@ def _fixed_point(
     """vLLM's hybrid fixed point: each unit may only shrink the candidate; a left-contiguous unit (full
     attention) is looked up once (at the candidate of its first visit) and then only trimmed.
 
-    With ``Geometry.eagle`` (vLLM's EAGLE block dropping) a unit not yet verified at the current candidate
+    With ``Geometry.eagle`` (vLLM's EAGLE block dropping) a dropping unit (``Geometry.unit_drops``: one of
+    its groups holds the drafter's layers, or no group is flagged) not yet verified at the current candidate
     looks past it by its EAGLE margin (up to ``max_tokens``, the tokens the hashes cover; no margin for a
     single group) and drops that part, at most once per candidate (a shrink by a pass without the drop
     clears the verifications); one group, or a simple hybrid (full attention + one other unit), takes one
@@ -255,7 +256,7 @@ def _fixed_point(
             if rules.left_contiguous and unit in contiguous_hits:
                 current = min(current, contiguous_hits[unit].hit)
                 continue
-            drop = eagle and unit not in verified
+            drop = geometry.unit_drops(unit) and unit not in verified
             max_length = current
             if drop and rules.eagle_drops and not geometry.is_single_group:
                 max_length = min(current + rules.eagle_margin(geometry, unit), max_tokens)

@@ -47,8 +47,11 @@ def _vllm_spec(group):  # type: ignore[no-untyped-def]
 
 
 def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[no-untyped-def]
+    flagged = geometry.eagle_groups or frozenset()  # None: no group flagged (vLLM then drops in all)
     groups = [
-        kv_cache_interface.KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=_vllm_spec(group))
+        kv_cache_interface.KVCacheGroupSpec(
+            layer_names=[f"layer.{i}"], kv_cache_spec=_vllm_spec(group), is_eagle_group=i in flagged
+        )
         for i, group in enumerate(geometry.groups)
     ]
     kv_cache_config = kv_cache_interface.KVCacheConfig(
@@ -86,7 +89,11 @@ def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[n
 def _cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
     geometry = draw(geometries())
     if draw(st.booleans()):  # an EAGLE / MTP drafter: vLLM drops the hit's last block
-        geometry = dataclasses.replace(geometry, eagle=True)
+        # in the groups holding the drafter's layers (flagged), or in every group when none is flagged
+        flagged = draw(
+            st.none() | st.sets(st.integers(0, geometry.num_groups - 1), min_size=1).map(frozenset)
+        )
+        geometry = dataclasses.replace(geometry, eagle=True, eagle_groups=flagged)
     num_tokens = draw(st.integers(1, 10 * max(geometry.spans) + 3))
     unit = geometry.hash_unit
     num_units = num_tokens // unit
