@@ -257,7 +257,7 @@ class SavePlanner:
         are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
         recomputes from ``b`` and overwrites them.
 
-        With EAGLE (``Geometry.eagle``) a lookup verifies an attention group one EAGLE margin past the
+        With EAGLE (``Geometry.group_drops``) a lookup verifies an attention group one EAGLE margin past the
         boundary it reports (``eagle_margin``), so the tail under ``b + margin`` is stored too, when the
         request has computed that far (``num_done_tokens``; else in the first later step that has:
         ``deferred_tails``) and it is a prompt position.
@@ -273,7 +273,7 @@ class SavePlanner:
                 if not rules.stores_partial_tails:
                     continue
                 boundaries = [state_boundary]
-                if geometry.eagle:
+                if geometry.group_drops(g.group_index):
                     past = state_boundary + rules.eagle_margin(geometry, (g.group_index,))
                     if past <= min(limit, num_done_tokens):
                         boundaries.append(past)
