@@ -17,6 +17,8 @@ ngram drafts from the prompt and has no KV of its own: no drop, and the keys are
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +136,20 @@ def _num_target_layers(llm: Any) -> int:
     return int(config.model_config.get_num_layers(config.parallel_config))
 
 
+@pytest.fixture
+def forget_numba() -> Iterator[None]:
+    """vLLM's ngram proposer imports numba, hence llvmlite, whose ``ffi.lib`` answers any attribute (even
+    ``__dict__``); vLLM 0.32's kernel dispatcher then fails every later engine of this process while it scans
+    ``sys.modules`` (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``,
+    ``triton_utils/dispatcher.py``). Nothing else here uses numba: its modules leave with the test."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("numba", "llvmlite"):
+            del sys.modules[name]
+
+
+@pytest.mark.usefixtures("forget_numba")
 def test_ngram_hits_are_whole_and_keyed_like_the_plain_target(tmp_path: Path) -> None:
     model = build_tiny_model("llama", MODELS_DIR)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
