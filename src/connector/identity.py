@@ -55,10 +55,6 @@ UNRESOLVED_DETAIL = (
     "weights: not a local folder or file and not in the local Hugging Face cache; new weights under the "
     "same model id and revision are not told apart"
 )
-#: Speculative methods whose drafter writes KV pages (vLLM's ``uses_draft_kv_cache``, for a config without it).
-_DRAFTERS_WITH_KV = frozenset(
-    {"eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model", "extract_hidden_states"}
-)
 _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 #: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
 MANIFEST_BYTES = 4096
@@ -97,8 +93,13 @@ class ModelIdentity:
             fields.pop("model")
         if not self.drafter:
             fields.pop("drafter")  # engines without a drafter keep the keys they always had
-        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return _short_digest(fields)
+
+
+def _short_digest(fields: Mapping[str, Any]) -> str:
+    """SHA-256 (hex, 16 digits) of ``fields`` as canonical JSON."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def _canonical(value: Any) -> str:
@@ -155,19 +156,16 @@ def drafter_identity(vllm_config: VllmConfig) -> str:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return ""
-    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)  # vLLM 0.32 / 0.33
-    method = str(getattr(spec, "method", None))
-    has_kv = uses_draft_kv() if callable(uses_draft_kv) else method in _DRAFTERS_WITH_KV
+    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)  # vLLM 0.32 and 0.33 have it
     draft = getattr(spec, "draft_model_config", None)
-    if not has_kv or draft is None:
+    if not callable(uses_draft_kv) or not uses_draft_kv() or draft is None:
         return ""  # ngram, suffix, ...: the draft model config (if any) is the target's, and no KV of its own
+    method = str(spec.method)
     model = str(draft.model)
     revision = getattr(draft, "revision", None)
     path = _local_model_path(model, revision)
     weights = weights_identity(path)[0] if path is not None else f"{model}@{revision}"
-    fields = {"method": method, "weights": weights, "dtype": str(getattr(draft, "dtype", ""))}
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return f"{method}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+    return f"{method}:{_short_digest({'method': method, 'weights': weights, 'dtype': str(getattr(draft, 'dtype', ''))})}"
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:

@@ -194,11 +194,14 @@ class SavePlanner:
     def scheme(self) -> KeyScheme:
         return self.geo.scheme
 
+    def _saveable_tokens(self, request: Request) -> int:
+        """The prompt positions a save may key: prompt tokens the block hashes cover."""
+        return min(request.num_prompt_tokens, len(request.block_hashes) * self.scheme.geometry.hash_unit)
+
     def _positional_saves(self, saves: RequestSaves, done: int, bs: KVConnectorBlockState) -> list[SaveItem]:
         """(group_index, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
         req = saves.request
-        unit = self.scheme.geometry.hash_unit
-        upto = min(done, req.num_prompt_tokens, len(req.block_hashes) * unit)
+        upto = min(done, self._saveable_tokens(req))
         if saves.saved_upto is None:
             # Blocks before the first scheduled position came from the device cache or from this store.
             first = max(req.num_computed_tokens, saves.loaded_boundary)
@@ -228,7 +231,7 @@ class SavePlanner:
         """(group_index, boundary, block id) of the Mamba hand-offs a later lookup can ask for."""
         req = saves.request
         geometry = self.scheme.geometry
-        limit = min(req.num_prompt_tokens, len(req.block_hashes) * geometry.hash_unit)
+        limit = self._saveable_tokens(req)
         out = []
         for vllm_group_index, bid, boundary in offloads:
             g = self._by_vllm_group.get(vllm_group_index)
@@ -265,8 +268,8 @@ class SavePlanner:
         if table is None:
             return []
         geometry = self.scheme.geometry
-        limit = min(saves.request.num_prompt_tokens, len(saves.request.block_hashes) * geometry.hash_unit)
-        out = []
+        limit = self._saveable_tokens(saves.request)
+        out: list[SaveItem] = []
         for _, state_boundary, _ in states:
             for g in self.geo.groups:
                 rules = KIND_RULES[g.kind]
@@ -279,16 +282,28 @@ class SavePlanner:
                         boundaries.append(past)
                     elif past <= limit and past % g.span:
                         saves.deferred_tails.add((g.group_index, past))
-                for boundary in boundaries:
-                    if boundary % g.span == 0 or (g.group_index, boundary) in saves.tails_saved:
-                        continue
-                    idx = boundary // g.span
-                    bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
-                    if bid == 0:
-                        continue
-                    saves.tails_saved.add((g.group_index, boundary))
-                    out.append((g.group_index, boundary, bid))
+                out.extend(
+                    item
+                    for boundary in boundaries
+                    if boundary % g.span and (item := self._tail_item(saves, g.group_index, boundary, table))
+                )
         return out
+
+    def _tail_item(
+        self, saves: RequestSaves, group_index: int, boundary: int, table: tuple[list[int], ...]
+    ) -> SaveItem | None:
+        """The save of ``group_index``'s prompt tail under ``boundary`` (recorded as saved), or None when it
+        was saved already or its block is not in the table."""
+        if (group_index, boundary) in saves.tails_saved:
+            return None
+        g = self.geo.groups[group_index]
+        blocks = table[g.vllm_group_index]
+        idx = boundary // g.span
+        bid = blocks[idx] if idx < len(blocks) else 0
+        if bid == 0:
+            return None
+        saves.tails_saved.add((group_index, boundary))
+        return (group_index, boundary, bid)
 
     def _due_tails(
         self, saves: RequestSaves, num_done_tokens: int, table: tuple[list[int], ...] | None
@@ -297,19 +312,8 @@ class SavePlanner:
         due = sorted(t for t in saves.deferred_tails if t[1] <= num_done_tokens)
         if not due or table is None:
             return []
-        out = []
-        for group_index, boundary in due:
-            saves.deferred_tails.discard((group_index, boundary))
-            if (group_index, boundary) in saves.tails_saved:
-                continue
-            g = self.geo.groups[group_index]
-            idx = boundary // g.span
-            bid = table[g.vllm_group_index][idx] if idx < len(table[g.vllm_group_index]) else 0
-            if bid == 0:
-                continue
-            saves.tails_saved.add((group_index, boundary))
-            out.append((group_index, boundary, bid))
-        return out
+        saves.deferred_tails.difference_update(due)
+        return [item for g, b in due if (item := self._tail_item(saves, g, b, table))]
 
     def _new_job(self, saves: RequestSaves, items: list[SaveItem]) -> SaveJob:
         """A save job for ``items``: its lifecycle wave started, its source blocks pinned."""

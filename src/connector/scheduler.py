@@ -382,13 +382,7 @@ class SchedulerSide:
             r.saves.loaded_boundary = job.boundary
             if r.saves.session is not None:  # a hit renews the session's retention
                 self.sessions.retain(
-                    r.saves.session,
-                    self.scheme,
-                    [
-                        (ref.group_index, rank, ref.block_hash)
-                        for ref in job.blocks
-                        for rank in self.geo.ranks
-                    ],
+                    r.saves.session, self.scheme, [(ref.group_index, ref.block_hash) for ref in job.blocks]
                 )
             for group_index, num_blocks in Counter(ref.group_index for ref in job.blocks).items():
                 self.stats.add(f"{PER_GROUP_LOADED_BLOCKS}{group_index}", num_blocks)
@@ -441,10 +435,7 @@ class SchedulerSide:
             return
         self.events.stored(stored)
         if session is not None:
-            ranks = self.geo.ranks
-            self.sessions.retain(
-                session, self.scheme, [(g, rank, block_hash) for g, block_hash, _ in stored for rank in ranks]
-            )
+            self.sessions.retain(session, self.scheme, [(g, block_hash) for g, block_hash, _ in stored])
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()

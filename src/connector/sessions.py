@@ -98,10 +98,11 @@ def parse_session_hint(kv_transfer_params: Any) -> tuple[SessionHint | None, str
 
 @dataclass
 class RequestSession:
-    """One request's session and the entries it retained, as ``(group_index, tp_rank, block_hash)``."""
+    """One request's session and the blocks it retained, as ``(group_index, block_hash)`` (every rank's
+    entry of each)."""
 
     hint: SessionHint
-    entries: set[tuple[int, int, bytes]] = field(default_factory=set)
+    blocks: set[tuple[int, bytes]] = field(default_factory=set)
 
 
 #: Runs a store call on the maintenance thread: ``(fn, on_done)`` -> its future, or None when refused.
@@ -126,24 +127,24 @@ class SessionRetention:
             log.warning(ConnectorLogEvent.SESSION_HINT_REFUSED, request_id=request_id, reason=reason)
         return None if hint is None else RequestSession(hint)
 
-    def retain(
-        self, session: RequestSession, scheme: KeyScheme, entries: Iterable[tuple[int, int, bytes]]
-    ) -> None:
-        """Retain ``entries`` (stored or loaded by the session's request) for the session's TTL from now."""
-        batch = sorted(set(entries))
+    def retain(self, session: RequestSession, scheme: KeyScheme, blocks: Iterable[tuple[int, bytes]]) -> None:
+        """Retain every rank's entry of ``blocks`` (``(group_index, block_hash)``, stored or loaded by the
+        session's request) for the session's TTL from now."""
+        batch = sorted(set(blocks))
         if not batch:
             return
-        session.entries.update(batch)
+        session.blocks.update(batch)
         if not session.hint.end:  # the last turn's own entries are released at its end anyway
             self._call(scheme, batch, time.time() + session.hint.ttl_s)
 
     def finished(self, session: RequestSession, scheme: KeyScheme) -> None:
         """The request finished: its entries are released when it was the session's last turn."""
-        if session.hint.end and session.entries:
-            self._call(scheme, sorted(session.entries), 0.0)
+        if session.hint.end and session.blocks:
+            self._call(scheme, sorted(session.blocks), 0.0)
 
-    def _call(self, scheme: KeyScheme, batch: list[tuple[int, int, bytes]], until: float) -> None:
-        keys = [scheme.key(group, rank, block_hash) for group, rank, block_hash in batch]
+    def _call(self, scheme: KeyScheme, batch: list[tuple[int, bytes]], until: float) -> None:
+        ranks = [r.tp_rank for r in scheme.geometry.topology.ranks]
+        keys = [scheme.key(group, rank, block_hash) for group, block_hash in batch for rank in ranks]
         store = self._store
 
         def done(fut: concurrent.futures.Future[Any]) -> None:

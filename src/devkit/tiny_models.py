@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,22 +141,29 @@ def size_overrides(family: str, size: str) -> dict[str, Any]:
     return kw
 
 
+def _sliding_kwargs(family: str, *, head_dim: int | None = 32) -> dict[str, Any]:
+    """What the sliding-window families share: 4 layers of the family's pattern, a window of 64 tokens,
+    2 KV heads (of ``head_dim``, when the config takes one)."""
+    kw: dict[str, Any] = {
+        "num_hidden_layers": 4,
+        "layer_types": _layer_types(family, 4),
+        "sliding_window": 64,
+        "num_key_value_heads": 2,
+    }
+    return kw if head_dim is None else kw | {"head_dim": head_dim}
+
+
 def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> tuple[str, dict[str, Any]]:
     """The transformers config class name and kwargs of a family at ``size`` (overrides win)."""
     _check_family(family)
     cls = _CLASSES[family][0]
     if family == "llama":
         kw: dict[str, Any] = {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 32}
-    elif family == "gemma3":
-        kw = {
-            "num_hidden_layers": 4,
-            "layer_types": _layer_types(family, 4),
-            "sliding_window": 64,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "query_pre_attn_scalar": 32,
-            "tie_word_embeddings": True,
-        }
+    elif family in ("gemma3", "gemma2"):
+        # vLLM's Gemma2 always takes the LM head from the embedding. Tied, the random model repeats a token
+        # for a stretch whatever the initializer range; which token, and where it switches, depends on the
+        # whole prompt.
+        kw = _sliding_kwargs(family) | {"query_pre_attn_scalar": 32, "tie_word_embeddings": True}
     elif family == "qwen3_next":
         kw = {
             "num_hidden_layers": 4,
@@ -200,37 +208,11 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
             "initializer_range": 0.2,
         }
     elif family == "cohere2":
-        kw = {
-            "num_hidden_layers": 4,
-            "layer_types": _layer_types(family, 4),
-            "sliding_window": 64,
-            "num_key_value_heads": 2,  # head dim: hidden 128 / 4 heads = 32
-            # With the default 0.02 the random model repeats one token; 0.2 gives varied tokens.
-            "initializer_range": 0.2,
-        }
-    elif family == "gemma2":
-        kw = {
-            "num_hidden_layers": 4,
-            "layer_types": _layer_types(family, 4),
-            "sliding_window": 64,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "query_pre_attn_scalar": 32,
-            # vLLM's Gemma2 always takes the LM head from the embedding. Tied, the random model repeats a
-            # token for a stretch whatever the initializer range; which token, and where it switches,
-            # depends on the whole prompt.
-            "tie_word_embeddings": True,
-        }
+        # Its config derives head dim (hidden 128 / 4 heads = 32). With the default initializer range 0.02
+        # the random model repeats one token; 0.2 gives varied tokens.
+        kw = _sliding_kwargs(family, head_dim=None) | {"initializer_range": 0.2}
     elif family == "gpt_oss":
-        kw = {
-            "num_hidden_layers": 4,
-            "layer_types": _layer_types(family, 4),
-            "sliding_window": 64,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-        }
+        kw = _sliding_kwargs(family) | {"num_local_experts": 4, "num_experts_per_tok": 2}
     else:  # lfm2
         kw = {
             "num_hidden_layers": 4,
@@ -275,9 +257,8 @@ def build_tiny_model(
     arch = _CLASSES[family][1]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.bfloat16)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         # save_pretrained may drop keys transformers does not know; vLLM needs them.
         cfg_path = tmp / "config.json"
@@ -288,17 +269,27 @@ def build_tiny_model(
                 cfg[key] = kwargs[key]
         cfg["torch_dtype"] = "bfloat16"
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+    _publish(target, write)
+    ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
+    return target
+
+
+def _publish(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a model folder into a temp folder beside ``target`` (``write``), then rename it to ``target``
+    atomically; another process that published the same digest first wins (its files are equivalent)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name.rsplit('-', 1)[0]}-", dir=target.parent))
+    try:
+        write(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
-            # Another process published the same digest first: its files are equivalent.
             if not (target / "config.json").is_file():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
-    return target
 
 
 #: Draft builder version (bump when ``build_eagle_draft`` writes other files for the same target).
@@ -344,19 +335,12 @@ def build_eagle_draft(target_dir: Path, out_dir: Path, *, seed: int = 1) -> Path
     }
     weights["fc.weight"] = (torch.randn(hidden, 2 * hidden) * (2 * hidden) ** -0.5).to(torch.bfloat16)
     cfg = config.to_dict() | {"architectures": ["EagleLlamaForCausalLM"], "torch_dtype": "bfloat16"}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".eagle-llama-", dir=out_dir))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    _publish(target, write)
     return target
 
 

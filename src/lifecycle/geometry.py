@@ -143,13 +143,24 @@ class Geometry:
         )
         return enabled and permitted
 
+    @cached_property
+    def eagle_drop_groups(self) -> frozenset[int]:
+        """The groups whose lookup unit an EAGLE lookup drops in: every group of a unit holding a flagged
+        group (``eagle_groups``; all of them when None); none without ``eagle``."""
+        if not self.eagle:
+            return frozenset()
+        flagged = self.eagle_groups
+        return frozenset(
+            g for unit in self.lookup_units if flagged is None or not flagged.isdisjoint(unit) for g in unit
+        )
+
     def group_drops(self, group_index: int) -> bool:
         """Whether an EAGLE lookup drops in the lookup unit of ``group_index``."""
-        return any(self.unit_drops(unit) for unit in self.lookup_units if group_index in unit)
+        return group_index in self.eagle_drop_groups
 
     def unit_drops(self, unit: tuple[int, ...]) -> bool:
-        """Whether an EAGLE lookup drops in ``unit`` (``eagle``, and one of its groups is flagged)."""
-        return self.eagle and (self.eagle_groups is None or any(g in self.eagle_groups for g in unit))
+        """Whether an EAGLE lookup drops in ``unit``."""
+        return unit[0] in self.eagle_drop_groups
 
     @cached_property
     def eagle_lookahead(self) -> int:

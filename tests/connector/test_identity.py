@@ -104,9 +104,14 @@ def test_every_identity_field_changes_the_fingerprint(change: dict[str, object])
 
 def _spec_config(method: str, draft: Path | None) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` ``drafter_identity`` reads (vLLM's ``SpeculativeConfig``: ``method``,
-    ``draft_model_config`` -- None for drafters without a model)."""
+    ``draft_model_config`` -- None for drafters without a model -- and ``uses_draft_kv_cache()``)."""
     draft_config = None if draft is None else SimpleNamespace(model=str(draft), revision=None, dtype="bf16")
-    return SimpleNamespace(speculative_config=SimpleNamespace(method=method, draft_model_config=draft_config))
+    spec = SimpleNamespace(
+        method=method,
+        draft_model_config=draft_config,
+        uses_draft_kv_cache=lambda: method not in ("ngram", "suffix"),
+    )
+    return SimpleNamespace(speculative_config=spec)
 
 
 def test_a_drafter_with_kv_enters_the_identity_and_one_without_leaves_the_keys_alone(tmp_path: Path) -> None:
