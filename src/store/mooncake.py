@@ -108,6 +108,11 @@ def _scatter_gather(
     return nonempty, addresses, sizes
 
 
+#: Keys per ``batch_is_exist`` call: the longest the binding holds the GIL converting keys and codes (a
+#: 16,384-key lookup in 2,048-key slices: other threads' p99 wait for the GIL 0.34 ms instead of 1.6 ms, for
+#: 4.05 ms instead of 2.96 ms per lookup; 1,024 keys: 0.27 ms for 4.7 ms).
+EXISTS_KEYS_PER_CALL = 2048
+
 #: ``batch_is_exist`` codes that are answers, not errors.
 _EXISTS_STATUS: dict[int | Status, Status] = {1: Status.OK, 0: Status.NOT_FOUND}
 
@@ -250,7 +255,7 @@ class MooncakeBackend:
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
         key_list = list(keys)
-        codes = self._guarded("exists", len(key_list), lambda: self._store.batch_is_exist(key_list))
+        codes = self._guarded("exists", len(key_list), lambda: self._exists_in_slices(key_list))
         # A lookup asks thousands of keys at once: map the codes in C (a Python loop over them holds the GIL,
         # which the scheduler thread waits out; docs/performance.md, "Figures behind design choices");
         # anything unexpected (a breaker or deadline status, an error code) takes the logging path.
@@ -258,6 +263,21 @@ class MooncakeBackend:
         if None not in statuses:
             return cast(list[Status], statuses)
         return self._statuses("exists", key_list, codes, lambda _index, _key, code: _EXISTS_STATUS.get(code))
+
+    def _exists_in_slices(self, keys: list[str]) -> list[int]:
+        """``batch_is_exist`` over ``keys``, ``EXISTS_KEYS_PER_CALL`` at a time (one deadline for all).
+
+        Why slices: the binding converts the whole key list and the codes while it holds the GIL (it lets it
+        go only around the RPC), so one call of 16,384 keys kept every other thread of the engine waiting
+        ~1.6 ms at p99 -- vLLM's scheduler thread among them (docs/performance.md, "Figures behind design
+        choices").
+        """
+        if len(keys) <= EXISTS_KEYS_PER_CALL:
+            return list(self._store.batch_is_exist(keys))
+        codes: list[int] = []
+        for start in range(0, len(keys), EXISTS_KEYS_PER_CALL):
+            codes.extend(self._store.batch_is_exist(keys[start : start + EXISTS_KEYS_PER_CALL]))
+        return codes
 
     def put_frames(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         key_list = list(keys)

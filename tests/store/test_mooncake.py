@@ -10,7 +10,7 @@ from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
-from hybridkv.store.mooncake import MooncakeBackend, status_of_code
+from hybridkv.store.mooncake import EXISTS_KEYS_PER_CALL, MooncakeBackend, status_of_code
 from support.mooncake import RPC_TIMEOUT_MS, freeze_until_stopped
 
 pytestmark = pytest.mark.mooncake
@@ -32,6 +32,41 @@ def test_put_get_exists_remove_with_parts(shared_mooncake_store: FramedStore) ->
     assert store.remove(["mc/one", "mc/missing"]) == [Status.OK, Status.NOT_FOUND]
     assert store.remove_prefix("mc/") == 2
     assert store.exists(keys) == [Status.NOT_FOUND] * 3
+
+
+def test_exists_of_many_keys_is_answered_in_slices_in_order(shared_mooncake_store: FramedStore) -> None:
+    """A lookup's thousands of keys go in ``EXISTS_KEYS_PER_CALL`` slices; the answers keep the keys' order
+    across the slices' edges (present keys straddle every edge, the last slice is short)."""
+    store = shared_mooncake_store
+    backend = store.backend
+    assert isinstance(backend, MooncakeBackend)
+    per_call = EXISTS_KEYS_PER_CALL
+    num_keys = 2 * per_call + 5
+    keys = [f"mc/slices/{i}" for i in range(num_keys)]
+    present = sorted({0, per_call - 1, per_call, 2 * per_call - 1, 2 * per_call, num_keys - 1, 7})
+    assert store.put([keys[i] for i in present], [b"v"] * len(present)) == [Status.OK] * len(present)
+    calls: list[int] = []
+    client = backend._store
+
+    class CountingClient:  # the binding's attributes are read-only: count through a stand-in
+        def __getattr__(self, name: str) -> object:
+            return getattr(client, name)
+
+        def batch_is_exist(self, ks: list[str]) -> list[int]:
+            calls.append(len(ks))
+            return list(client.batch_is_exist(ks))
+
+    backend._store = CountingClient()
+    try:
+        answers = store.exists(keys)
+    finally:
+        backend._store = client
+    assert calls == [per_call, per_call, 5], f"slices of one exists: {calls}"
+    expected = [Status.OK if i in present else Status.NOT_FOUND for i in range(num_keys)]
+    assert answers == expected, (
+        f"wrong answers at {[i for i in range(num_keys) if answers[i] != expected[i]]}"
+    )
+    assert store.remove_prefix("mc/slices/") == len(present)
 
 
 def test_wrong_destination_size_is_corrupt(shared_mooncake_store: FramedStore) -> None:
