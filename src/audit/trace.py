@@ -33,13 +33,21 @@ Clocks: the audit records carry ``monotonic`` seconds. ``monotonic_ns`` is that 
 ``wall_ns`` is derived from one anchor, a pair (monotonic seconds, wall nanoseconds) observed at the same
 moment. ``hybridkv audit --export vllm-trace`` anchors each file's last record at the file's modification
 time (the sink writes every record as it happens, so that is when the last one was written).
+
+What the trace cannot carry is skipped, never raised (as ``hybridkv audit --export vllm-trace`` skips it):
+``records_to_trace`` passes over records without a counterpart (other triggers, markers such as the sink's
+drop count), malformed ones (no text ``request_id``, no numeric ``monotonic``) and ones a trace line cannot
+hold (a ``monotonic`` that is NaN, infinite or too large for nanoseconds, a request id that is not UTF-8
+text: a lone surrogate), and counts them by reason in the caller's ``skipped`` counter (:data:`SKIP_REASONS`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +58,7 @@ __all__ = [
     "CONNECTOR_NAME",
     "LOG_PREFIX",
     "SCHEMA",
+    "SKIP_REASONS",
     "TRIGGER_TO_TRACE",
     "TraceRecord",
     "hash_request_id",
@@ -83,6 +92,9 @@ _FIELDS = (
     "block_count",
 )
 _OPTIONAL_FIELDS = frozenset({"remote_request_id_hash", "block_count"})
+#: why ``records_to_trace`` skips a record (the keys of its ``skipped`` counter): no trace event for it, a
+#: field missing or of the wrong type, a value no trace line holds (non-finite clock, lone-surrogate id)
+SKIP_REASONS: tuple[str, ...] = ("no_counterpart", "malformed", "unrepresentable")
 
 
 def request_group_id(request_id: str) -> str:
@@ -155,24 +167,80 @@ def _block_count(trigger: str, record: Mapping[str, Any]) -> int | None:
     return sum(counts) if counts else None
 
 
+def _monotonic_ns(monotonic: float) -> int | None:
+    """``monotonic`` seconds in whole nanoseconds, or None where no integer holds it (NaN, infinite, or so
+    large that the product overflows a float; an int too large for a float raises ``OverflowError``)."""
+    try:
+        nanoseconds = monotonic * 1e9
+    except OverflowError:
+        return None
+    return round(nanoseconds) if math.isfinite(nanoseconds) else None
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (a lone surrogate does not: no hash, no JSON line carries it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def records_to_trace(
-    records: Iterable[Mapping[str, Any]], *, anchor_monotonic_s: float, anchor_wall_ns: int
+    records: Iterable[Mapping[str, Any]],
+    *,
+    anchor_monotonic_s: float,
+    anchor_wall_ns: int,
+    skipped: Counter[str] | None = None,
 ) -> Iterator[TraceRecord]:
-    """Map audit records (dicts, in log order) to trace records; records without a counterpart, markers
-    and malformed records are skipped. ``anchor_*``: one moment on both clocks (see the module doc)."""
+    """Map audit records (dicts, in log order) to trace records. ``anchor_*``: one moment on both clocks (see
+    the module doc); ``ValueError`` (at the call) if the anchor is not a finite number of seconds and an
+    integer of nanoseconds.
+
+    Records the trace cannot carry are skipped, never raised: without a counterpart (markers, other
+    triggers), malformed (no text ``request_id``, no numeric ``monotonic``), or unrepresentable (``monotonic``
+    NaN, infinite or beyond nanoseconds, a request id that is no UTF-8 text). ``skipped``, if given, counts
+    each skipped record under its reason (:data:`SKIP_REASONS`)."""
+    if isinstance(anchor_wall_ns, bool) or not isinstance(anchor_wall_ns, int):
+        raise ValueError(f"anchor_wall_ns: expected an integer of nanoseconds, got {anchor_wall_ns!r}")  # noqa: TRY004
+    anchor_ns = (
+        None
+        if isinstance(anchor_monotonic_s, bool) or not isinstance(anchor_monotonic_s, (int, float))
+        else _monotonic_ns(anchor_monotonic_s)
+    )
+    if anchor_ns is None:
+        raise ValueError(
+            f"anchor_monotonic_s: expected a finite number of seconds, got {anchor_monotonic_s!r}"
+        )
+    return _trace_records(records, anchor_ns=anchor_ns, anchor_wall_ns=anchor_wall_ns, skipped=skipped)
+
+
+def _trace_records(
+    records: Iterable[Mapping[str, Any]], *, anchor_ns: int, anchor_wall_ns: int, skipped: Counter[str] | None
+) -> Iterator[TraceRecord]:
+    tally: Counter[str] = skipped if skipped is not None else Counter()
     for record in records:
         trigger = record.get("trigger")
         request_id = record.get("request_id")
         monotonic = record.get("monotonic")
-        if not isinstance(trigger, str) or trigger not in TRIGGER_TO_TRACE or not isinstance(request_id, str):
+        if not isinstance(trigger, str) or trigger not in TRIGGER_TO_TRACE:
+            tally["no_counterpart"] += 1
             continue
-        if not isinstance(monotonic, (int, float)) or isinstance(monotonic, bool):
+        if (
+            not isinstance(request_id, str)
+            or not isinstance(monotonic, (int, float))
+            or isinstance(monotonic, bool)
+        ):
+            tally["malformed"] += 1
+            continue
+        monotonic_ns = _monotonic_ns(monotonic)
+        if monotonic_ns is None or not _is_text(request_id):
+            tally["unrepresentable"] += 1
             continue
         event, role, transfer_mode = TRIGGER_TO_TRACE[trigger]
-        monotonic_ns = round(monotonic * 1e9)
         yield TraceRecord(
             event=event,
-            wall_ns=anchor_wall_ns + monotonic_ns - round(anchor_monotonic_s * 1e9),
+            wall_ns=anchor_wall_ns + monotonic_ns - anchor_ns,
             monotonic_ns=monotonic_ns,
             transfer_mode=transfer_mode,
             role=role,

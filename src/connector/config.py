@@ -9,8 +9,9 @@ Keys (all optional):
                     ``._-`` only, at most 64 characters.
 ``audit_log``       path of a JSON-lines audit file for state transitions, or ``null`` (no file).
 ``put_wave_bytes``  bytes of one PUT wave per rank (int, or a size like ``"64MiB"``: binary ``KiB``/``MiB``,
-                    decimal ``KB``/``MB``, a bare ``64m`` is rejected as ambiguous); > 0. At most four
-                    waves' bytes are queued per rank; a save beyond that is dropped and counted.
+                    decimal ``KB``/``MB``, a bare ``64m`` is rejected as ambiguous); > 0 and at most
+                    16 GiB (``MAX_PUT_WAVE_BYTES``: a CUDA worker pins three slabs of one wave at start).
+                    At most four waves' bytes are queued per rank; a save beyond that is dropped and counted.
 ``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0
                     and at most 2**31 - 1 (about 24.8 days).
 ``verify_checksums``  verify value checksums on load (bool).
@@ -55,11 +56,19 @@ from typing import Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.base import StoreError
-from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size
+from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size, format_size
 from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url
 
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
+#: The largest ``put_wave_bytes``. A CUDA worker pins ``STAGING_SLABS`` (3) slabs of one wave each when it
+#: registers its KV caches, and its host path pools as much, per rank: at 16 GiB that is already 48 GiB of
+#: pinned host memory per GPU (384 GiB on an 8-GPU host), and a larger wave buys nothing (the default 64 MiB
+#: keeps PCIe busy, docs/performance.md). A fixed cap, not a share of this host's memory: the scheduler and
+#: every worker (other hosts, under multi-node TP) validate one config and must agree, and a value within the
+#: cap that the host cannot pin still fails at the worker's allocation. Beyond the cap (e.g. 2**62, which
+#: int64 holds) the engine stops at start naming the key, instead of at the worker's pinned allocation.
+MAX_PUT_WAVE_BYTES = 16 << 30
 #: Lookups run off the scheduler thread, so the budget bounds one request's wait for its answer, never the
 #: scheduler: generous enough that a busy host's first (cold) existence check is not read as a dead store.
 DEFAULT_LOOKUP_BUDGET_MS = 200.0
@@ -104,9 +113,10 @@ def default_namespace(model: str) -> str:
     return ns or "model"
 
 
-def parse_size(key: str, value: object) -> int:
+def parse_size(key: str, value: object, *, most: int = MAX_BYTE_SIZE) -> int:
     """Bytes from an int or a size string (``hybridkv.store.params.byte_size``: ``64MiB`` = 2**26,
-    ``64MB`` = 64 * 10**6, a bare ``64m`` is rejected as ambiguous); raises ``ValueError`` naming ``key``."""
+    ``64MB`` = 64 * 10**6, a bare ``64m`` is rejected as ambiguous), in ``[1, most]``; raises ``ValueError``
+    naming ``key`` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"kv_connector_extra_config[{key!r}]: expected a byte size, got {value!r}")  # noqa: TRY004
     if isinstance(value, int):
@@ -120,9 +130,11 @@ def parse_size(key: str, value: object) -> int:
             ) from None
     if num_bytes <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r}")
-    if num_bytes > MAX_BYTE_SIZE:
+    bound = min(most, MAX_BYTE_SIZE)
+    if num_bytes > bound:
+        shown = "8 EiB - 1" if bound == MAX_BYTE_SIZE else format_size(bound)
         raise ValueError(
-            f"kv_connector_extra_config[{key!r}]: must be at most {MAX_BYTE_SIZE} (8 EiB - 1), got {value!r}"
+            f"kv_connector_extra_config[{key!r}]: must be at most {bound} ({shown}), got {value!r}"
         )
     return num_bytes
 
@@ -222,7 +234,9 @@ class ConnectorConfig:
 
         audit_log = _audit_log_path(extra.get("audit_log"))
 
-        put_wave_bytes = parse_size("put_wave_bytes", extra.get("put_wave_bytes", DEFAULT_PUT_WAVE_BYTES))
+        put_wave_bytes = parse_size(
+            "put_wave_bytes", extra.get("put_wave_bytes", DEFAULT_PUT_WAVE_BYTES), most=MAX_PUT_WAVE_BYTES
+        )
 
         budget = _lookup_budget_ms(extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS))
 

@@ -15,9 +15,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridkv.connector.config import CUDA_COPY_DIRECTIONS, KNOWN_KEYS, LOAD_MODES, ConnectorConfig
+from hybridkv.connector.config import (
+    CUDA_COPY_DIRECTIONS,
+    KNOWN_KEYS,
+    LOAD_MODES,
+    MAX_PUT_WAVE_BYTES,
+    ConnectorConfig,
+)
 from hybridkv.lifecycle.keys import NAMESPACE_RE
-from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS
+from hybridkv.store.params import MAX_DURATION_MS
 from hybridkv.store.url import check_store_url
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -100,7 +106,9 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "store": _STORE,
     "namespace": _NAME | st.sampled_from(["abc\n", "a/b", "-x", "x" * 65]),
     "audit_log": _AUDIT_LOG,
-    "put_wave_bytes": _SIZE | st.integers(-5, 2**64),
+    "put_wave_bytes": _SIZE
+    | st.integers(-5, 2**64)
+    | st.sampled_from([MAX_PUT_WAVE_BYTES, MAX_PUT_WAVE_BYTES + 1, 2**62, "16GiB", "17GiB", "1TiB"]),
     "lookup_budget_ms": st.floats(-1, 2 * MAX_DURATION_MS) | st.integers(-5, 2 * MAX_DURATION_MS),
     "verify_checksums": st.booleans(),
     "divergent_local_hits": st.booleans(),
@@ -150,7 +158,7 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
         assert isinstance(cfg.audit_log, str) and "\0" not in cfg.audit_log
         os.fsencode(cfg.audit_log)
         assert path.parent.is_dir() and not path.is_dir(), cfg.audit_log
-    assert type(cfg.put_wave_bytes) is int and 0 < cfg.put_wave_bytes <= MAX_BYTE_SIZE
+    assert type(cfg.put_wave_bytes) is int and 0 < cfg.put_wave_bytes <= MAX_PUT_WAVE_BYTES
     assert type(cfg.lookup_budget_ms) is float and math.isfinite(cfg.lookup_budget_ms)
     assert 0 < cfg.lookup_budget_ms <= MAX_DURATION_MS
     assert type(cfg.verify_checksums) is bool
@@ -190,6 +198,7 @@ def _check_refused(message: str, extra: dict[Any, Any], model: str) -> None:
 @example(extra={"lookup_budget_ms": math.inf}, model="m")  # was accepted: lookups without a deadline
 @example(extra={"lookup_budget_ms": 1e300}, model="m")  # was accepted: describe's deadline overflowed
 @example(extra={"put_wave_bytes": 10**400}, model="m")  # was accepted: no int64 holds it
+@example(extra={"put_wave_bytes": 2**62}, model="m")  # was accepted: the worker's pinned allocation failed
 @example(extra={"audit_log": str(_EXISTING / "a\x00b")}, model="m")  # was accepted: the sink's open failed
 @example(extra={"audit_log": "~nosuchuser-hybridkv/audit.jsonl"}, model="m")  # was RuntimeError
 @example(extra={"audit_log": "/" + "a" * 5000 + "/audit.jsonl"}, model="m")  # was OSError (name too long)
