@@ -148,15 +148,29 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 #: What each case times, in the order of one round: ours next to its baseline, so that each round gives a
 #: paired ratio. CUDA: ``gather`` / ``scatter`` move a batch with the copy kernel (``cuda_copy: kernel``;
-#: the DMA path where the kernel cannot move the pages), ``gather_dma`` / ``scatter_dma`` with packing into
-#: device staging plus DMA copies (``cuda_copy: dma``); ``per_page_gather``: one copy per (block, layer
-#: page) into the pinned buffer.
-MEASURES = ("gather", "d2h_copy", "gather_dma", "scatter", "h2d_copy", "scatter_dma", "per_page_gather")
+#: the DMA path where the kernel cannot move the pages), ``gather_dma`` / ``scatter_dma`` by DMA copies of
+#: device staging chunks that the copy kernel packs and unpacks (``cuda_copy: dma``, and ``auto`` above its
+#: kernel limit), ``gather_dma_idx`` / ``scatter_dma_idx`` the same with the chunks packed by one
+#: ``index_select`` / ``index_copy_`` per layer tensor (where Triton is missing or the pages are strided);
+#: ``per_page_gather``: one copy per (block, layer page) into the pinned buffer.
+MEASURES = (
+    "gather",
+    "d2h_copy",
+    "gather_dma",
+    "gather_dma_idx",
+    "scatter",
+    "h2d_copy",
+    "scatter_dma",
+    "scatter_dma_idx",
+    "per_page_gather",
+)
 RATIOS = {
     "gather_ratio": ("gather", "d2h_copy"),
     "gather_dma_ratio": ("gather_dma", "d2h_copy"),
+    "gather_dma_idx_ratio": ("gather_dma_idx", "d2h_copy"),
     "scatter_ratio": ("scatter", "h2d_copy"),
     "scatter_dma_ratio": ("scatter_dma", "h2d_copy"),
+    "scatter_dma_idx_ratio": ("scatter_dma_idx", "h2d_copy"),
 }
 
 
@@ -197,7 +211,7 @@ def make_case(
     rng: random.Random,
 ) -> Case:
     """Set up one (geometry, batch): scattered ids, a byte-exact round-trip check of every mover, one
-    warm-up of each measure. ``movers``: measure-name suffix ("" or "_dma") -> the mover it times."""
+    warm-up of each measure. ``movers``: measure-name suffix ("", "_dma", "_dma_idx") -> the mover it times."""
     flat = flatten_layers(layers)
     mover = movers[""]
     nbytes = batch * mover.block_nbytes
@@ -348,10 +362,16 @@ def run_bench(
     num_blocks = max(2 * max(batches), 64) + 16
     caches = {name: build_layers(GEOMETRIES[name], num_blocks, dev) for name in geometries}
     contexts: list[StagingContext] = []
-    # CUDA: each case times the copy kernel ("") and packing + DMA ("_dma"); the CPU has one direct path.
-    paths = {"": KERNEL_DIRECTIONS, "_dma": frozenset()} if dev.type == "cuda" else {"": frozenset()}
+    # CUDA: each case times the copy kernel (""), DMA from staging chunks the kernel packs ("_dma") and DMA
+    # from chunks packed by one index_select / index_copy_ per layer tensor ("_dma_idx"), as (kernel
+    # directions, pack by kernel); the CPU has one direct path.
+    paths: dict[str, tuple[frozenset[str], bool]] = (
+        {"": (KERNEL_DIRECTIONS, True), "_dma": (frozenset(), True), "_dma_idx": (frozenset(), False)}
+        if dev.type == "cuda"
+        else {"": (frozenset(), False)}
+    )
 
-    def context(slab: int, kernel_directions: frozenset[str]) -> StagingContext | None:
+    def context(slab: int, kernel_directions: frozenset[str], pack_by_kernel: bool) -> StagingContext | None:
         if dev.type != "cuda":
             return None
         contexts.append(
@@ -360,6 +380,7 @@ def run_bench(
                 PinnedPool(slab, slab, pin=True),
                 stage_bytes=stage_bytes,
                 kernel_directions=kernel_directions,
+                pack_by_kernel=pack_by_kernel,
             )
         )
         return contexts[-1]
@@ -369,13 +390,13 @@ def run_bench(
 
     # Built before any transfer (staging sizes settle when movers are built).
     movers: dict[tuple[str, int], dict[str, BlockMover]] = {}
-    for suffix, directions in paths.items():
+    for suffix, (directions, pack) in paths.items():
         if shared_slab:  # one context whose slab holds the largest batch: smaller batches leave it part-full
-            shared = context(max(slab_for(c, max(batches)) for c in caches.values()), directions)
+            shared = context(max(slab_for(c, max(batches)) for c in caches.values()), directions, pack)
         for name in geometries:
             for b in batches:
                 # else per (geometry, batch size), a slab the batch fills, like the worker's slab and a PUT wave
-                ctx = shared if shared_slab else context(slab_for(caches[name], b), directions)
+                ctx = shared if shared_slab else context(slab_for(caches[name], b), directions, pack)
                 movers.setdefault((name, b), {})[suffix] = BlockMover(caches[name], staging=ctx)
     max_nbytes = max(batches) * max(m[""].block_nbytes for m in movers.values())
     buffers = Buffers(
@@ -505,7 +526,11 @@ def beside_compute_rows(case: Case, device: torch.device, repeats: int) -> list[
 
     loads: dict[str, Callable[[], object] | None] = {"alone": None}
     loads.update(
-        {m: case.timers[m] for m in ("gather", "gather_dma", "scatter", "scatter_dma") if m in case.timers}
+        {
+            m: case.timers[m]
+            for m in ("gather", "gather_dma", "gather_dma_idx", "scatter", "scatter_dma", "scatter_dma_idx")
+            if m in case.timers
+        }
     )
     run(None)  # warm-up (cuBLAS picks its kernel)
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in loads}
@@ -543,9 +568,11 @@ COLUMNS = [
     "scatter_gbps",
     "h2d_copy_gbps",
     "gather_dma_ratio",
+    "gather_dma_idx_ratio",
     "scatter_ratio",
     "scatter_ratio_spread",
     "scatter_dma_ratio",
+    "scatter_dma_idx_ratio",
     "per_page_gather_gbps",
     "kernel",
     "verified",

@@ -20,11 +20,12 @@ Keys (all optional):
                     (``start_load_kv`` starts it, each attention layer waits for its own pages); only for
                     models with one attention KV cache group and with async scheduling off (checked at
                     engine start, see ``connector.check_layerwise_supported``).
-``cuda_copy``       how batches cross PCIe on CUDA KV caches: ``"auto"`` (default): loads of up to 48 MiB by
-                    one copy kernel straight between the pages and pinned host memory, larger loads and
-                    every save by DMA from a packed staging buffer; ``"kernel"``: every batch by the
-                    kernel; ``"dma"``: every batch by DMA. The kernel needs Triton and contiguous pages
-                    (others fall back to DMA). Ignored for host caches. Why these defaults: see
+``cuda_copy``       how batches cross PCIe on CUDA KV caches: ``"auto"`` (default): by DMA from device staging
+                    chunks that the copy kernel packs (saves) or unpacks (loads), one to three launches per
+                    chunk; ``"kernel"``: every batch by one copy kernel launch straight between the pages
+                    and pinned host memory; ``"dma"``: by DMA from chunks packed by one ``index_select`` /
+                    ``index_copy_`` per layer tensor (no Triton). The kernel needs Triton and contiguous
+                    pages (others take the ``dma`` path). Ignored for host caches. Why: see
                     docs/performance.md, "One copy kernel instead of packing plus DMA".
 ``weights_version`` a name for the weights this engine runs (1-64 characters of ``A-Za-z0-9._-``, or
                     ``null``: the checkpoint's identity alone). It joins the key fingerprint, and a reset
@@ -90,14 +91,15 @@ KNOWN_KEYS: tuple[str, ...] = (
 LOAD_MODES: tuple[str, ...] = ("async", "layerwise")
 
 #: ``cuda_copy`` -> the directions ("save": device -> host, "load": host -> device) the copy kernel moves
+#: straight between the pages and pinned host memory (the others go by DMA from device staging)
 CUDA_COPY_DIRECTIONS: dict[str, frozenset[str]] = {
-    "auto": frozenset({"load"}),
+    "auto": frozenset(),
     "kernel": frozenset({"save", "load"}),
     "dma": frozenset(),
 }
-#: ``cuda_copy: auto``: the largest batch the kernel loads; larger ones go by DMA (why: docs/performance.md,
-#: "One copy kernel instead of packing plus DMA").
-AUTO_KERNEL_MAX_BATCH_BYTES = 48 << 20
+#: ``cuda_copy`` -> whether the DMA path's staging chunks are packed by the copy kernel (else one
+#: ``index_select`` / ``index_copy_`` per layer tensor per chunk)
+CUDA_COPY_PACKS: dict[str, bool] = {"auto": True, "kernel": True, "dma": False}
 
 
 def default_store_url() -> str:

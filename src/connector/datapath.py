@@ -30,15 +30,16 @@ Two paths, chosen by where the caches live:
   i into the destination blocks, only the unpacking behind the fence). Both end by synchronizing both of
   the direction's streams.
 
-Why ``index_select`` into a staging buffer rather than one copy per (block, layer): per-page copies cost a
-launch each (32 layers x 256 blocks = 8192 ``cudaMemcpyAsync``), while the device-side gather runs at HBM
-speed and leaves a few large PCIe copies. What is left is host time: the host enqueues one ``index_select`` /
+Why a packed staging buffer rather than one copy per (block, layer): per-page copies cost a launch each
+(32 layers x 256 blocks = 8192 ``cudaMemcpyAsync``), while the device-side gather runs at HBM speed and leaves
+a few large PCIe copies. Where the copy kernel can move the pages (``StagingContext.pack_by_kernel``, the
+default), it packs and unpacks a chunk in one to three launches; else the host enqueues one ``index_select`` /
 ``index_copy_`` per layer tensor per chunk, which for small batches is about as long as the bus takes to move
 the chunk. Measured ratios against one contiguous pinned copy: see docs/performance.md, "The GPU data path".
 
-The copy kernel (``StagingContext.kernel_directions``, ``cuda_copy``): for a group whose pages are contiguous,
-one Triton launch moves the whole batch straight between the pages and the pinned slab over PCIe (same slab
-layout, no device staging, no DMA copy); see ``hybridkv.connector.copy_kernels`` and docs/performance.md.
+The copy kernel straight to the slab (``StagingContext.kernel_directions``, ``cuda_copy: kernel``): for a group
+whose pages are contiguous, one Triton launch moves the whole batch straight between the pages and the pinned
+slab over PCIe (same slab layout, no device staging, no DMA copy); see ``hybridkv.connector.copy_kernels``.
 
 Fences. On CUDA the forward runs asynchronously: when ``wait_for_save`` returns on the host, the kernels
 that write this step's blocks may still be queued. :meth:`StagingContext.fence` records an event on the
@@ -49,6 +50,8 @@ host->device writes land after whatever the compute stream had queued for those 
 
 from __future__ import annotations
 
+import bisect
+import os
 import sys
 import weakref
 from collections.abc import Sequence
@@ -134,6 +137,11 @@ class _ChunkViews:
 
     pieces: tuple[tuple[torch.Tensor, _Piece, torch.Tensor], ...]
     copies: tuple[tuple[_Copy, torch.Tensor], ...]
+
+
+def _kernel_device(device: torch.device) -> bool:
+    """Whether the copy kernel may run on tensors of ``device``: CUDA, or the CPU under Triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _row_view(t: torch.Tensor) -> np.ndarray | None:
@@ -244,7 +252,11 @@ class BlockMover:
         self.kernel_directions: frozenset[str] = frozenset()
         self.kernel_unsupported: str | None = None
         self._kernel: Any = None  # copy_kernels.KernelCopier
-        if staging is not None and staging.kernel_directions:
+        #: Whether the DMA path packs (and unpacks) each staging chunk with the copy kernel, one to three
+        #: launches per chunk, instead of one ``index_select`` / ``index_copy_`` per layer tensor.
+        self.packs_by_kernel = False
+        wants_pack = staging is not None and staging.pack_by_kernel and _kernel_device(self.device)
+        if staging is not None and (staging.kernel_directions or wants_pack):
             try:
                 from hybridkv.connector import copy_kernels  # Triton: imported only when asked for
 
@@ -252,6 +264,7 @@ class BlockMover:
                     self.tensors, self._segments, self.page_nbytes, self.max_blocks
                 )
                 self.kernel_directions = staging.kernel_directions
+                self.packs_by_kernel = wants_pack
             except Exception as exc:  # noqa: BLE001 -- an optional fast path: any failure leaves DMA
                 # ImportError (no Triton), ValueError (pages it cannot move), or a compile error of this
                 # Triton/GPU in the warm-up: the engine must start anyway, on the DMA path.
@@ -259,6 +272,7 @@ class BlockMover:
                     str(exc) if isinstance(exc, (ImportError, ValueError)) else repr(exc)
                 )
         self._plans: dict[int, list[_Chunk]] = {}  # batch size -> its chunks
+        self._launches: dict[int, list[list[Any]]] = {}  # batch size -> per chunk, its StageLaunches
         self._views: dict[tuple[int, int], list[_ChunkViews]] = {}  # (batch size, staging address) -> ...
         self._slab_rows: dict[int, tuple[weakref.ref[torch.Tensor], list[list[np.ndarray]]]] = {}
 
@@ -506,6 +520,34 @@ class BlockMover:
             self._views[key] = views
         return views
 
+    def _unpack_by_index(self, views: _ChunkViews, idx: torch.Tensor, kept: list[int], n: int) -> None:
+        """One chunk's pieces from its staging buffer into the kept rows' blocks: ``index_copy_`` per piece
+        (``idx``: the batch's block ids on the device)."""
+        for t, p, src in views.pieces:
+            dst_idx = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
+            rows = src
+            if len(kept) != n:  # skip the blocks the store did not fill
+                local = [r - p.r0 for r in kept if p.r0 <= r < p.r1]
+                if not local:
+                    continue
+                if len(local) < p.r1 - p.r0:
+                    sel = self._index(local)
+                    rows, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
+            t.index_copy_(0, dst_idx, rows)
+
+    def _stage_launches(self, n: int) -> list[list[Any]]:
+        """Per chunk of :meth:`plan`, the copy kernel's launches that pack or unpack it (cached per ``n``)."""
+        launches = self._launches.get(n)
+        if launches is None:
+            if len(self._launches) >= _MAX_CACHED_BATCH_SIZES:
+                self._launches.clear()
+            launches = [
+                self._kernel.stage_launches([(p.tensor, p.r0, p.r1, p.stage) for p in chunk.pieces])
+                for chunk in self.plan(n)
+            ]
+            self._launches[n] = launches
+        return launches
+
     def _stage_view(self, stage: torch.Tensor, p: _Piece) -> torch.Tensor:
         """Piece ``p``'s rows in ``stage``, shaped like :func:`_pack_view` of its tensor."""
         t = self._packed[p.tensor]
@@ -531,20 +573,30 @@ class BlockMover:
         """
         assert self.staging is not None
         n = len(block_ids)
-        if "save" in self.kernel_directions and self._kernel_takes(n):
+        if "save" in self.kernel_directions:
             with self.staging.lane("save", after, staged=False):
                 self._kernel.copy(to_slab=True, rows=range(n), block_ids=block_ids, slab=slab)
                 parts = self._slab_parts(slab, n)  # built while the kernel runs
             self.staging.sync_lane("save", copy_stream=False)
             return parts
         with self.staging.lane("save", after) as lane:
-            idx = self._index(block_ids)
+            if self.packs_by_kernel:
+                self._kernel.fill_stage_pairs(True, range(n), block_ids)
+                launches = self._stage_launches(n)
+            else:
+                idx = self._index(block_ids)
             copied: list[Fence] = [None, None]  # per buffer: its last copy to the host has read it
             for i, views in enumerate(self._chunk_views(lane, n)):
                 queue_behind(lane.kernel, copied[i % 2])
-                for t, p, out in views.pieces:
-                    rows = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
-                    torch.index_select(t, 0, rows, out=out)
+                if self.packs_by_kernel:
+                    for launch in launches[i]:
+                        self._kernel.launch_staged(
+                            True, launch, lane.buffers[i % 2], launch.r0, launch.r1 - launch.r0
+                        )
+                else:
+                    for t, p, out in views.pieces:
+                        rows = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
+                        torch.index_select(t, 0, rows, out=out)
                 packed = record_event(lane.kernel)
                 with lane.copying():
                     queue_behind(lane.copy, packed)
@@ -554,12 +606,6 @@ class BlockMover:
             parts = self._slab_parts(slab, n)
         self.staging.sync_lane("save")
         return parts
-
-    def _kernel_takes(self, n: int) -> bool:
-        """Whether a batch of ``n`` blocks is small enough for the copy kernel (see ``kernel_max_batch_bytes``)."""
-        assert self.staging is not None
-        limit = self.staging.kernel_max_batch_bytes
-        return limit is None or n * self.block_nbytes <= limit
 
     def _write_back(self, sb: StagedBlocks, keep: list[bool]) -> None:
         """:meth:`StagedBlocks.commit` of a batch of this mover: write its kept destination blocks."""
@@ -580,7 +626,7 @@ class BlockMover:
         assert slab is not None, "a staged destination batch is committed before its release"
         n = len(sb.block_ids)
         kept = [i for i in range(n) if keep[i]]
-        if "load" in self.kernel_directions and self._kernel_takes(n):  # one launch, slab -> kept blocks
+        if "load" in self.kernel_directions:  # one launch, slab -> kept blocks
             with self.staging.lane("load", sb.after, staged=False):
                 ids = [sb.block_ids[i] for i in kept]
                 self._kernel.copy(to_slab=False, rows=kept, block_ids=ids, slab=slab)
@@ -589,7 +635,11 @@ class BlockMover:
         # Mirror of _d2h: chunk i's copy into a staging buffer (copy stream; it touches no block, so it
         # need not wait for the fence) overlaps the unpacking of chunk i-1 (kernel stream, behind the fence).
         with self.staging.lane("load", sb.after) as lane:
-            idx = self._index(sb.block_ids)
+            if self.packs_by_kernel:
+                self._kernel.fill_stage_pairs(False, kept, [sb.block_ids[i] for i in kept])
+                launches = self._stage_launches(n)
+            else:
+                idx = self._index(sb.block_ids)
             unpacked: list[Fence] = [None, None]  # per buffer: its last unpacking has read it
             for i, views in enumerate(self._chunk_views(lane, n)):
                 with lane.copying():
@@ -598,16 +648,12 @@ class BlockMover:
                         staged.copy_(slab[c.host : c.host + c.nbytes], non_blocking=True)
                     landed = record_event(lane.copy)
                 queue_behind(lane.kernel, landed)
-                for t, p, src in views.pieces:
-                    dst_idx = idx if p.r1 - p.r0 == n else idx[p.r0 : p.r1]
-                    rows = src
-                    if len(kept) != n:  # skip the blocks the store did not fill
-                        local = [r - p.r0 for r in kept if p.r0 <= r < p.r1]
-                        if not local:
-                            continue
-                        if len(local) < p.r1 - p.r0:
-                            sel = self._index(local)
-                            rows, dst_idx = src.index_select(0, sel), dst_idx.index_select(0, sel)
-                    t.index_copy_(0, dst_idx, rows)
+                if self.packs_by_kernel:  # the kept rows of each launch's range: a slice of the sorted pairs
+                    for launch in launches[i]:
+                        first = bisect.bisect_left(kept, launch.r0)
+                        end = bisect.bisect_left(kept, launch.r1, lo=first)
+                        self._kernel.launch_staged(False, launch, lane.buffers[i % 2], first, end - first)
+                else:
+                    self._unpack_by_index(views, idx, kept, n)
                 unpacked[i % 2] = record_event(lane.kernel)
         self.staging.sync_lane("load")

@@ -357,7 +357,7 @@ class StagingContext:
         *,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         kernel_directions: frozenset[str] = frozenset(),
-        kernel_max_batch_bytes: int | None = None,
+        pack_by_kernel: bool = True,
     ):
         unknown = set(kernel_directions) - set(DIRECTIONS)
         assert not unknown, f"kernel_directions: unknown direction(s) {sorted(unknown)}"
@@ -367,8 +367,9 @@ class StagingContext:
         #: straight between the pages and the pinned slab (``hybridkv.connector.copy_kernels``), for the
         #: movers whose pages it supports; the other directions pack into device staging and copy by DMA.
         self.kernel_directions = frozenset(kernel_directions)
-        #: Batches larger than this take the DMA path in every direction (None: no limit).
-        self.kernel_max_batch_bytes = kernel_max_batch_bytes
+        #: Whether the DMA path packs its staging chunks with the copy kernel where it can move the pages
+        #: (else one ``index_select`` / ``index_copy_`` per layer tensor per chunk).
+        self.pack_by_kernel = pack_by_kernel
         self.is_cuda = self.device.type == "cuda"
         self._chunk_bytes = align(max(1, stage_bytes // 2))
         self._streams: dict[str, tuple[Any, Any]] = {}  # direction -> (kernel stream, copy stream)

@@ -18,7 +18,7 @@ from typing import cast
 import numpy as np
 import structlog
 import torch
-from hybridkv.connector.config import AUTO_KERNEL_MAX_BATCH_BYTES, CUDA_COPY_DIRECTIONS, ConnectorConfig
+from hybridkv.connector.config import CUDA_COPY_DIRECTIONS, CUDA_COPY_PACKS, ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, Fence, HostBufferPool, PinnedPool, StagingContext
 from hybridkv.connector.layerwise import LayerTensors
 from hybridkv.connector.log_events import ConnectorLogEvent
@@ -180,21 +180,30 @@ def read_ranks(tp_size: int, dcp_size: int) -> tuple[int, int]:
 
 
 def kernel_directions(cuda_copy: str) -> frozenset[str]:
-    """The directions ``cuda_copy`` routes through the copy kernel, none when Triton is missing under
-    ``auto``. Raises ValueError naming the key when ``kernel`` was asked for and Triton is missing."""
+    """The directions ``cuda_copy`` routes straight through the copy kernel. Raises ValueError naming the key
+    when ``kernel`` was asked for and Triton is missing."""
     directions = CUDA_COPY_DIRECTIONS[cuda_copy]
-    if directions:
-        try:
-            import hybridkv.connector.copy_kernels  # noqa: F401 -- Triton present?
-        except ImportError as exc:
-            if cuda_copy == "kernel":
-                raise ValueError(
-                    f"kv_connector_extra_config['cuda_copy']: {cuda_copy!r} needs Triton, which cannot be "
-                    f"imported ({exc}); use 'dma' or 'auto'"
-                ) from exc
-            log.warning(ConnectorLogEvent.COPY_KERNEL_UNAVAILABLE, cuda_copy=cuda_copy, error=str(exc))
-            return frozenset()
+    if directions and not _copy_kernel_importable(cuda_copy):
+        raise ValueError(
+            f"kv_connector_extra_config['cuda_copy']: {cuda_copy!r} needs Triton, which cannot be imported; "
+            "use 'dma' or 'auto'"
+        )
     return directions
+
+
+def packs_by_kernel(cuda_copy: str) -> bool:
+    """Whether ``cuda_copy``'s DMA path packs its staging chunks with the copy kernel: not under ``dma``, nor
+    when Triton is missing (``auto`` then packs by ``index_select``, and logs why)."""
+    return CUDA_COPY_PACKS[cuda_copy] and _copy_kernel_importable(cuda_copy)
+
+
+def _copy_kernel_importable(cuda_copy: str) -> bool:
+    try:
+        import hybridkv.connector.copy_kernels  # noqa: F401 -- Triton present?
+    except ImportError as exc:
+        log.warning(ConnectorLogEvent.COPY_KERNEL_UNAVAILABLE, cuda_copy=cuda_copy, error=str(exc))
+        return False
+    return True
 
 
 def group_tensors(
@@ -236,7 +245,7 @@ def staging_for(
         device,
         PinnedPool(slab, STAGING_SLABS * slab, pin=True),
         kernel_directions=kernel_directions(cfg.cuda_copy),
-        kernel_max_batch_bytes=AUTO_KERNEL_MAX_BATCH_BYTES if cfg.cuda_copy == "auto" else None,
+        pack_by_kernel=packs_by_kernel(cfg.cuda_copy),
     )
     # Pin one slab now: page-locking it took ~0.1 s (128 MiB, H200 host), which the first transfer would
     # otherwise wait for -- on a load, the first hit.

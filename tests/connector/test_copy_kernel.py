@@ -1,4 +1,5 @@
-"""The one-launch copy kernel (``hybridkv.connector.copy_kernels``) moves exactly what the DMA path moves.
+"""The copy kernel (``hybridkv.connector.copy_kernels``) moves exactly what the ``index_select`` path moves,
+straight between pages and slab and as the DMA path's packing of staging chunks.
 
 The kernel runs here on CPU tensors under Triton's interpreter, in a child process: ``TRITON_INTERPRET`` must
 be set before Triton compiles the kernel, and must not leak into this process's other Triton users.
@@ -37,37 +38,50 @@ _CHILD = textwrap.dedent(
     ssm = mamba_raw[:, 192:].view(torch.float32).view(num_blocks, 80)
     out = {}
 
-    def mover(ls, kernel):
+    def mover(ls, kernel, pack=True):
         dirs = frozenset({"save", "load"}) if kernel else frozenset()
-        ctx = StagingContext("cpu", PinnedPool(1 << 16, 1 << 16, pin=False), stage_bytes=4096,
-                             kernel_directions=dirs)
+        ctx = StagingContext("cpu", PinnedPool(1 << 16, 1 << 16, pin=False), stage_bytes=1024,
+                             kernel_directions=dirs, pack_by_kernel=pack)
         return BlockMover(ls, staging=ctx)
 
     for name, ls in (("attn", layers), ("mamba", [[conv, ssm]])):
-        k, d = mover(ls, True), mover(ls, False)
+        # the kernel straight to the slab; DMA with chunks packed by the kernel; DMA packed by index_select
+        k, d, x = mover(ls, True), mover(ls, False), mover(ls, False, pack=False)
         out[name + "_kernel_directions"] = sorted(k.kernel_directions)
         out[name + "_unsupported"] = k.kernel_unsupported
+        out[name + "_packs_by_kernel"] = [k.packs_by_kernel, d.packs_by_kernel, x.packs_by_kernel]
+        # 1024-byte staging: several chunks per batch, pieces split at the chunks' ends (1-3 launches each)
+        out[name + "_chunks"] = len(d.plan(5))
         src = [7, 2, 9, 0, 5]
-        a, b = k.gather(src), d.gather(src)
-        out[name + "_gather_equal"] = all(
-            bytes(x) == bytes(y) for ra, rb in zip(a.parts, b.parts) for x, y in zip(ra, rb)
-        ) and len(a.parts) == len(src)
-        gathered = [[bytes(x) for x in row] for row in a.parts]
-        a.release(); b.release()
+        ref = x.gather(src)
+        gathered = [[bytes(p) for p in row] for row in ref.parts]
+        ref.release()
+        out[name + "_gather_equal"] = []
+        out[name + "_scatter_ok"] = []
+        for m in (k, d):
+            a = m.gather(src)
+            out[name + "_gather_equal"].append(
+                [[bytes(p) for p in row] for row in a.parts] == gathered and len(a.parts) == len(src)
+            )
+            a.release()
         dst, keep = [1, 11, 3, 4, 8], [True, False, True, True, False]
         tensors = k.tensors
-        before = [[bytes(t[i].contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors] for i in dst]
-        sb = k.scatter_targets(dst)
-        for row, want in zip(sb.parts, gathered):
-            for part, w in zip(row, want):
-                part[:] = bytearray(w)
-        sb.commit(keep)
-        sb.release()
-        after = [[bytes(t[i].contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors] for i in dst]
-        out[name + "_scatter_ok"] = all(
-            after[r] == (gathered[r] if keep[r] else before[r]) for r in range(len(dst))
-        )
-        out[name + "_dropped_differ"] = all(gathered[r] != before[r] for r in range(len(dst)))
+        for m in (k, d, x):
+            for t in tensors:
+                for i in dst:
+                    t[i].zero_() if t[i].is_contiguous() else t[i].copy_(torch.zeros_like(t[i]))
+            before = [[bytes(t[i].contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors] for i in dst]
+            sb = m.scatter_targets(dst)
+            for row, want in zip(sb.parts, gathered):
+                for part, w in zip(row, want):
+                    part[:] = bytearray(w)
+            sb.commit(keep)
+            sb.release()
+            after = [[bytes(t[i].contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors] for i in dst]
+            out[name + "_scatter_ok"].append(
+                all(after[r] == (gathered[r] if keep[r] else before[r]) for r in range(len(dst)))
+            )
+            out[name + "_dropped_differ"] = all(gathered[r] != before[r] for r in range(len(dst)))
     print(json.dumps(out))
     """
 )
@@ -83,27 +97,34 @@ def test_copy_kernel_matches_dma_path_and_skips_dropped_blocks() -> None:
     # attention-like pages: the kernel takes both directions and moves the same bytes as packing + DMA
     assert out["attn_kernel_directions"] == ["load", "save"], out
     assert out["attn_unsupported"] is None, out
-    assert out["attn_gather_equal"] and out["attn_scatter_ok"], out
-    # a Mamba layer's conv state is a strided view: the kernel declines, the DMA path moves it
+    # ... and packs the DMA path's staging chunks (several chunks, pieces split at their ends)
+    assert out["attn_packs_by_kernel"] == [True, True, False], out
+    assert out["attn_chunks"] >= 3, out
+    # every path moves the bytes the index_select path moves, and writes only the kept blocks
+    assert out["attn_gather_equal"] == [True, True] and out["attn_scatter_ok"] == [True, True, True], out
+    # a Mamba layer's conv state is a strided view: the kernel declines, the DMA path moves it by index
     assert out["mamba_kernel_directions"] == [], out
+    assert out["mamba_packs_by_kernel"] == [False, False, False], out
     assert "strided pages" in out["mamba_unsupported"], out
-    assert out["mamba_gather_equal"] and out["mamba_scatter_ok"], out
+    assert out["mamba_gather_equal"] == [True, True] and out["mamba_scatter_ok"] == [True, True, True], out
     # the check can fail: the blocks left out of the commit would have changed
     assert out["attn_dropped_differ"] and out["mamba_dropped_differ"], out
 
 
 def test_cuda_copy_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kernel`` without Triton stops the engine at start naming the key; ``auto`` falls back to DMA."""
-    from hybridkv.connector.worker_context import kernel_directions
+    """``kernel`` without Triton stops the engine at start naming the key; ``auto`` packs its DMA chunks by
+    ``index_select`` instead of the kernel; ``dma`` never asks for Triton."""
+    from hybridkv.connector.worker_context import kernel_directions, packs_by_kernel
 
-    assert kernel_directions("auto") == {"load"}
-    assert kernel_directions("kernel") == {"save", "load"}
-    assert kernel_directions("dma") == frozenset()
+    assert kernel_directions("auto") == frozenset() and packs_by_kernel("auto")
+    assert kernel_directions("kernel") == {"save", "load"} and packs_by_kernel("kernel")
+    assert kernel_directions("dma") == frozenset() and not packs_by_kernel("dma")
     monkeypatch.delitem(sys.modules, "hybridkv.connector.copy_kernels", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" now raises ImportError
     with pytest.raises(ValueError, match=r"\['cuda_copy'\]: 'kernel' needs Triton"):
         kernel_directions("kernel")
-    assert kernel_directions("auto") == frozenset()
+    assert kernel_directions("auto") == frozenset() and not packs_by_kernel("auto")
+    assert not packs_by_kernel("dma")
 
 
 def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.MonkeyPatch) -> None:
