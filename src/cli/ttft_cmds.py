@@ -111,8 +111,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "scheduler",
         help="vLLM's real Scheduler with and without the connector at K3-like geometry (schedule() p50/p99)",
         description="MLA block 64 x DCP 8 + Mamba, hash unit 64; a stream of long prompts (hits and misses) "
-        "added a few per step; schedule() p50/p99 without the connector and per store URL, lookups per "
-        "second, store round trips and keys per lookup, hit tokens vs the synchronous full scan.",
+        "added a few per step; schedule() p50/p99 without the connector and per store URL (busy and idle "
+        "steps, the connector's own calls vs vLLM's part), lookups per second, store round trips and keys per "
+        "lookup, hit tokens vs the synchronous full scan. With the peer (default when the Mooncake wheel "
+        "imports and the command runs under scripts/netns-run): vLLM's MooncakeStoreConnector, synchronous "
+        "and lookup_async lookups, against a real mooncake_master behind a delay proxy, and hybridkv on the "
+        "same deployment.",
     )
     scheduler.add_argument(
         "--store",
@@ -139,6 +143,29 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         type=float,
         default=1.0,
         help="pause between schedule() calls standing in for the forward pass (%(default)s)",
+    )
+    scheduler.add_argument(
+        "--peer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also vLLM's MooncakeStoreConnector (lookup_async false and true), its lookups served by its own "
+        "worker code in a child process against a real mooncake_master, and hybridkv on the same deployment "
+        "(default: on when the Mooncake wheel imports and this runs in a loopback-only namespace: "
+        "scripts/netns-run)",
+    )
+    scheduler.add_argument(
+        "--peer-delay-ms",
+        type=float,
+        default=2.5,
+        metavar="MS",
+        help="one-way delay of the peer's Mooncake master link, so an exists costs about 2 x MS like the "
+        "default store's 5 ms per call (%(default)s)",
+    )
+    scheduler.add_argument(
+        "--idle-steps",
+        type=int,
+        default=64,
+        help="schedule() calls after the stream drained, idle steps every configuration has (%(default)s)",
     )
     scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
     scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
@@ -278,8 +305,17 @@ def handle_lookup(args: argparse.Namespace) -> int:
 
 def handle_scheduler(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import format_targets, save_report
-    from hybridkv.bench.scheduler import SCHEDULER_COLUMNS, run_scheduler_bench
-    from hybridkv.devkit.delayed_mooncake import delayed_mooncake_store
+    from hybridkv.bench.scheduler import (
+        HOOK_COLUMNS,
+        PEER_CONNECTOR,
+        SCHEDULER_COLUMNS,
+        PeerSpec,
+        hook_rows,
+        peer_lookup_server,
+        peer_unavailable_reason,
+        run_scheduler_bench,
+    )
+    from hybridkv.devkit.delayed_mooncake import DelayedMooncake, delayed_mooncake
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
 
     if (
@@ -288,27 +324,51 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         or args.per_step < 1
         or args.rounds < 1
         or args.forward_ms < 0
+        or args.idle_steps < 0
     ):
         print(
-            "error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1, --rounds >= 1, --forward-ms >= 0",
+            "error: need --requests >= 1, --max-tokens >= 4096, --per-step >= 1, --rounds >= 1, "
+            "--forward-ms >= 0, --idle-steps >= 0",
             file=sys.stderr,
         )
         return EXIT_USAGE
-    if any(delay < 0 for delay in args.mooncake_delay_ms):
-        print("error: --mooncake-delay-ms must be >= 0", file=sys.stderr)
+    if any(delay < 0 for delay in [*args.mooncake_delay_ms, args.peer_delay_ms]):
+        print("error: --mooncake-delay-ms and --peer-delay-ms must be >= 0", file=sys.stderr)
         return EXIT_USAGE
+    with_peer = args.peer
+    reason = peer_unavailable_reason() if with_peer is not False else None
+    if reason is not None:
+        if with_peer:
+            print(f"error: --peer ({PEER_CONNECTOR}): {reason}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"note: no {PEER_CONNECTOR} rows (--no-peer to silence): {reason}", file=sys.stderr)
+    with_peer = with_peer is not False and reason is None
     urls = args.stores or [f"faulty+memory://bench-sched-{uuid.uuid4().hex[:8]}?delay_ms=5"]
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     labels: dict[str, str] = {}
+    peer = None
     with contextlib.ExitStack() as deployments:
-        for delay_ms in args.mooncake_delay_ms:
+        by_delay: dict[float, DelayedMooncake] = {}
+        delays = [*args.mooncake_delay_ms, *([args.peer_delay_ms] if with_peer else [])]
+        for delay_ms in delays:
+            if delay_ms in by_delay:
+                continue
             try:
-                url = deployments.enter_context(delayed_mooncake_store(delay_ms))
+                deployment = deployments.enter_context(delayed_mooncake(delay_ms))
             except RuntimeError as error:
-                print(f"error: --mooncake-delay-ms: {error}", file=sys.stderr)
+                print(f"error: Mooncake deployment (+{delay_ms:g} ms): {error}", file=sys.stderr)
                 return EXIT_USAGE
-            urls.append(url)
-            labels[url] = f"mooncake (master +{delay_ms:g} ms each way)"
+            by_delay[delay_ms] = deployment
+            urls.append(deployment.url)
+            labels[deployment.url] = f"mooncake (master +{delay_ms:g} ms each way)"
+        if with_peer:
+            deployment = by_delay[args.peer_delay_ms]
+            try:
+                server = deployments.enter_context(peer_lookup_server(deployment.proxy_address, models_dir))
+            except RuntimeError as error:
+                print(f"problem: {PEER_CONNECTOR}: {error}", file=sys.stderr)
+                return EXIT_PROBLEM
+            peer = PeerSpec(server, deployment.url, f"master +{args.peer_delay_ms:g} ms each way")
         report = run_scheduler_bench(
             urls,
             labels=labels,
@@ -317,19 +377,28 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             per_step=args.per_step,
             num_rounds=args.rounds,
             forward_ms=args.forward_ms,
+            idle_steps=args.idle_steps,
+            peer=peer,
             models_dir=models_dir,
         )
     print(
         f"{report['geometry']}; {report['num_requests']} requests up to {report['max_prompt_tokens']} tokens; "
         f"{report['num_rounds']} interleaved rounds (medians, spread min..max), "
-        f"{report['forward_ms']} ms between schedule() calls"
+        f"{report['forward_ms']} ms between schedule() calls, {report['idle_steps']} idle steps after the stream"
     )
     print(format_table(report["rows"], SCHEDULER_COLUMNS))
+    print(
+        "\nthe connector's scheduler-thread calls (ms per call; wall, and the thread's CPU; medians over rounds):"
+    )
+    print(format_table(hook_rows(report["rows"]), HOOK_COLUMNS))
     print("\n" + format_targets(report["targets"]))
     save_report(report, args.out, lambda _report, _path: None, no_plot=True)
     status = EXIT_OK
     for row in report["rows"][1:]:
-        if row["hit_tokens"] != row["full_scan_hit_tokens"]:
+        if row["connector"] == "hybridkv" and row["hit_tokens"] != row["full_scan_hit_tokens"]:
             print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)
+            status = EXIT_PROBLEM
+        if row["connector"] == "peer" and not row["hit_tokens"]:
+            print(f"problem: {row['store']}: found no hit on the planted prefixes", file=sys.stderr)
             status = EXIT_PROBLEM
     return status

@@ -14,11 +14,15 @@ def test_bench_scheduler_rows_ratios_and_the_connector_split(tmp_path: Path) -> 
     from hybridkv.cli import main
 
     out = tmp_path / "scheduler.json"
-    argv = ["bench", "scheduler", "--requests", "6", "--max-tokens", "16384", "--rounds", "2"]
-    assert main([*argv, "--forward-ms", "0.5", "--out", str(out)]) == 0
+    argv = ["bench", "scheduler", "--requests", "6", "--max-tokens", "16384", "--rounds", "2", "--no-peer"]
+    assert main([*argv, "--forward-ms", "0.5", "--idle-steps", "16", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     base, ours = report["rows"]
     assert base["store"] == "(no connector)" and "busy_connector_p99_ms" not in base
+    assert report["peer"] is None and report["idle_steps"] == 16
+    # The idle steps after the stream give the no-connector run its idle steps.
+    assert base["num_idle_steps"] >= 16 and base["idle_schedule_p99_ms"] > 0
+    assert ours["idle_p99_ratio"] > 0 and ours["connector_p99_ms"] > 0 and ours["vllm_p99_ms"] > 0
     assert ours["store"].startswith("faulty+memory://") and ours["num_rounds"] == 2
     # The asynchronous probing lookup finds exactly what the synchronous full scan finds.
     assert ours["hit_tokens"] == ours["full_scan_hit_tokens"] > 0
@@ -48,3 +52,6 @@ def test_bench_scheduler_rows_ratios_and_the_connector_split(tmp_path: Path) -> 
     }
     trips = targets[f"{store}: store round trips per lookup (max)"]
     assert trips["value"] == ours["round_trips_max"] and trips["met"] is True
+    idle = targets[f"{store}: idle-step schedule() p99 / no connector"]
+    assert idle["value"] == ours["idle_p99_ratio"] and idle["limit"] == "<= 1.5"
+    assert not any("MooncakeStoreConnector" in t["target"] for t in report["targets"])
