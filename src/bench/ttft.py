@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import platform
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -242,11 +243,14 @@ def measure_store_path(
     store_url: str, value_size: int, num_values: int, *, repeats: int = 5
 ) -> dict[str, Any]:
     """The store's own costs for one hit's bytes, in this process (ms, medians of ``repeats``): the whole
-    framed ``get_into`` (checksum on), the same with ``checksum=none`` (read + copy alone), the checksum of
+    framed ``get_into`` (checksum or keyed hash on), the same with ``checksum=none`` (read + copy alone), the checksum of
     those bytes alone, and one ``memcpy`` of them. The difference of the first two is the verify cost."""
-    joiner = "&" if "?" in store_url else "?"
+    # The read alone: no checksum, and no keyed hash (a keyed store refuses checksum=none).
+    base, _, query = store_url.partition("?")
+    params = [p for p in query.split("&") if p and not p.startswith("integrity_key_")]
+    unchecked = f"{base}?{'&'.join([*params, 'checksum=none'])}"
     out: dict[str, Any] = {}
-    for name, url in (("get_ms", store_url), ("get_no_checksum_ms", f"{store_url}{joiner}checksum=none")):
+    for name, url in (("get_ms", store_url), ("get_no_checksum_ms", unchecked)):
         store = open_store(url)
         try:
             samples = []
@@ -848,8 +852,12 @@ def run_ttft_bench(
     models_dir: Path = DEFAULT_MODELS_DIR,
     kv_cache_bytes: int | None = None,
     reserved_cpus: int = 1,
+    keyed: bool = False,
 ) -> dict[str, Any]:
     """Measure every family; one row per (family, connector) with medians and same-run ratios.
+
+    ``keyed``: also hybridkv on a ``file://`` store in keyed-integrity mode (``integrity_key_file``, a fresh
+    secret in the scratch directory; ``hybridkv.store.integrity``), to price the mode next to the plain row.
 
     Every engine (the in-process ones and ``MooncakeStoreConnector``'s child) computes on this process's
     cores with ``max(1, cores - reserved_cpus)`` torch threads, like ``bench serve``'s ``--reserved-cpus``:
@@ -881,6 +889,7 @@ def run_ttft_bench(
             baseline=baseline,
             models_dir=models_dir,
             kv_cache_bytes=kv_cache_bytes,
+            keyed=keyed,
         )
     if not mooncake:
         not_measured.append("Mooncake rows: not run (pass --mooncake, under scripts/netns-run)")
@@ -936,6 +945,44 @@ def _set_compute_threads(reserved_cpus: int) -> int:
     return _torch_threads()
 
 
+#: The row of ``keyed``: the file store in keyed-integrity mode.
+KEYED_LABEL = "HybridStoreConnector file:// keyed"
+
+
+def _integrity_key_file(scratch: Path) -> Path:
+    """A key file with one fresh secret, readable by its owner only (the store warns otherwise)."""
+    path = scratch / "integrity.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def _hybridkv_stores(
+    family: str, scratch: Path, capacity: int, master_address: str | None, *, keyed: bool
+) -> list[tuple[str, str]]:
+    """(row label, store URL) of each hybridkv row of ``family``: the file store, keyed too with ``keyed``,
+    and Mooncake with a master."""
+    stores = [("HybridStoreConnector file://", f"file://{scratch}/store-{family}?capacity={capacity}")]
+    if keyed:
+        key_file = _integrity_key_file(scratch)
+        stores.append(
+            (
+                KEYED_LABEL,
+                f"file://{scratch}/store-{family}-keyed?capacity={capacity}&integrity_key_file={key_file}",
+            )
+        )
+    if master_address is not None:
+        stores.append(
+            (
+                "HybridStoreConnector mooncake://",
+                f"mooncake://{master_address}?segment={capacity}&local_buffer=16MiB",
+            )
+        )
+    return stores
+
+
 def _measure_families(
     families: Sequence[str],
     *,
@@ -948,6 +995,7 @@ def _measure_families(
     baseline: bool,
     models_dir: Path,
     kv_cache_bytes: int | None,
+    keyed: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], list[str]]:
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
@@ -960,14 +1008,7 @@ def _measure_families(
         # Room for a few prompts in vLLM's cache (hybrids: the state groups take as much again).
         kv_bytes = kv_cache_bytes or max(64 << 20, 6 * per_prompt)
         capacity = max(256 << 20, 4 * (rounds + 1) * per_prompt)
-        stores = [("HybridStoreConnector file://", f"file://{scratch}/store-{family}?capacity={capacity}")]
-        if master_address is not None:
-            stores.append(
-                (
-                    "HybridStoreConnector mooncake://",
-                    f"mooncake://{master_address}?segment={capacity}&local_buffer=16MiB",
-                )
-            )
+        stores = _hybridkv_stores(family, scratch, capacity, master_address, keyed=keyed)
         family_rows: list[dict[str, Any]] = []
         memcpy_gbps: float | None = None
         first_local: list[float] = []

@@ -64,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "scripts/netns-run hybridkv bench ttft --mooncake",
     )
     ttft.add_argument(
+        "--keyed",
+        action="store_true",
+        help="also hybridkv on a file:// store in keyed-integrity mode (integrity_key_file, a fresh secret): "
+        "the mode's cost next to the plain file:// row",
+    )
+    ttft.add_argument(
         "--models-dir",
         default=None,
         help="where models are built (default: $HYBRIDKV_TEST_MODELS or /tmp/hybridkv-test-models)",
@@ -220,6 +226,7 @@ def handle_ttft(args: argparse.Namespace) -> int:
             mooncake=args.mooncake,
             models_dir=models_dir,
             reserved_cpus=args.reserved_cpus,
+            keyed=args.keyed,
         )
     print(
         f"prompt {report['prompt_tokens']} tokens, {report['rounds']} rounds, dtype {report['dtype']}, "

@@ -191,6 +191,21 @@ def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: P
     assert _load_profile_from_audit(tmp_path / "missing.jsonl") == []
 
 
+@pytest.mark.slow
+def test_bench_ttft_keyed_row_hits_like_the_plain_one(tmp_path: Path) -> None:
+    """``--keyed``: a keyed-integrity file store beside the plain one; its external hit loads (and verifies
+    under the key) the same blocks."""
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", "--family", "llama", "--size", "tiny", "--prompt-tokens", "300", "--rounds", "1"]
+    argv += ["--no-baseline", "--keyed", "--scratch-dir", str(tmp_path), "--out", str(out), "--no-plot"]
+    assert _main(argv) == 0
+    rows = {row["connector"]: row for row in json.loads(out.read_text())["rows"]}
+    plain, keyed = rows["HybridStoreConnector file://"], rows["HybridStoreConnector file:// keyed"]
+    for row in (plain, keyed):
+        assert row["external_hit_tokens"] == 256 and row["loaded_bytes"] > 0, row
+    assert keyed["loaded_keys"] == plain["loaded_keys"], (keyed, plain)
+
+
 def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
