@@ -79,6 +79,7 @@ def handle_agentic(args: argparse.Namespace) -> int:
         AgenticWorkload,
         configurations_for,
         describe_shape,
+        evicted_by_background_table_rows,
         evicted_table_rows,
         plot_report,
         run_agentic_bench,
@@ -119,6 +120,12 @@ def handle_agentic(args: argparse.Namespace) -> int:
     evicted_rows, evicted_columns = evicted_table_rows(report)
     print("\nevicted MiB by tenant (median over rounds):")
     print(format_table(evicted_rows, evicted_columns))
+    by_background_rows, by_background_columns = evicted_by_background_table_rows(report)
+    print(
+        "\nMiB of the other tenants evicted by background puts, as the store did it (listings around each; "
+        "over quota: the background held more than its quota in framed bytes before or after the put):"
+    )
+    print(format_table(by_background_rows, by_background_columns))
     print("\n" + format_targets(report["targets"]))
     target = write_json(args.out, report)
     print(f"wrote {target}")

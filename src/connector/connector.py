@@ -215,7 +215,9 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> HybridStoreStats | None:
         if self._worker is not None:
             # Every rank sends its gauges each step: aggregated over ranks by max (stats.PER_RANK_GAUGES).
-            return with_gauges(self._worker.stats.take(), self._worker.gauges())
+            # Gauges first: reading them adds the per-tenant counters to the stats taken next.
+            gauges = self._worker.gauges()
+            return with_gauges(self._worker.stats.take(), gauges)
         if self._sched is None:
             return None
         # The scheduler's gauges (the breaker as 0 or 1, what it holds) are exported whenever they changed.

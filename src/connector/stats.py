@@ -2,19 +2,22 @@
 
 All counter values are counts since the previous collection; ``aggregate`` sums them (scheduler + every
 worker). The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states and what the connector holds
-now) and the per-store-group counter ``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``). ``add`` refuses any
-other name, so these tables are the whole vocabulary (``docs/metrics.md`` lists them).
+now), the per-store-group counter ``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``) and the per-tenant
+series ``<name>.<tenant>`` (``PER_TENANT_COUNTERS``, ``PER_TENANT_GAUGES``; ``hybridkv.connector.tenant_metrics``
+says which tenants). ``add`` refuses any other name, so these tables are the whole vocabulary
+(``docs/metrics.md`` lists them).
 
 Gauges come in two kinds. The scheduler's (``breaker_open``, ``tracked_requests``, ``pinned_blocks``,
 ``audit_queued_records``) are sent whenever their value changed, and the latest report wins. The workers'
 (``PER_RANK_GAUGES``: ``save_inflight_bytes``, ``staging_bytes_out``, ``late_calls_pending``) are sent by every
 rank with each step's stats, and ``aggregate`` keeps the largest: the busiest rank's value in ``/metrics``, the
 peak of the interval in vLLM's periodic log line. Both refresh at engine steps: an idle engine shows the
-values of its last step.
+values of its last step. The per-tenant gauges (``tenant_usage_bytes.<tenant>``) are workers' gauges too.
 
 Prometheus (``build_prom``; ``docs/metrics.md``): each counter as ``vllm:hybridkv_<name>_total``, the per-group
 ``loaded_blocks.g<N>`` as ``vllm:hybridkv_group_loaded_blocks_total{group="N"}``, each gauge as
-``vllm:hybridkv_<name>``; all with vLLM's per-engine labels.
+``vllm:hybridkv_<name>``, the per-tenant series with a ``tenant`` label (the evictions with a ``reason``
+too); all with vLLM's per-engine labels.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.store.quotas import OTHER_TENANTS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 if TYPE_CHECKING:
@@ -35,11 +40,40 @@ if TYPE_CHECKING:
 
 
 def is_stat_name(name: str) -> bool:
-    """Whether ``name`` is a counter or gauge of the tables below (``loaded_blocks.g<N>``: any group ``N``)."""
-    if name in PROM_COUNTERS or name in GAUGES:
+    """Whether ``name`` is a counter or gauge of the tables below (``loaded_blocks.g<N>``: any group ``N``;
+    ``<per-tenant name>.<tenant>``: a namespace or ``_other``)."""
+    if name in PROM_COUNTERS or name in GAUGES or split_tenant_key(name) is not None:
         return True
     group = name.removeprefix(PER_GROUP_LOADED_BLOCKS)
     return group != name and group.isdigit()
+
+
+def tenant_key(name: str, tenant: str) -> str:
+    """The stats key of the per-tenant series ``name`` (``PER_TENANT_COUNTERS``, ``PER_TENANT_GAUGES``) for
+    ``tenant``."""
+    assert name in PER_TENANT_COUNTERS or name in PER_TENANT_GAUGES, f"{name!r} is no per-tenant series"
+    return f"{name}.{tenant}"
+
+
+def split_tenant_key(key: str) -> tuple[str, str] | None:
+    """``(per-tenant name, tenant)`` of a per-tenant stats key, or ``None`` for any other key."""
+    name, dot, tenant = key.partition(".")
+    if not dot or (name not in PER_TENANT_COUNTERS and name not in PER_TENANT_GAUGES):
+        return None
+    return (name, tenant) if tenant == OTHER_TENANTS or NAMESPACE_RE.match(tenant) else None
+
+
+def is_gauge_name(name: str) -> bool:
+    """Whether ``name`` is a gauge: of ``GAUGES``, or a per-tenant gauge key."""
+    if name in GAUGES:
+        return True
+    split = split_tenant_key(name)
+    return split is not None and split[0] in PER_TENANT_GAUGES
+
+
+def is_per_rank_gauge(name: str) -> bool:
+    """Whether ``name`` is a gauge every worker rank sends (``aggregate`` keeps the largest)."""
+    return name in PER_RANK_GAUGES or (name not in GAUGES and is_gauge_name(name))
 
 
 @dataclass
@@ -53,7 +87,7 @@ class HybridStoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> HybridStoreStats:
         for k, v in other.data.items():
-            if k in PER_RANK_GAUGES:
+            if is_per_rank_gauge(k):
                 self.data[k] = max(self.data.get(k, v), v)  # the busiest rank (or the interval's peak)
             elif k in GAUGES:
                 self.data[k] = v  # a scheduler state: the latest report wins
@@ -65,7 +99,7 @@ class HybridStoreStats(KVConnectorStats):
         return {k: v for k, v in sorted(self.data.items()) if isinstance(v, (int, float))}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values()) and not any(k in self.data for k in GAUGES)
+        return not any(self.data.values()) and not any(is_gauge_name(k) for k in self.data)
 
 
 class StatsBox:
@@ -100,7 +134,9 @@ def with_gauges(stats: HybridStoreStats | None, gauges: dict[str, int]) -> Hybri
     as it is when ``gauges`` is empty."""
     if not gauges:
         return stats
-    assert all(name in GAUGES for name in gauges), f"not in GAUGES: {sorted(set(gauges) - set(GAUGES))}"
+    assert all(is_gauge_name(name) for name in gauges), (
+        f"not gauges: {sorted(name for name in gauges if not is_gauge_name(name))}"
+    )
     out = stats if stats is not None else build_stats(None)
     out.data.update(gauges)
     return out
@@ -145,6 +181,42 @@ GAUGES: dict[str, tuple[str, str]] = {
 #: The workers' gauges (of ``GAUGES``): every rank sends them with each step's stats; ``aggregate`` keeps
 #: the largest.
 PER_RANK_GAUGES = frozenset({"save_inflight_bytes", "staging_bytes_out", "late_calls_pending"})
+
+#: Per-tenant gauges, stats key ``<name>.<tenant>`` (``tenant_key``): name -> (Prometheus metric name, help).
+#: Workers' gauges: every rank sends them (``hybridkv.connector.tenant_metrics``), ``aggregate`` keeps the
+#: largest.
+PER_TENANT_GAUGES: dict[str, tuple[str, str]] = {
+    "tenant_usage_bytes": (
+        "vllm:hybridkv_tenant_usage_bytes",
+        (
+            "Framed bytes the store holds per tenant (namespace under a quota, or _other), as the rank's "
+            "store counts them (largest rank)."
+        ),
+    ),
+}
+_TENANT_EVICTED_HELP = (
+    "Store entries evicted per tenant: reason=quota by the tenant's own quota, reason=capacity because the "
+    "store was full."
+)
+#: Per-tenant counters, stats key ``<name>.<tenant>``: name -> (Prometheus metric name, its labels besides
+#: ``tenant`` with their values, help). Both eviction counters are one series told apart by ``reason``.
+PER_TENANT_COUNTERS: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
+    "tenant_quota_evicted": (
+        "vllm:hybridkv_tenant_evicted_entries",
+        (("reason", "quota"),),
+        _TENANT_EVICTED_HELP,
+    ),
+    "tenant_capacity_evicted": (
+        "vllm:hybridkv_tenant_evicted_entries",
+        (("reason", "capacity"),),
+        _TENANT_EVICTED_HELP,
+    ),
+    "tenant_refused_puts": (
+        "vllm:hybridkv_tenant_refused_puts",
+        (),
+        "Entries refused per tenant because they are larger than its whole quota.",
+    ),
+}
 
 #: counter name in the stats dict -> (Prometheus metric name, help)
 PROM_COUNTERS: dict[str, tuple[str, str]] = {
@@ -269,11 +341,48 @@ def build_prom(
             )
             self._per_group = per_group
             self._per_group_children: dict[tuple[int, str], Any] = {}
+            # Per-tenant series: one metric per Prometheus name (the two eviction counters share one).
+            self._per_tenant: dict[str, Any] = {}
+            for name, (prom, doc) in PER_TENANT_GAUGES.items():
+                self._per_tenant[name] = gauge_cls(
+                    name=prom,
+                    documentation=doc,
+                    labelnames=[*labelnames, "tenant"],
+                    multiprocess_mode="mostrecent",
+                )
+            prom_to_counter: dict[str, Any] = {}
+            for name, (prom, extra, doc) in PER_TENANT_COUNTERS.items():
+                if prom not in prom_to_counter:
+                    prom_to_counter[prom] = self._counter_cls(
+                        name=prom,
+                        documentation=doc,
+                        labelnames=[*labelnames, "tenant", *(label for label, _ in extra)],
+                    )
+                self._per_tenant[name] = prom_to_counter[prom]
+            self._per_tenant_children: dict[tuple[int, str], Any] = {}
+
+        def _tenant_child(self, engine_idx: int, key: str, name: str, tenant: str) -> Any:
+            child = self._per_tenant_children.get((engine_idx, key))
+            if child is None:
+                extra = PER_TENANT_COUNTERS[name][1] if name in PER_TENANT_COUNTERS else ()
+                child = self._per_tenant[name].labels(
+                    *self.per_engine_labelvalues[engine_idx], tenant, *(value for _, value in extra)
+                )
+                self._per_tenant_children[(engine_idx, key)] = child
+            return child
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for key, value in transfer_stats_data.items():
                 if key in self._gauges and isinstance(value, (int, float)):
                     self._gauges[key][engine_idx].set(value)
+                    continue
+                split = split_tenant_key(key)
+                if split is not None and isinstance(value, (int, float)):
+                    child = self._tenant_child(engine_idx, key, *split)
+                    if split[0] in PER_TENANT_GAUGES:
+                        child.set(value)
+                    elif value > 0:
+                        child.inc(value)
                     continue
                 if not isinstance(value, (int, float)) or value <= 0:
                     continue

@@ -48,6 +48,7 @@ from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.save_pipeline import SavePipeline
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.tenant_metrics import TenantMetrics
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.connector.worker_context import (
     WorkerContext,
@@ -85,6 +86,7 @@ class WorkerSide:
         self._quarantine = Quarantine()
         self._loads = LoadPipeline(self._ctx, self._outbox, self._quarantine)
         self._saves = SavePipeline(self._ctx, self._outbox, self._quarantine)
+        self._tenant_metrics = TenantMetrics(self._ctx.stats)
         self._layerwise: LayerwiseLoads | None = None
         if cfg.layerwise:
             self._layerwise = LayerwiseLoads(
@@ -148,7 +150,9 @@ class WorkerSide:
 
     def gauges(self) -> dict[str, int]:
         """This rank's gauges (``stats.PER_RANK_GAUGES``): save bytes in flight, staging bytes out (pinned
-        slabs and private host buffers, late calls' included), late store calls not yet returned."""
+        slabs and private host buffers, late calls' included), late store calls not yet returned; and, for a
+        store with quotas, the per-tenant ones (``hybridkv.connector.tenant_metrics``, which adds the
+        per-tenant counters to ``stats`` at the same time)."""
         ctx = self._ctx
         staging_bytes_out = ctx.host_buffers.num_bytes_out
         if ctx.staging is not None:
@@ -157,6 +161,7 @@ class WorkerSide:
             "save_inflight_bytes": self._saves.num_inflight_bytes,
             "staging_bytes_out": staging_bytes_out,
             "late_calls_pending": self._quarantine.num_calls_pending,
+            **self._tenant_metrics.gauges(ctx.store),
         }
 
     @property

@@ -33,6 +33,7 @@ saves. The figures: docs/performance.md, "The file store's writes".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import threading
@@ -47,7 +48,7 @@ from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file_probe import ReadProbe
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.mounts import directory_fstype, may_hang
-from hybridkv.store.quotas import QUOTAS_FILE, TenantCounters, namespace_of, read_quotas
+from hybridkv.store.quotas import OTHER_TENANTS, QUOTAS_FILE, TenantCounters, namespace_of, read_quotas
 
 log = structlog.get_logger(__name__)
 
@@ -196,11 +197,10 @@ class FileBackend:
                 results.append(Status.OK)
                 paths.append(path)
                 num_new_bytes += size
-        namespace_to_new_bytes = self._apply_quotas(keys, sizes, paths, results)
-        for index, result in enumerate(results):
-            if paths[index] is not None and result is Status.NO_SPACE:  # refused by its tenant's quota
-                num_new_bytes -= sizes[index]
-                paths[index] = None
+        namespace_to_new_bytes, unwritten = self._apply_quotas(keys, sizes, paths, results)
+        for index in unwritten:  # refused by its tenant's quota, or evicted by a newer value of the batch
+            num_new_bytes -= sizes[index]
+            paths[index] = None
         if num_new_bytes == 0:
             return results
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
@@ -216,7 +216,11 @@ class FileBackend:
         )
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
         usage = layout.add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if num_unclaimed_bytes and usage > self.capacity_bytes and layout.make_room(num_unclaimed_bytes):
+        if (
+            num_unclaimed_bytes
+            and usage > self.capacity_bytes
+            and layout.make_room(num_unclaimed_bytes, self._quotas)
+        ):
             layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
         namespace_to_unpublished_bytes: dict[str, int] = {}
@@ -245,15 +249,25 @@ class FileBackend:
 
     def _apply_quotas(
         self, keys: Sequence[str], sizes: Sequence[int], paths: Sequence[str | None], results: list[Status]
-    ) -> dict[str, int]:
-        """Enforce the directory's quotas on the new frames of a put (``paths[i]`` set): a frame larger than
-        its tenant's quota is refused (``results[i] = NO_SPACE``); the rest of each tenant's new bytes are
-        added to its estimate, and a tenant that passes its quota evicts its own oldest files first.
-        Returns the new bytes per namespace under a quota (what to give back if not published)."""
+    ) -> tuple[dict[str, int], list[int]]:
+        """Enforce the directory's quotas on the new frames of a put (``paths[i]`` set), as if the frames were
+        put one by one in batch order (what the memory store does):
+
+        - a frame larger than its tenant's quota is refused (``results[i] = NO_SPACE``);
+        - of the rest, each tenant keeps the newest frames of the batch that fit in its quota together (the
+          batch's tail); the older ones would be evicted by the newer ones at once, so they are not written
+          at all: ``OK``, counted as quota evictions. Without this a batch larger than the quota would land
+          whole, and its bytes past the quota would push other tenants out through capacity eviction;
+        - the kept bytes are added to the tenant's estimate, and a tenant that passes its quota evicts its
+          own oldest files first.
+
+        Returns the new bytes per namespace under a quota (what to give back if not published) and the
+        indices of the frames not to write (refused or evicted by the batch itself)."""
         quotas = self._current_quotas()
         if not quotas:
-            return {}
-        namespace_to_new_bytes: dict[str, int] = {}
+            return {}, []
+        unwritten: list[int] = []
+        namespace_to_indices: dict[str, list[int]] = {}
         for index, (key, size, path) in enumerate(zip(keys, sizes, paths, strict=True)):
             if path is None:
                 continue
@@ -263,19 +277,33 @@ class FileBackend:
             if size > quotas[namespace]:
                 results[index] = Status.NO_SPACE
                 self._counters_of(namespace, quotas[namespace]).num_refused_puts += 1
+                unwritten.append(index)
                 continue
-            namespace_to_new_bytes[namespace] = namespace_to_new_bytes.get(namespace, 0) + size
+            namespace_to_indices.setdefault(namespace, []).append(index)
+        namespace_to_new_bytes: dict[str, int] = {}
+        for namespace, indices in namespace_to_indices.items():
+            quota = quotas[namespace]
+            num_kept_bytes = 0
+            num_kept = 0
+            for index in reversed(indices):  # newest first: the batch's tail that fits in the quota
+                if num_kept_bytes + sizes[index] > quota:
+                    break
+                num_kept_bytes += sizes[index]
+                num_kept += 1
+            evicted_by_batch = indices[: len(indices) - num_kept]
+            if evicted_by_batch:
+                unwritten.extend(evicted_by_batch)
+                self._counters_of(namespace, quota).num_quota_evicted += len(evicted_by_batch)
+            namespace_to_new_bytes[namespace] = num_kept_bytes
         if not namespace_to_new_bytes:
-            return {}
+            return {}, unwritten
         usage = self.layout.add_tenant_usage(namespace_to_new_bytes)
         for namespace, num_bytes in namespace_to_new_bytes.items():
             quota = quotas[namespace]
             if usage.get(namespace, 0) > quota:
-                # The batch's own bytes of this tenant may exceed its quota: keep at most one quota's worth
-                # of room to make (the oldest of the batch then falls to the next pass).
-                num_evicted = self.layout.make_tenant_room(namespace, min(num_bytes, quota), quota)
+                num_evicted = self.layout.make_tenant_room(namespace, num_bytes, quota)
                 self._counters_of(namespace, quota).num_quota_evicted += num_evicted
-        return namespace_to_new_bytes
+        return namespace_to_new_bytes, unwritten
 
     def _current_quotas(self) -> dict[str, int]:
         """The directory's quotas, re-read when the quota file changed (one ``stat`` per put batch)."""
@@ -522,9 +550,44 @@ class FileBackend:
                     namespace_to_bytes[namespace] += path.stat().st_size
         tenants: dict[str, dict[str, int]] = {}
         for namespace, quota in sorted(quotas.items()):
-            counters = self._counters_of(namespace, quota)
-            tenants[namespace] = {**counters.as_dict(), "usage_bytes": namespace_to_bytes[namespace]}
+            counters = self._snapshot_of(namespace, quota, namespace_to_bytes[namespace])
+            tenants[namespace] = counters.as_dict()
         return tenants
+
+    def _snapshot_of(self, namespace: str, quota_bytes: int, usage_bytes: int) -> TenantCounters:
+        """A copy of ``namespace``'s counters with ``usage_bytes`` and this process's capacity evictions."""
+        counters = self._counters_of(namespace, quota_bytes)
+        num_capacity_evicted = self.layout.capacity_evicted_of(namespace)
+        with self._lock:
+            return dataclasses.replace(
+                counters, usage_bytes=usage_bytes, num_capacity_evicted=num_capacity_evicted
+            )
+
+    def tenant_counters(self) -> dict[str, TenantCounters]:
+        """The tenants' counters without reading the files (``hybridkv.store.quotas.tenant_counters_of``):
+        per namespace under the directory's quotas its usage *estimate* (the shared one the quota passes
+        keep: high, never low) and this process's counters; ``OTHER_TENANTS``: the rest of the store's usage
+        estimate (spares excluded) and the capacity evictions of its files. Empty without quotas. A stat and
+        two small locked reads."""
+        quotas = self._current_quotas()
+        if not quotas:
+            return {}
+        layout = self.layout
+        estimates = layout.update_tenant_usage(lambda usage: usage)
+        usage_estimate, spare_estimate = layout.update_usage(lambda usage, spare: (usage, spare))
+        counters = {
+            namespace: self._snapshot_of(namespace, quota, estimates.get(namespace, 0))
+            for namespace, quota in sorted(quotas.items())
+        }
+        num_other_evicted = layout.capacity_evicted_of(OTHER_TENANTS)
+        counters[OTHER_TENANTS] = TenantCounters(
+            quota_bytes=0,
+            usage_bytes=max(
+                0, usage_estimate - spare_estimate - sum(c.usage_bytes for c in counters.values())
+            ),
+            num_capacity_evicted=num_other_evicted,
+        )
+        return counters
 
     def close(self) -> None:
         """Close the descriptors -- unless a call on the deadline runner has not returned (one past its

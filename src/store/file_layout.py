@@ -58,8 +58,12 @@ Quotas: a put of a tenant under a quota adds its bytes to the tenant's estimate;
 the putter takes ``evict.lock`` (waiting for a capacity pass to finish), reads the frame headers of every
 file to find the tenant's (names are digests: the key, hence the namespace, is only in the header), deletes
 the tenant's oldest-mtime files down to 90 % of its quota and rewrites its estimate with the real total.
-Capacity passes do not read headers, so after one the tenants' estimates may be high until their next pass;
-high, never low: a tenant evicts its own entries early at worst, and never grows past its quota.
+A batch of a tenant never adds more than its quota: the putter writes only the batch's newest frames that fit
+(``hybridkv.store.quotas``). While the directory has quotas, a capacity pass reads the header of each file it
+evicts (one open and two small reads each, not the whole directory's) to count it for its tenant and take its
+bytes off the tenant's estimate. The estimates may still be high (a crashed writer's reservation, a file
+removed by a process that read no quotas yet) until the tenant's next pass; high, never low: a tenant evicts
+its own entries early at worst, and never grows past its quota.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 Values below ``RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file,
 not by page faults.
@@ -76,14 +80,14 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
 import structlog
 from hybridkv.store.base import StoreError, StoreLogEvent
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
-from hybridkv.store.quotas import namespace_of
+from hybridkv.store.quotas import OTHER_TENANTS, namespace_of
 from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 log = structlog.get_logger(__name__)
@@ -139,6 +143,39 @@ def eviction_order(
     return sorted(entries, key=order)
 
 
+class _TenantTally:
+    """What one capacity pass evicted per tenant (``FileLayout.make_room``'s ``namespaces``): nothing without
+    namespaces under a quota; with some, the header of each file is read before it goes."""
+
+    def __init__(self, layout: FileLayout, namespaces: Collection[str]) -> None:
+        self.layout = layout
+        self.namespaces = namespaces
+        self.tenant_to_count: dict[str, int] = {}
+        self.tenant_to_bytes: dict[str, int] = {}
+
+    def note(self, path: str, size: int) -> None:
+        """``path`` (``size`` bytes) is about to be evicted: count it for its tenant (``OTHER_TENANTS`` when
+        not under a quota; not at all when it is gone already)."""
+        if not self.namespaces:
+            return
+        found, key = self.layout.key_of(path)
+        if not found:
+            return
+        namespace = None if key is None else namespace_of(key)
+        tenant = namespace if namespace is not None and namespace in self.namespaces else OTHER_TENANTS
+        self.tenant_to_count[tenant] = self.tenant_to_count.get(tenant, 0) + 1
+        self.tenant_to_bytes[tenant] = self.tenant_to_bytes.get(tenant, 0) + size
+
+    def settle(self) -> None:
+        """Count the pass's evictions per tenant and take their bytes off the tenants' estimates."""
+        if not self.tenant_to_count:
+            return
+        self.layout.add_capacity_evicted(self.tenant_to_count)
+        deltas = {ns: -num_bytes for ns, num_bytes in self.tenant_to_bytes.items() if ns != OTHER_TENANTS}
+        if deltas:
+            self.layout.add_tenant_usage(deltas)
+
+
 class FileLayout:
     """One store directory: names, the shared usage estimate, eviction and spares (see the module docstring).
 
@@ -176,8 +213,12 @@ class FileLayout:
             ) from None
         # flock is per open file description, so threads of this process also need a lock of their own.
         self._usage_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
         #: Files this process's eviction passes evicted (moved to spare/ or unlinked).
         self.num_evicted = 0
+        #: Of them, per namespace under a quota (and ``OTHER_TENANTS``): the files of capacity passes run
+        #: while the directory had quotas (``make_room``'s ``namespaces``).
+        self.namespace_to_capacity_evicted: dict[str, int] = {}
 
     def close(self) -> None:
         """Close the shared descriptors (the caller makes sure no call still uses them)."""
@@ -260,24 +301,32 @@ class FileLayout:
         holds a frame of another key, is logged and skipped -- or, with ``include_unreadable``, listed with
         ``None``."""
         for path in self.iter_object_paths():
-            opened = self.open_published(str(path))  # locked: a recycled inode could be mid-rewrite
-            if opened is None:
+            found, key = self.key_of(str(path))
+            if not found:
                 continue
-            fd = opened[0]
-            try:
-                head = os.pread(fd, FIXED_HEADER_SIZE, 0)
-                key_length = int.from_bytes(head[8:12], "little") if len(head) == FIXED_HEADER_SIZE else 0
-                head += os.pread(fd, min(key_length, 1 << 16), FIXED_HEADER_SIZE)
-            finally:
-                os.close(fd)
-            key = key_from_header(head)
-            if key is not None and self.path_of(key) != str(path):
-                key = None  # a frame of another key under this name: unreadable as this key
             if key is None:
                 log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
                 if not include_unreadable:
                     continue
             yield path, key
+
+    def key_of(self, path: str) -> tuple[bool, str | None]:
+        """(whether the published file ``path`` is there, the key its frame header names): the key is
+        ``None`` when the header is unreadable or names another key (one open and two small reads)."""
+        opened = self.open_published(path)  # locked: a recycled inode could be mid-rewrite
+        if opened is None:
+            return False, None
+        fd = opened[0]
+        try:
+            head = os.pread(fd, FIXED_HEADER_SIZE, 0)
+            key_length = int.from_bytes(head[8:12], "little") if len(head) == FIXED_HEADER_SIZE else 0
+            head += os.pread(fd, min(key_length, 1 << 16), FIXED_HEADER_SIZE)
+        finally:
+            os.close(fd)
+        key = key_from_header(head)
+        if key is not None and self.path_of(key) != path:
+            key = None  # a frame of another key under this name: unreadable as this key
+        return True, key
 
     # -- the recycling locks -----------------------------------------------------------------------------
 
@@ -467,8 +516,12 @@ class FileLayout:
                 break
         return claims
 
-    def make_room(self, size: int) -> bool:
+    def make_room(self, size: int, namespaces: Collection[str] = ()) -> bool:
         """Evict oldest files until ``size`` more bytes fit under the low watermark (one process at a time).
+
+        ``namespaces``: the directory's namespaces under a quota. With any, the pass reads the header of each
+        file it evicts, counts it for its tenant (``namespace_to_capacity_evicted``; ``OTHER_TENANTS`` for
+        the rest) and takes its bytes off its tenant's estimate.
 
         Returns ``True`` if this call scanned and rewrote ``usage`` (to the bytes on disk now)."""
         try:
@@ -498,9 +551,11 @@ class FileLayout:
             target = int(self.capacity_bytes * _LOW_WATERMARK) - size
             entries = eviction_order(entries, now, self.capacity_bytes * RETAIN_FRACTION)
             num_evicted = 0
+            tally = _TenantTally(self, namespaces)
             for _mtime, file_size, path in entries:
                 if total <= target:
                     break
+                tally.note(str(path), file_size)
                 if self._is_recyclable(file_size) and spare_total + file_size <= self.spare_budget_bytes:
                     try:
                         self._move_to_spare(str(path), file_size)
@@ -521,12 +576,26 @@ class FileLayout:
                 total -= file_size
                 spare_total -= file_size
             self._set_usage(total, spare_total)
-            self.num_evicted += num_evicted
+            tally.settle()
+            with self._counters_lock:
+                self.num_evicted += num_evicted
             self._remove_stale_temp_files(now)
             log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
             return True
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+
+    def capacity_evicted_of(self, namespace: str) -> int:
+        """Files of ``namespace`` (or ``OTHER_TENANTS``) this process's capacity passes evicted."""
+        with self._counters_lock:
+            return self.namespace_to_capacity_evicted.get(namespace, 0)
+
+    def add_capacity_evicted(self, tenant_to_count: dict[str, int]) -> None:
+        with self._counters_lock:
+            for tenant, count in tenant_to_count.items():
+                self.namespace_to_capacity_evicted[tenant] = (
+                    self.namespace_to_capacity_evicted.get(tenant, 0) + count
+                )
 
     def make_tenant_room(self, namespace: str, size: int, quota_bytes: int) -> int:
         """Evict ``namespace``'s oldest files until ``size`` more bytes of it fit under 90 % of its quota

@@ -17,6 +17,7 @@ copy outside the lock).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from hybridkv.store.base import Status, StoreError, StoreStats
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
-from hybridkv.store.quotas import TenantCounters, namespace_of
+from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters, namespace_of
 from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 #: ``exists``' answer for a key, indexed by whether it is present
@@ -281,7 +282,11 @@ class MemoryBackend:
                 if table.capacity_bytes is not None:
                     table.drop_spares(size)
                     while table.num_bytes + size > table.capacity_bytes:
-                        table.drop(table.victim(table.key_to_frame, table.capacity_bytes * RETAIN_FRACTION))
+                        victim = table.victim(table.key_to_frame, table.capacity_bytes * RETAIN_FRACTION)
+                        victim_tenant = table.tenant_of(victim)
+                        if victim_tenant is not None:
+                            victim_tenant.counters.num_capacity_evicted += 1
+                        table.drop(victim)
                         table.num_evicted += 1
                 table.insert(key, data)
                 if table.capacity_bytes is not None:
@@ -387,6 +392,26 @@ class MemoryBackend:
                     ),
                 },
             )
+
+    def tenant_counters(self) -> dict[str, TenantCounters]:
+        """Copies of the tenants' counters (``hybridkv.store.quotas.tenant_counters_of``): one per namespace
+        under a quota, and ``OTHER_TENANTS`` for the rest of the table (its bytes, its capacity evictions);
+        empty without quotas. Counts every handle of the table (one table per process)."""
+        table = self._table
+        with table.lock:
+            if not table.namespace_to_tenant:
+                return {}
+            counters = {
+                namespace: dataclasses.replace(tenant.counters)
+                for namespace, tenant in sorted(table.namespace_to_tenant.items())
+            }
+            num_bytes, num_evicted = table.num_bytes, table.num_evicted
+        counters[OTHER_TENANTS] = TenantCounters(
+            quota_bytes=0,
+            usage_bytes=max(0, num_bytes - sum(c.usage_bytes for c in counters.values())),
+            num_capacity_evicted=max(0, num_evicted - sum(c.num_capacity_evicted for c in counters.values())),
+        )
+        return counters
 
     def close(self) -> None:
         """Nothing to release: the table lives as long as the process (same NAME = same store)."""

@@ -8,13 +8,26 @@ Contract (every backend that takes quotas; ``hybridkv.testing.store_fuzz`` check
 
 - A put of a new entry of a tenant with a quota first makes room *inside the tenant*: while the tenant's
   stored bytes plus the entry would exceed its quota, the tenant's least recently used entry is evicted
-  (counted as a quota eviction). So a tenant at its quota does not grow the store, and its puts never
-  push another tenant's entries out through the store's capacity eviction.
+  (counted as a quota eviction). A batch is taken entry by entry in its order: a batch of more bytes than
+  the whole quota leaves the tenant holding the batch's newest entries that fit (the older ones answer
+  ``OK`` and count as quota evictions, as if evicted by the newer ones at once). So after every put a
+  tenant holds at most its quota, a tenant at its quota does not grow the store, and its puts never push
+  another tenant's entries out through the store's capacity eviction while it is over its quota.
 - An entry larger than its tenant's whole quota is refused with ``NO_SPACE`` (counted as a refused put),
   and nothing of the tenant is evicted for it.
-- Capacity eviction (the store is full) is unchanged: least recently used first across all tenants. Quotas
-  may add up to more than the capacity (overcommit); one quota above the capacity is a configuration error.
+- Capacity eviction (the store is full) is unchanged: least recently used first across all tenants
+  (counted per tenant as capacity evictions). A tenant *within* its quota competes for the capacity like
+  any other: when the store is full, its puts evict the store's least recently used entries, whoever wrote
+  them. Quotas bound what each tenant holds; they reserve no tenant a share of the capacity, except that a
+  tenant's entries are safe from the others' puts while its bytes plus the others' quotas fit in the
+  capacity (every other tenant under a quota). Quotas may add up to more than the capacity (overcommit);
+  one quota above the capacity is a configuration error.
 - Reads, ``exists``, removals and listing are unaffected.
+
+Counters (:class:`TenantCounters`, ``stats().extra["tenants"]``, and the cheap :func:`tenant_counters_of`
+that the connector's per-tenant metrics read): per namespace under a quota, plus :data:`OTHER_TENANTS` for
+everything else the store holds. They count this process's calls; a file store's usage there is the shared
+estimate (``hybridkv.store.file_layout``), ``stats()`` reads the exact bytes from the files.
 
 Where quotas are set: ``memory://NAME?quotas=NS:SIZE[,NS:SIZE...]`` (the table is process-local, so its
 URL is the one place); a file store's quotas belong to its directory (every process sharing it enforces
@@ -29,17 +42,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE
 from hybridkv.store.params import byte_size, format_size
 
 __all__ = [
+    "OTHER_TENANTS",
     "QUOTAS_FILE",
     "TenantCounters",
     "check_quotas",
     "namespace_of",
     "parse_quotas",
     "read_quotas",
+    "tenant_counters_of",
     "write_quotas",
 ]
 
@@ -64,11 +80,41 @@ class TenantCounters:
     usage_bytes: int = 0
     #: entries of the tenant evicted to keep it within its quota
     num_quota_evicted: int = 0
+    #: entries of the tenant evicted because the store was full (capacity eviction, least recently used
+    #: first across tenants: anyone's put may cause it)
+    num_capacity_evicted: int = 0
     #: entries refused because they are larger than the whole quota
     num_refused_puts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+#: The counters' name for every entry of no namespace under a quota (not a namespace: those start with a
+#: letter or digit, so no tenant can be named so).
+OTHER_TENANTS = "_other"
+
+
+@runtime_checkable
+class CountsTenants(Protocol):
+    """A backend that keeps :class:`TenantCounters` (the memory and file backends)."""
+
+    def tenant_counters(self) -> dict[str, TenantCounters]: ...
+
+
+def tenant_counters_of(store: object) -> dict[str, TenantCounters]:
+    """The tenants' counters of ``store`` (a ``Store``, its backend, or a wrapper of either), without the
+    cost of ``stats()``: a copy per namespace under a quota plus :data:`OTHER_TENANTS` (``quota_bytes``
+    0). Empty for a store without quotas or of a kind that keeps none (Mooncake)."""
+    seen = 0
+    current: object | None = store
+    while current is not None and seen < 8:  # FramedStore.backend, FaultyBackend.inner, ...
+        if isinstance(current, CountsTenants):
+            counters = current.tenant_counters()
+            return counters if isinstance(counters, dict) else {}
+        current = getattr(current, "backend", None) or getattr(current, "inner", None)
+        seen += 1
+    return {}
 
 
 def check_quotas(quotas: Mapping[str, int], *, capacity_bytes: int | None) -> None:

@@ -24,10 +24,12 @@ and whether the key is certainly present. The properties:
 - ``retain`` answers like ``exists`` and changes neither what is stored nor what a read returns (a store
   that cannot retain answers ``TRANSFER_FAILED`` for every key).
 - With ``quotas`` (``hybridkv.store.quotas``; the pool then holds keys of those tenants and of one without a
-  quota): each tenant's bytes stay within its quota (plus the values written concurrently); a value at
-  least as large as its tenant's quota is refused with ``NO_SPACE``; a put may evict only entries of its
-  own tenant -- every other key certainly stored stays readable (with no capacity bound the machine
-  checks it on every read, ``exists`` and listing).
+  quota): after every put each tenant's bytes are within its quota -- exactly after a put from one thread,
+  whatever its batch (a batch of more bytes than the quota keeps only its newest values that fit), plus the
+  values written concurrently after the concurrent writers -- so no put can push another tenant's entries
+  out while its tenant is over its quota; a value at least as large as its tenant's quota is refused with
+  ``NO_SPACE``; a put may evict only entries of its own tenant -- every other key certainly stored stays
+  readable (with no capacity bound the machine checks it on every read, ``exists`` and listing).
 
 Every key has a fixed value size (derived from the key), so a size mismatch is never the model's doing.
 """
@@ -180,6 +182,18 @@ def make_store_machine(
 
         @rule(data=st.data(), batch=st.lists(keys, min_size=1, max_size=4), split=st.booleans())
         def put(self, data: st.DataObject, batch: list[str], split: bool) -> None:
+            self._put(data, batch, split)
+
+        @precondition(lambda self: bool(tenant_to_keys))
+        @rule(data=st.data(), split=st.booleans())
+        def put_one_tenants_batch(self, data: st.DataObject, split: bool) -> None:
+            """One put of several keys of one tenant under a quota, often more bytes than its whole quota:
+            the tenant must end within its quota (the batch's newest values that fit)."""
+            tenant = data.draw(st.sampled_from(sorted(tenant_to_keys)), label="tenant")
+            batch = data.draw(st.permutations(sorted(tenant_to_keys[tenant])), label="batch")
+            self._put(data, batch[: data.draw(st.integers(2, len(batch)), label="batch size")], split)
+
+        def _put(self, data: st.DataObject, batch: list[str], split: bool) -> None:
             values = [value_for(data, key) for key in batch]
             # A split value is passed as two parts (scatter-gather), concatenated by the store.
             offered: list[bytes | list[memoryview | bytearray]] = [
@@ -194,7 +208,7 @@ def make_store_machine(
             for key, status in zip(batch, statuses, strict=True):  # a later key may evict an earlier one
                 if status is Status.OK:
                     self._after_put(key)
-            self._check_tenants_within_quota()
+            self._check_tenants_within_quota(concurrent=False)
 
         @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), split=st.booleans())
         def get_into(self, batch: list[str], split: bool) -> None:
@@ -323,7 +337,7 @@ def make_store_machine(
             destination = bytearray(key_to_size[key])
             [status] = self.store.get_into([key], [destination])
             self._check_read(key, status, bytes(destination))
-            self._check_tenants_within_quota()
+            self._check_tenants_within_quota(concurrent=True)
 
         @invariant()
         def bytes_within_capacity(self) -> None:
@@ -336,15 +350,16 @@ def make_store_machine(
                 f"{stats.url}: {stats.num_bytes} bytes stored, capacity {stats.capacity_bytes} (+{slack} slack)"
             )
 
-        def _check_tenants_within_quota(self) -> None:
-            """After every put (only a put can grow a tenant): each tenant within its quota."""
+        def _check_tenants_within_quota(self, *, concurrent: bool) -> None:
+            """After every put (only a put can grow a tenant): each tenant within its quota -- exactly after
+            a put from one thread (``concurrent=False``), within the values written at once otherwise."""
             if not tenant_quotas:
                 return
             tenants = self.store.stats().extra.get("tenants")
             assert isinstance(tenants, dict) and set(tenants) == set(tenant_quotas), (
                 f"{self.store.url}: stats name the tenants {tenants}, the store was opened with {tenant_quotas}"
             )
-            slack = num_writer_threads * (max_value_size + _FRAME_OVERHEAD)
+            slack = num_writer_threads * (max_value_size + _FRAME_OVERHEAD) if concurrent else 0
             for tenant, quota in tenant_quotas.items():
                 usage = tenants[tenant]["usage_bytes"]
                 assert usage <= quota + slack, (

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 from hybridkv.bench.agentic import (
@@ -26,7 +29,8 @@ from hybridkv.bench.agentic import (
     tenant_salt,
 )
 from hybridkv.cli import build_parser, main
-from hybridkv.store.base import StoreError
+from hybridkv.store import open_store
+from hybridkv.store.base import Status, Store, StoreError, Value
 
 #: A few short sessions and a few one-offs: a replay takes a fraction of a second.
 TINY = AgenticWorkload(num_sessions=6, median_turns=6, one_off_share=0.2, one_off_median_tokens=256)
@@ -156,11 +160,65 @@ def test_a_tight_capacity_drops_hits_and_a_quota_protects_the_agents(tmp_path: P
     assert 0 < lru.hit_tokens < sum(trace.ideal_hit_tokens())
     assert sum(lru.tenant_to_bytes_evicted.values()) > 0
     assert lru.agentic_bytes_evicted_over_quota > 0
-    quotas = _replay(trace, CONFIGURATIONS[1], capacity, tmp_path)
-    assert quotas.agentic_bytes_evicted_over_quota == 0
-    background = quotas.store_tenants[BACKGROUND_TENANT]
-    assert background["usage_bytes"] <= background["quota_bytes"] == capacity // 5
-    assert background["num_quota_evicted"] > 0
+    assert lru.num_over_quota_puts > 0 and lru.quota_tenant_peak_bytes > capacity // 5
+    for configuration in (CONFIGURATIONS[1], CONFIGURATIONS[4]):  # lru+quotas, file-lru+quotas
+        quotas = _replay(trace, configuration, capacity, tmp_path)
+        assert quotas.agentic_bytes_evicted_over_quota == 0, configuration.name
+        assert set(quotas.tenant_to_bytes_evicted_over_quota.values()) == {0}, configuration.name
+        assert quotas.num_over_quota_puts == 0 and quotas.quota_tenant_peak_bytes <= capacity // 5
+        background = quotas.store_tenants[BACKGROUND_TENANT]
+        assert background["usage_bytes"] <= background["quota_bytes"] == capacity // 5
+        assert background["num_quota_evicted"] > 0
+
+
+class _EvictsAnAgentOnBackgroundPuts:
+    """A store that, at every put of the background tenant, also drops one entry of another tenant: what a
+    store breaking the quota contract would do. The bench must count exactly those bytes."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.num_dropped_bytes = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+        statuses = self._store.put(keys, values)
+        if keys and f"/{BACKGROUND_TENANT}/" in keys[0]:
+            victim = next((k for k in self._store.iter_keys("hkv1/tenant-")), None)
+            if victim is not None:
+                self._store.remove([victim])
+                self.num_dropped_bytes += ATTENTION_BYTES if "/g0/" in victim else STATE_BYTES
+        return statuses
+
+
+@pytest.mark.parametrize("quota_is_tiny", [True, False], ids=["over-quota", "within-quota"])
+def test_the_bench_counts_what_the_store_evicted_around_background_puts(quota_is_tiny: bool) -> None:
+    trace = generate_trace(TINY, 3)
+    store = _EvictsAnAgentOnBackgroundPuts(open_store(f"memory://agentic-{uuid.uuid4().hex}"))
+    quota = 1 if quota_is_tiny else 1 << 40
+    result = replay_trace(
+        trace,
+        cast(Store, store),
+        reference_quota_bytes=quota,
+        attention_value_bytes=ATTENTION_BYTES,
+        state_value_bytes=STATE_BYTES,
+    )
+    counted = (
+        result.tenant_to_bytes_evicted_over_quota
+        if quota_is_tiny
+        else result.tenant_to_bytes_evicted_within_quota
+    )
+    other = (
+        result.tenant_to_bytes_evicted_within_quota
+        if quota_is_tiny
+        else result.tenant_to_bytes_evicted_over_quota
+    )
+    assert store.num_dropped_bytes > 0
+    assert sum(counted.values()) == store.num_dropped_bytes
+    assert set(other.values()) == {0} and counted[BACKGROUND_TENANT] == 0
+    num_background_puts = sum(r.tenant == BACKGROUND_TENANT for r in trace.requests)
+    assert result.num_over_quota_puts == (num_background_puts if quota_is_tiny else 0)
 
 
 def test_a_configuration_the_store_refuses_is_reported_unavailable(tmp_path: Path) -> None:
@@ -207,6 +265,12 @@ def test_the_command_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
         "lru+quotas",
         "file-lru+quotas",
     ]
+    assert all(t["met"] for t in report["targets"] if "over its quota" in t["target"])
+    assert "evicted by background puts" in printed
+    for row in report["rows"]:
+        assert set(row["evicted_by_over_quota_mib_by_tenant"]) == set(report["shape"]["tenants"])
+        if row["configuration"].endswith("+quotas"):
+            assert row["evicted_by_over_quota_max_mib"] == 0 and row["num_over_quota_puts"] == 0
     assert {"num_sessions", "turns_per_session_median", "subagent_session_share", "one_off_share"} <= set(
         report["shape"]
     )

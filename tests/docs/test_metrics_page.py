@@ -14,7 +14,8 @@ def stat_names() -> set[str]:
     """Every name the connector's stats may carry: its counter and gauge tables (``add`` refuses others)."""
     from hybridkv.connector import stats
 
-    return {*stats.PROM_COUNTERS, *stats.GAUGES, f"{stats.PER_GROUP_LOADED_BLOCKS}<N>"}
+    per_tenant = {f"{name}.<NS>" for name in (*stats.PER_TENANT_COUNTERS, *stats.PER_TENANT_GAUGES)}
+    return {*stats.PROM_COUNTERS, *stats.GAUGES, f"{stats.PER_GROUP_LOADED_BLOCKS}<N>", *per_tenant}
 
 
 def metrics_rows() -> dict[str, tuple[str, str]]:
@@ -35,10 +36,11 @@ def test_every_stat_is_documented() -> None:
     box = StatsBox()
     box.add("load_keys")
     box.add("loaded_blocks.g3", 16)
-    for name in ("load_key", "loaded_blocks.gx", "hit_tokens."):
+    box.add("tenant_refused_puts.team-a")
+    for name in ("load_key", "loaded_blocks.gx", "hit_tokens.", "tenant_refused_puts.a/b"):
         with pytest.raises(AssertionError, match="neither PROM_COUNTERS nor GAUGES"):
             box.add(name)
-    assert box.totals == {"load_keys": 1, "loaded_blocks.g3": 16}
+    assert box.totals == {"load_keys": 1, "loaded_blocks.g3": 16, "tenant_refused_puts.team-a": 1}
 
 
 @pytest.mark.vllm
@@ -63,7 +65,7 @@ def test_metrics_doc_matches_the_exported_series() -> None:
     assert documented_keys == exported_keys, (
         f"docs/metrics.md keys differ: missing {exported_keys - documented_keys}, extra {documented_keys - exported_keys}"
     )
-    prom.observe({key.replace("<N>", "0"): 1 for key in documented_keys}, 0)
+    prom.observe({key.replace("<N>", "0").replace("<NS>", "team-a"): 1 for key in documented_keys}, 0)
     exposition = generate_latest(registry).decode()
     series = {
         m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\w+)$", exposition, flags=re.MULTILINE)

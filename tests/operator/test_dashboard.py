@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hybridkv.connector.stats import GAUGES, PROM_COUNTERS
+from hybridkv.connector.stats import GAUGES, PER_TENANT_COUNTERS, PER_TENANT_GAUGES, PROM_COUNTERS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -41,7 +41,9 @@ def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 def hybridkv_series() -> set[str]:
     """The names the connector's Prometheus metrics (hybridkv.connector.stats.build_prom) are scraped as."""
     counters = {f"{name}_total" for name, _ in PROM_COUNTERS.values()}
-    return counters | {name for name, _ in GAUGES.values()} | {"vllm:hybridkv_group_loaded_blocks_total"}
+    counters |= {f"{name}_total" for name, _, _ in PER_TENANT_COUNTERS.values()}
+    gauges = {name for name, _ in GAUGES.values()} | {name for name, _ in PER_TENANT_GAUGES.values()}
+    return counters | gauges | {"vllm:hybridkv_group_loaded_blocks_total"}
 
 
 def test_every_query_names_an_exported_series() -> None:
@@ -113,7 +115,14 @@ def test_series_match_a_real_vllm_registry() -> None:
         ),
     ).create_engine_config()
     logger = PrometheusStatLogger(config, [0])
-    logger.kv_connector_prom.observe({"loaded_blocks.g0": 16}, 0)  # per-group children exist once observed
+    # Per-group and per-tenant children exist once observed.
+    per_tenant = (
+        "tenant_usage_bytes",
+        "tenant_quota_evicted",
+        "tenant_capacity_evicted",
+        "tenant_refused_puts",
+    )
+    logger.kv_connector_prom.observe({"loaded_blocks.g0": 16, **{f"{n}.ns": 1 for n in per_tenant}}, 0)
     names = {s.name for family in prometheus_client.REGISTRY.collect() for s in family.samples}
     exported = {n for n in names if n.startswith("vllm:hybridkv_") or "prefix_cache" in n}
     dashboard_series = {name for _, expr in _queries(_dashboard()) for name in _SERIES.findall(expr)}

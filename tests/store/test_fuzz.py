@@ -115,3 +115,19 @@ TestMemoryStoreWithQuotas = make_store_machine(
 TestFileStoreWithQuotas = make_store_machine(
     _file_with_quotas, allows_eviction=False, quotas=_QUOTAS
 ).TestCase
+
+
+def _file_with_quotas_under_capacity() -> FramedStore:
+    directory = f"{_fresh_dir()}/store"
+    store = open_store(f"file://{directory}?capacity=12KiB")
+    write_quotas(Path(directory), _QUOTAS)
+    return store
+
+
+# A full store evicts across tenants (capacity eviction); a tenant still never ends a put over its quota.
+TestMemoryStoreWithQuotasUnderCapacity = make_store_machine(
+    lambda: _memory("?capacity=12KiB&quotas=t1:3000,t2:5000"), allows_eviction=True, quotas=_QUOTAS
+).TestCase
+TestFileStoreWithQuotasUnderCapacity = make_store_machine(
+    _file_with_quotas_under_capacity, allows_eviction=True, quotas=_QUOTAS
+).TestCase

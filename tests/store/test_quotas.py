@@ -18,7 +18,14 @@ from hybridkv.cli import main
 from hybridkv.store import StoreError, open_store
 from hybridkv.store.base import Status
 from hybridkv.store.framed import FramedStore
-from hybridkv.store.quotas import namespace_of, parse_quotas, read_quotas, write_quotas
+from hybridkv.store.quotas import (
+    OTHER_TENANTS,
+    namespace_of,
+    parse_quotas,
+    read_quotas,
+    tenant_counters_of,
+    write_quotas,
+)
 
 VALUE = 40_000
 #: Room for four framed values of tenant ``agent``; ``flood`` may hold two.
@@ -222,3 +229,88 @@ def test_parsing_helpers() -> None:
     assert namespace_of("hkv1/") is None
     assert parse_quotas(" a:1KiB , b:2KB ,") == {"a": 1024, "b": 2000}
     assert parse_quotas("") == {}
+
+
+#: A store holding eight framed values; the agent's five leave room for three more.
+_SMALL_CAPACITY = 8 * (VALUE + 200)
+
+
+@pytest.fixture(params=["memory", "file"])
+def make_small_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+    """Stores of ``_SMALL_CAPACITY`` with ``quotas``: capacity eviction can reach another tenant."""
+    if request.param == "memory":
+
+        def memory_store(quotas: dict[str, int]) -> FramedStore:
+            text = ",".join(f"{namespace}:{size}" for namespace, size in quotas.items())
+            return open_store(f"memory://quota-{uuid.uuid4().hex}?capacity={_SMALL_CAPACITY}&quotas={text}")
+
+        return memory_store
+
+    def file_store(quotas: dict[str, int]) -> FramedStore:
+        store = open_store(f"file://{tmp_path}/store?capacity={_SMALL_CAPACITY}")
+        write_quotas(tmp_path / "store", quotas)
+        return store
+
+    return file_store
+
+
+def test_a_batch_larger_than_the_quota_keeps_its_newest_and_evicts_no_other_tenant(
+    make_small_store: StoreFactory,
+) -> None:
+    """One put of more bytes than the tenant's whole quota (each value within it): the tenant keeps the
+    batch's newest values that fit, as if they had been put one by one, and the store does not grow past
+    what the quota allows -- so the agent's entries, in a store that had room for the quota, stay."""
+    store = make_small_store({"flood": QUOTAS["flood"]})
+    agent_keys = _keys("agent", 5)
+    assert store.put(agent_keys, [_value(i) for i in range(5)]) == [Status.OK] * 5
+    flood_keys = _keys("flood", 4)
+    assert store.put(flood_keys, [_value(100 + i) for i in range(4)]) == [Status.OK] * 4
+    assert all(_present(store, agent_keys)), (
+        f"a put of a tenant past its quota evicted another tenant's entries: {_present(store, agent_keys)}"
+    )
+    assert _present(store, flood_keys) == [False, False, True, True]
+    flood = _tenants(store)["flood"]
+    assert flood["usage_bytes"] <= QUOTAS["flood"]
+    assert flood["num_quota_evicted"] == 2
+    destination = np.empty(VALUE, dtype=np.uint8)
+    assert store.get_into([flood_keys[3]], [destination]) == [Status.OK]
+    assert np.array_equal(destination, _value(103))
+    store.close()
+
+
+def test_capacity_evictions_are_counted_per_tenant(make_small_store: StoreFactory) -> None:
+    """A full store evicts least recently used first across tenants (quotas do not change that): each
+    tenant's counters say how many of its entries went so, the rest of the store's under ``_other``."""
+    store = make_small_store({"flood": QUOTAS["flood"]})
+    flood_keys = _keys("flood", 2)
+    store.put(flood_keys, [_value(i) for i in range(2)])
+    _age_files(store, flood_keys)
+    agent_keys = _keys("agent", 7)
+    assert store.put(agent_keys, [_value(10 + i) for i in range(7)]) == [Status.OK] * 7
+    num_flood_gone = _present(store, flood_keys).count(False)
+    assert num_flood_gone >= 1, "the full store evicted none of its oldest entries"
+    counters = tenant_counters_of(store)
+    assert set(counters) == {"flood", OTHER_TENANTS}
+    assert counters["flood"].num_capacity_evicted == num_flood_gone
+    assert counters["flood"].num_quota_evicted == 0
+    assert counters["flood"].usage_bytes == _tenants(store)["flood"]["usage_bytes"]
+    assert counters[OTHER_TENANTS].num_capacity_evicted == 0
+    assert _tenants(store)["flood"]["num_capacity_evicted"] == num_flood_gone
+    _age_files(store, agent_keys)
+    more = _keys("other-agent", 4)
+    store.put(more, [_value(20 + i) for i in range(4)])
+    num_agent_gone = _present(store, agent_keys).count(False)
+    assert num_agent_gone >= 1
+    counters = tenant_counters_of(store)
+    assert counters[OTHER_TENANTS].num_capacity_evicted == num_agent_gone
+    assert counters[OTHER_TENANTS].quota_bytes == 0
+    num_bytes = store.stats().num_bytes
+    assert num_bytes is not None
+    assert counters[OTHER_TENANTS].usage_bytes == num_bytes - counters["flood"].usage_bytes
+    store.close()
+
+
+def test_tenant_counters_of_a_store_without_quotas_is_empty(tmp_path: Path) -> None:
+    assert tenant_counters_of(_memory({})) == {}
+    assert tenant_counters_of(open_store(f"file://{tmp_path}/s?capacity=1MiB")) == {}
+    assert tenant_counters_of(object()) == {}
