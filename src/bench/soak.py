@@ -1068,6 +1068,7 @@ def format_soak_table(report: Mapping[str, Any]) -> str:
     )
     counters = report["after"].get("counters") or {}
     shown = (
+        "hybridkv_store_faults_injected",
         "external_hit_tokens",
         "hybridkv_truncations",
         "hybridkv_load_failed_keys",

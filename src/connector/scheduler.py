@@ -69,7 +69,7 @@ from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.request_state import RequestState
 from hybridkv.connector.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.sessions import RequestSession, SessionRetention
-from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, StatsBox
+from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, InjectedFaults, StatsBox
 from hybridkv.connector.store_events import StoreEvents
 from hybridkv.connector.store_upkeep import StoreUpkeep
 from hybridkv.connector.stores import open_connector_store
@@ -121,6 +121,7 @@ class SchedulerSide:
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
         self.stats = StatsBox()
+        self._injected_faults = InjectedFaults(self.stats, self.store)
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
         self.events = StoreEvents(self.geo)
@@ -472,6 +473,7 @@ class SchedulerSide:
     def gauges(self) -> dict[str, int]:
         """What this half holds now (``stats.GAUGES``): requests followed, blocks pinned by save jobs, audit
         records not yet written."""
+        self._injected_faults.count()  # a faulty+ view's injections (its lookups' exists faults)
         # Only the JSON-lines sink queues (another sink hands records on synchronously).
         audit = self.audit
         num_queued = audit.stats()["num_queued"] if isinstance(audit, JsonLinesAuditSink) else 0

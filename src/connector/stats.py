@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.store.faulty import FaultyBackend
 from hybridkv.store.quotas import OTHER_TENANTS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -123,6 +124,23 @@ class StatsBox:
                 return None
             out, self._cur = self._cur, HybridStoreStats()
             return out
+
+
+class InjectedFaults:
+    """Adds to ``stats`` (``store_faults_injected``) the faults ``store``'s ``faulty+`` view injected since the
+    last :meth:`count` -- nothing for a store that is no such view. Called where the owner sends its gauges."""
+
+    def __init__(self, stats: StatsBox, store: object) -> None:
+        backend = getattr(store, "backend", None)
+        self._view = backend if isinstance(backend, FaultyBackend) else None
+        self._stats = stats
+        self._num_counted = 0
+
+    def count(self) -> None:
+        if self._view is not None:
+            total = self._view.num_faults_injected()
+            self._stats.add("store_faults_injected", total - self._num_counted)
+            self._num_counted = total
 
 
 def build_stats(data: dict[str, Any] | None) -> HybridStoreStats:
@@ -274,6 +292,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
     "load_keys": ("vllm:hybridkv_load_keys", "Keys read from the store."),
     "load_bytes": ("vllm:hybridkv_load_bytes", "Bytes read from the store into the KV cache."),
     "load_failed_keys": ("vllm:hybridkv_load_failed_keys", "Keys whose read failed or was corrupt."),
+    "store_faults_injected": (
+        "vllm:hybridkv_store_faults_injected",
+        "Faults a faulty+ store view injected (chaos testing; 0 on a real store).",
+    ),
     "load_job_seconds": (
         "vllm:hybridkv_load_job_seconds",
         "Seconds worker load threads spent running load jobs (store reads and writes into the KV cache).",

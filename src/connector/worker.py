@@ -46,7 +46,7 @@ from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMe
 from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.save_pipeline import SavePipeline
-from hybridkv.connector.stats import StatsBox
+from hybridkv.connector.stats import InjectedFaults, StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.tenant_metrics import TenantMetrics
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
@@ -87,6 +87,7 @@ class WorkerSide:
         self._loads = LoadPipeline(self._ctx, self._outbox, self._quarantine)
         self._saves = SavePipeline(self._ctx, self._outbox, self._quarantine)
         self._tenant_metrics = TenantMetrics(self._ctx.stats)
+        self._injected_faults = InjectedFaults(self._ctx.stats, self._ctx.store)
         self._layerwise: LayerwiseLoads | None = None
         if cfg.layerwise:
             self._layerwise = LayerwiseLoads(
@@ -154,6 +155,7 @@ class WorkerSide:
         store with quotas, the per-tenant ones (``hybridkv.connector.tenant_metrics``, which adds the
         per-tenant counters to ``stats`` at the same time)."""
         ctx = self._ctx
+        self._injected_faults.count()
         staging_bytes_out = ctx.host_buffers.num_bytes_out
         if ctx.staging is not None:
             staging_bytes_out += ctx.staging.pool.in_use * ctx.staging.pool.slab_bytes

@@ -587,6 +587,11 @@ class FaultyBackend:
         num_removed: int = self.inner.remove_prefix(prefix)
         return num_removed
 
+    def num_faults_injected(self) -> int:
+        """Every fault this view injected so far (the sum of ``stats()``'s ``injected_*``)."""
+        with self._lock:
+            return sum(self.num_injected.values())
+
     def stats(self) -> StoreStats:
         inner = self.inner.stats()
         with self._lock:

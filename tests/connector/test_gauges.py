@@ -90,3 +90,34 @@ def test_worker_gauges_follow_saves_and_late_calls(vllm_objs: dict[str, Any]) ->
         assert ws.gauges() == dict.fromkeys(held, 0), f"held after every late call returned: {ws.gauges()}"
     finally:
         ws.shutdown()
+
+
+def test_a_faulty_views_injections_reach_the_stats_once() -> None:
+    """``store_faults_injected``: what a ``faulty+`` view injected since the last count, counted once; a real
+    store adds nothing."""
+    from hybridkv.connector.stats import InjectedFaults, StatsBox
+    from hybridkv.store import Status, open_store
+
+    name = uuid.uuid4().hex
+    faulty = open_store(f"faulty+memory://{name}?get_fail=1.0&seed=1")
+    plain = open_store(f"memory://{name}-plain")
+    try:
+        stats = StatsBox()
+        counters = [InjectedFaults(stats, faulty), InjectedFaults(stats, plain)]
+        assert faulty.put(["a", "b", "c"], [b"1", b"2", b"3"]) == [Status.OK] * 3
+        assert plain.put(["a"], [b"1"]) == [Status.OK]
+        dest = [bytearray(1) for _ in range(3)]
+        assert faulty.get_into(["a", "b", "c"], dest) == [Status.TRANSFER_FAILED] * 3
+        assert plain.get_into(["a"], [bytearray(1)]) == [Status.OK]
+        injected = faulty.backend.num_faults_injected()  # type: ignore[attr-defined]
+        assert injected >= 1
+        for c in counters:
+            c.count()
+        taken = stats.take()
+        assert taken is not None and taken.data == {"store_faults_injected": injected}
+        for c in counters:
+            c.count()
+        assert stats.take() is None, "counted twice"
+    finally:
+        faulty.close()
+        plain.close()

@@ -195,6 +195,8 @@ def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) ->
             samples, "vllm:hybridkv_save_failed_keys_total"
         )
         assert faults > 0, "the chaos store injected no fault the connector saw"
+        # What the faulty views injected (the scheduler's and the worker's) reaches the metrics.
+        assert metric(samples, "vllm:hybridkv_store_faults_injected_total") > 0, "no injected fault counted"
         assert metric(samples, "vllm:external_prefix_cache_hits_total") > 0, "no hit survived the chaos"
 
         # Settled, nothing stays held; what grew under load came back down.
