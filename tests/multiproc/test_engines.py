@@ -13,7 +13,9 @@ Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with stat
   reset_connector=True)`` removes this namespace's entries only (another namespace's keys in the same
   store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``.
 - tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all;
-  when one rank's reads fail, the whole request is recomputed with the same tokens.
+  when one rank's reads fail, the whole request is recomputed with the same tokens. Qwen3-Next (hybrid)
+  across three engine processes; Llama (full attention, 4 KV heads) in one engine process, its prefix
+  cache dropped between the cold run, the external hit and the faulty resend.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
     (Qwen3-Next: full attention with 4 KV heads and gated delta net with 2 key heads, both split over the
     ranks; vLLM's block becomes 256 at TP 2): engine 1 stores every rank's shard of each block, engine 2 (a
     fresh process, the same store) loads them back: the external hit covers the prompt's blocks and the
-    greedy tokens equal engine 1's. (Llama at TP 2 passes the same way; one family keeps the suite short.)"""
+    greedy tokens equal engine 1's. (Llama at TP 2: the next test.)"""
     from hybridkv.devkit.tiny_models import build_tiny_model
 
     family, hit = "qwen3_next", 512
@@ -213,3 +215,63 @@ def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
     assert metrics.get("vllm:hybridkv_truncations", 0) >= 1, metrics
     assert metrics.get("vllm:hybridkv_load_failed_keys", 0) > 0, metrics
     assert third["tokens"] == first["tokens"], f"{family}: tokens differ after one rank's load failed"
+
+
+def test_llama_tensor_parallel_loads_every_ranks_keys_and_one_failing_rank_recomputes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama at TP 2 on a real engine (vLLM's ``mp`` executor; 4 KV heads, 2 per rank; one full-attention
+    group, block 128), one engine process (a TP 2 start costs ~30 s here): the cold run stores every
+    rank's shard of the prompt's 4 blocks; vLLM's prefix cache is dropped and the prompt sent again: the
+    external hit is the 4 blocks (512 tokens), each rank reads its own 4 keys, the greedy tokens are the
+    cold run's; dropped and sent once more, rank 1's reads fail (its store view fails every ``get`` after
+    its first, the hit's: ``fail_after=1&fail_ops=get&fault_tp_rank=1``; rank 0 reads fine): the whole
+    request is recomputed, with the cold run's tokens again."""
+    from hybridkv.devkit.tiny_models import build_tiny_model
+
+    blocks, hit, namespace = 4, 512, "tp-llama"
+    model = str(build_tiny_model("llama", MODELS_DIR, num_key_value_heads=4))
+    store = f"file://{tmp_path}/store"
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(600)]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
+    res = run_engine(
+        tmp_path,
+        "tp-llama",
+        multiprocess=True,
+        teardown="shutdown",
+        model=model,
+        prompt=prompt,
+        store=f"faulty+{store}?fail_after=1&fail_ops=get&fault_tp_rank=1",
+        namespace=namespace,
+        tensor_parallel_size=2,
+        resends=2,
+        keys_store=store,
+        keys_prefix=f"hkv1/{namespace}/",
+        expect_keys=2 * blocks,
+    )
+    assert res["cached"] == 0
+    keys = _keys(store, f"hkv1/{namespace}/")
+    per_rank = {rank: sum(1 for key in keys if f"/{rank}/" in key) for rank in ("tp0", "tp1")}
+    assert per_rank == {"tp0": blocks, "tp1": blocks} and len(keys) == 2 * blocks, keys
+
+    loaded, faulted = res["resends"]
+    m = loaded["metrics"]
+    assert loaded["reset_ok"] and loaded["cached"] == hit, f"external hit {loaded['cached']}, expected {hit}"
+    assert m["vllm:hybridkv_hit_tokens"] == hit
+    # Both ranks loaded: 4 keys each (a worker reads only keys of its own rank).
+    assert m["vllm:hybridkv_load_keys"] == 2 * blocks and m.get("vllm:hybridkv_load_failed_keys", 0) == 0, m
+    assert m.get("vllm:hybridkv_truncations", 0) == 0
+    assert loaded["tokens"] == res["tokens"], "Llama: tokens differ after a TP 2 external hit"
+
+    f = faulted["metrics"]
+    assert faulted["reset_ok"]
+    assert f["vllm:hybridkv_hit_tokens"] >= 2 * hit  # the store still answers the lookup
+    assert f.get("vllm:hybridkv_truncations", 0) >= 1, f
+    # Rank 1's 4 keys failed (at least once; a capped retry may fail again), rank 0's read fine.
+    failed = f.get("vllm:hybridkv_load_failed_keys", 0)
+    assert failed >= blocks and failed % blocks == 0, f
+    assert faulted["tokens"] == res["tokens"], "Llama: tokens differ after one rank's load failed"
+    print(
+        f"llama tp 2: {res['wall_s']:.1f}s (start {res['start_s']:.1f}s), hit {loaded['cached']}, "
+        f"fault run: {failed:.0f} failed keys, {f.get('vllm:hybridkv_truncations', 0):.0f} truncations"
+    )
