@@ -67,6 +67,18 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="the server's local KV cache, MiB: keep it under a quarter of the working set (%(default)s)",
     )
     serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=shape.max_model_len,
+        help="the servers' max_model_len: raise it for long prompts (%(default)s)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=shape.max_num_batched_tokens,
+        help="tokens per engine step (longer prompts prefill in chunks of this) (%(default)s)",
+    )
+    serve.add_argument(
         "--reserved-cpus",
         type=int,
         default=shape.reserved_cpus,
@@ -161,8 +173,17 @@ def handle_serve(args: argparse.Namespace) -> int:
         if value < 0:
             print(f"hybridkv bench serve: {flag} must be >= 0, got {value}", file=sys.stderr)
             return EXIT_USAGE
+    for flag, value in (
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+    ):
+        if value < 1:
+            print(f"hybridkv bench serve: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return EXIT_USAGE
     shape = ServerShape(
         kv_cache_bytes=args.kv_cache_mib << 20,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         full_store_capacity=args.full_store_capacity,
         reserved_cpus=args.reserved_cpus,
     )

@@ -33,6 +33,9 @@ def test_bad_workload_is_refused_naming_the_value(capsys: pytest.CaptureFixture[
     assert "--serial-sessions" in capsys.readouterr().err
     assert main(["bench", "serve", "--reserved-cpus", "-2"]) == EXIT_USAGE
     assert "--reserved-cpus" in capsys.readouterr().err
+    for flag in ("--max-model-len", "--max-num-batched-tokens"):
+        assert main(["bench", "serve", flag, "0"]) == EXIT_USAGE
+        assert flag in capsys.readouterr().err
 
 
 def _record(session: int, turn: int, tokens: list[int], gaps: list[float]) -> RequestRecord:
