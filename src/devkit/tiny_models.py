@@ -27,6 +27,9 @@ Sliding-window families, not in ``FAMILIES`` either (for end-to-end tests):
 - ``gemma2``      -- 2 groups, sliding window (64) + full attention (logit soft-capping on).
 - ``gpt_oss``     -- 2 groups, sliding window (64) + full attention, attention sinks, MoE (4 experts, 2
   active).
+- ``olmo3``       -- 4 groups: 3 sliding-window (64) + 1 full attention, one layer each (Olmo3's own
+  ``[sliding, sliding, sliding, full]``, QK-norm); vLLM 0.32 runs it through its Transformers modeling
+  backend (``TransformersForCausalLM``).
 
 Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers) and ``size="bench"`` (hidden 1024, 8 layers, 4 KV
 heads x 128, long context): big enough that prefill compute dominates a 4000-token request on CPU, for
@@ -59,6 +62,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
 }
 
 #: Per hybrid family: the layer types its layers repeat (``None``: every layer full attention).
@@ -71,6 +75,7 @@ _LAYER_PATTERN: dict[str, tuple[str, ...] | None] = {
     "cohere2": ("sliding_attention", "sliding_attention", "sliding_attention", "full_attention"),
     "gemma2": ("sliding_attention", "full_attention"),
     "gpt_oss": ("sliding_attention", "full_attention"),
+    "olmo3": ("sliding_attention", "sliding_attention", "sliding_attention", "full_attention"),
 }
 
 #: Bump when the builder changes the produced files for an unchanged config.
@@ -213,6 +218,10 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
         kw = _sliding_kwargs(family, head_dim=None) | {"initializer_range": 0.2}
     elif family == "gpt_oss":
         kw = _sliding_kwargs(family) | {"num_local_experts": 4, "num_experts_per_tok": 2}
+    elif family == "olmo3":
+        # Its config derives head dim (hidden 128 / 4 heads = 32). With initializer range 0.02 (the default)
+        # to 0.5 the random model (QK-norm, post-norms) repeats 3-4 tokens over 16; 1.0 gives varied tokens.
+        kw = _sliding_kwargs(family, head_dim=None) | {"initializer_range": 1.0}
     else:  # lfm2
         kw = {
             "num_hidden_layers": 4,

@@ -1,7 +1,8 @@
 """Sliding-window families on a real engine: external hits give the local hit's greedy tokens.
 
-Cohere2 (3 sliding-window groups + 1 full, one layer each), Gemma2 (sliding + full, logit soft-capping) and
-GPT-OSS (sliding + full, attention sinks, MoE), each with a 64-token window under 128-token blocks. One
+Cohere2 (3 sliding-window groups + 1 full, one layer each), Gemma2 (sliding + full, logit soft-capping),
+GPT-OSS (sliding + full, attention sinks, MoE) and Olmo3 (3 sliding + 1 full, QK-norm; vLLM 0.32 runs it
+through its Transformers modeling backend), each with a 64-token window under 128-token blocks. One
 engine serves a prompt of 5 blocks and a tail cold, stores it, serves it again from vLLM's own prefix cache
 (the reference: where bf16 near-ties make vLLM's local hit differ from the cold run, the external hit must
 equal the local hit), drops the local cache and resends: the 5 blocks come from the store -- every block
@@ -35,6 +36,7 @@ GROUP_KINDS = {
     "cohere2": ["swa", "swa", "swa", "full"],
     "gemma2": ["swa", "full"],
     "gpt_oss": ["swa", "full"],
+    "olmo3": ["swa", "swa", "swa", "full"],
 }
 #: Blocks a sliding group loads for a hit of ``HIT`` tokens: the window below the hit, in whole blocks.
 SWA_BLOCKS = -(-WINDOW // BLOCK)
