@@ -35,6 +35,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.describe_cmds",
     "hybridkv.cli.mooncake_cmds",
     "hybridkv.cli.agentic_cmds",
+    "hybridkv.cli.agentic_serve_cmds",
     "hybridkv.cli.divergent_cmds",
     "hybridkv.cli.soak_cmds",
 )
