@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import numpy as np
 from hybridkv.bench.report import pyplot_or_none, save_figure
-from hybridkv.store.base import Status, Store, Value
+from hybridkv.store.base import Status, Store, Value, find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
@@ -249,8 +249,8 @@ def run_store_bench(
         store = open_store(url)
         try:
             latency = measure_exists_latency(store, num_calls=num_exists_calls)
-            backend = getattr(store, "backend", None)
-            floor_directory = backend.directory if isinstance(backend, FileBackend) else None
+            backend = find_layer(store, FileBackend)
+            floor_directory = backend.directory if backend is not None else None
             for size in value_sizes:
                 num_values = num_values_for(size, bytes_per_round)
                 result = measure_put_get(

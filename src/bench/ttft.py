@@ -59,6 +59,7 @@ from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.mooncake import MooncakeMaster, running_master
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs
 from hybridkv.ops import inprocess
+from hybridkv.store.base import find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.file_probe import ReadProbe
 from hybridkv.store.frame import compute_checksum, default_checksum
@@ -408,8 +409,8 @@ def _load_phase_seconds(probe: LoadProbe, store: Any) -> dict[str, float]:
     ``FileBackend`` on the first call (production runs none): summed since then; seconds
     (``*jobs``/``*keys``: counts)."""
     out = {name: float(value) for name, value in probe.totals().items()}
-    backend = getattr(store, "backend", None)
-    if isinstance(backend, FileBackend):
+    backend = find_layer(store, FileBackend)
+    if backend is not None:
         read_probe = backend.read_probe
         if read_probe is None:
             read_probe = ReadProbe()

@@ -51,12 +51,11 @@ _WORD = 8
 
 @dataclass(frozen=True)
 class StageLaunch:
-    """One launch of a staging chunk: the batch rows ``[r0, r1)`` of ``num_tensors`` layer tensors, with
-    their device tables (see :meth:`KernelCopier.stage_launches`)."""
+    """One launch of a staging chunk: the batch rows ``[r0, r1)`` of some layer tensors, with their device
+    tables, one entry per tensor (see :meth:`KernelCopier.stage_launches`)."""
 
     r0: int
     r1: int
-    num_tensors: int
     page_ptrs: torch.Tensor
     page_strides: torch.Tensor
     offsets: torch.Tensor
@@ -200,7 +199,8 @@ class KernelCopier:
     def _launch(self, to_slab: bool, slab: torch.Tensor, num_pairs: int) -> None:
         """One launch over ``num_pairs`` pairs of ``to_slab``'s pair table (filled by the caller)."""
         pairs = self._pairs[to_slab]
-        _copy_pages[(max(1, min(NUM_PROGRAMS, self.num_tensors * num_pairs * self._tiles_per_page)),)](
+        num_tiles = self.num_tensors * num_pairs * self._tiles_per_page
+        _copy_pages[(max(1, min(NUM_PROGRAMS, num_tiles)),)](
             self._page_ptrs,
             self._page_strides,
             self._slab_offsets,
@@ -210,7 +210,7 @@ class KernelCopier:
             slab.view(torch.int64),
             num_pairs,
             self._tiles_per_page,
-            self.num_tensors * num_pairs * self._tiles_per_page,
+            num_tiles,
             TO_SLAB=to_slab,
             TILE=TILE_WORDS,
             num_warps=NUM_WARPS,
@@ -237,7 +237,6 @@ class KernelCopier:
                 StageLaunch(
                     r0,
                     r1,
-                    len(ks),
                     self._page_ptrs[ks].clone(),
                     self._page_strides[ks].clone(),
                     torch.tensor(offsets, dtype=torch.int64, device=device),
@@ -263,7 +262,7 @@ class KernelCopier:
         if num_pairs <= 0:
             return
         pairs = self._stage_pairs[to_stage]
-        num_tiles = launch.num_tensors * num_pairs * self._tiles_per_page
+        num_tiles = launch.page_ptrs.numel() * num_pairs * self._tiles_per_page
         _copy_pages[(max(1, min(PACK_NUM_PROGRAMS, num_tiles)),)](
             launch.page_ptrs,
             launch.page_strides,

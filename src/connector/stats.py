@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.store.base import find_layer
 from hybridkv.store.faulty import FaultyBackend
 from hybridkv.store.quotas import OTHER_TENANTS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -131,8 +132,7 @@ class InjectedFaults:
     last :meth:`count` -- nothing for a store that is no such view. Called where the owner sends its gauges."""
 
     def __init__(self, stats: StatsBox, store: object) -> None:
-        backend = getattr(store, "backend", None)
-        self._view = backend if isinstance(backend, FaultyBackend) else None
+        self._view = find_layer(store, FaultyBackend)
         self._stats = stats
         self._num_counted = 0
 

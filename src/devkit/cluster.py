@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -392,29 +393,36 @@ class Cluster:
         prefix = self.prefixes[rid]
         for rank in range(self.tp):
             for g in self.geo.groups:
-                cache = self.caches[rank][g.layer_names[0]]
-                if g.kind.value == "mamba":
-                    bid = table[g.vllm_group_index][-(-boundary // g.span) - 1]
-                    want = state_value(prefix, boundary, rank, g.group_index)
-                    assert bool((cache[0][bid] == want).all() and (cache[1][bid] == want).all()), (
-                        f"{rid}: rank {rank} Mamba state at {boundary} not restored"
-                    )
-                    continue
-                shards = self.dcp if g.span != cache.shape[1] else 1
-                first = 0
-                if g.kind.value == "swa":  # only the window's blocks are restored (48 tokens)
-                    first = max(0, (boundary // g.span - max(1, -(-47 // g.span))) * g.span)
-                for p in range(first, boundary):
-                    off = p % g.span
-                    if off % shards != rank % shards:
-                        continue
-                    bid = table[g.vllm_group_index][p // g.span]
-                    assert bid, f"{rid}: group {g.vllm_group_index} position {p} has no block"
-                    got = int(cache[bid, off // shards])
-                    assert got == kv_value(prefix, p, rank, g.group_index), (
-                        f"{rid}: rank {rank} group {g.vllm_group_index} slot {p} = {got}, not the recomputed value"
-                    )
+                self._check_group_loaded(rid, rank, g, table[g.vllm_group_index], boundary, prefix)
         self.loads_checked[rid] = boundary
+
+    def _check_group_loaded(
+        self, rid: str, rank: int, g: Any, ids: Sequence[int], boundary: int, prefix: list[int]
+    ) -> None:
+        """``_check_loaded`` for one group on one rank (``ids``: the request's blocks of the group); a cluster
+        with other caches overrides this alone."""
+        cache = self.caches[rank][g.layer_names[0]]
+        if g.kind.value == "mamba":
+            bid = ids[-(-boundary // g.span) - 1]
+            want = state_value(prefix, boundary, rank, g.group_index)
+            assert bool((cache[0][bid] == want).all() and (cache[1][bid] == want).all()), (
+                f"{rid}: rank {rank} Mamba state at {boundary} not restored"
+            )
+            return
+        shards = self.dcp if g.span != cache.shape[1] else 1
+        first = 0
+        if g.kind.value == "swa":  # only the window's blocks are restored (48 tokens)
+            first = max(0, (boundary // g.span - max(1, -(-47 // g.span))) * g.span)
+        for p in range(first, boundary):
+            off = p % g.span
+            if off % shards != rank % shards:
+                continue
+            bid = ids[p // g.span]
+            assert bid, f"{rid}: group {g.vllm_group_index} position {p} has no block"
+            got = int(cache[bid, off // shards])
+            assert got == kv_value(prefix, p, rank, g.group_index), (
+                f"{rid}: rank {rank} group {g.vllm_group_index} slot {p} = {got}, not the recomputed value"
+            )
 
     # -- leak check -----------------------------------------------------------------------------------------
     def assert_empty(self) -> None:

@@ -239,13 +239,22 @@ def tiny_config_kwargs(family: str, *, size: str = "tiny", **overrides: Any) -> 
     return cls, merged
 
 
+def _folder_digest(payload: dict[str, Any]) -> str:
+    """The 16 hex digits naming a built folder: what it was built from, canonical JSON."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _digest(family: str, cls_name: str, kwargs: dict[str, Any], seed: int) -> str:
-    blob = json.dumps(
-        {"family": family, "cls": cls_name, "kwargs": kwargs, "seed": seed, "v": _BUILDER_VERSION},
-        sort_keys=True,
-        default=str,
+    return _folder_digest(
+        {"family": family, "cls": cls_name, "kwargs": kwargs, "seed": seed, "v": _BUILDER_VERSION}
     )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _patch_config(folder: Path, updates: dict[str, Any]) -> None:
+    """Set ``updates`` in ``folder``'s ``config.json`` (``save_pretrained`` may drop keys vLLM needs)."""
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text()) | updates
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def build_tiny_model(
@@ -269,15 +278,13 @@ def build_tiny_model(
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
-        # save_pretrained may drop keys transformers does not know; vLLM needs them.
-        cfg_path = tmp / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        # (DeepSeek-V3's routing keys too: HF's config may not write them back.)
-        for key in ("conv_dim", "block_dim", "topk_method", "scoring_func"):
-            if key in kwargs:
-                cfg[key] = kwargs[key]
-        cfg["torch_dtype"] = "bfloat16"
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        # Keys transformers does not know (DeepSeek-V3's routing keys too: HF's config may not write them back).
+        kept = {
+            key: kwargs[key]
+            for key in ("conv_dim", "block_dim", "topk_method", "scoring_func")
+            if key in kwargs
+        }
+        _patch_config(tmp, kept | {"torch_dtype": "bfloat16"})
 
     _publish(target, write)
     ensure_tokenizer(target, vocab_size=int(kwargs["vocab_size"]))
@@ -327,9 +334,7 @@ def build_eagle_draft(target_dir: Path, out_dir: Path, *, seed: int = 1) -> Path
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
     kwargs = {k: target_cfg[k] for k in keys if k in target_cfg}
     kwargs |= {"num_hidden_layers": 1, "max_position_embeddings": target_cfg["max_position_embeddings"]}
-    digest = hashlib.sha256(
-        json.dumps({"kwargs": kwargs, "seed": seed, "v": _EAGLE_BUILDER_VERSION}, sort_keys=True).encode()
-    ).hexdigest()[:16]
+    digest = _folder_digest({"kwargs": kwargs, "seed": seed, "v": _EAGLE_BUILDER_VERSION})
     target = Path(out_dir) / f"eagle-llama-{digest}"
     if (target / "config.json").is_file():
         return target
@@ -522,13 +527,9 @@ def build_tiny_config(family: str, out_dir: Path, **overrides: Any) -> Path:
     engine loads it with ``load_format="dummy"``. Same naming and publication rules as
     ``build_tiny_model`` (a digest of the config in the folder name, atomic rename)."""
     cls_name, kwargs = mamba2_hybrid_config_kwargs(family, **overrides)
-    digest = hashlib.sha256(
-        json.dumps(
-            {"family": family, "cls": cls_name, "kwargs": kwargs, "v": _CONFIG_BUILDER_VERSION},
-            sort_keys=True,
-            default=str,
-        ).encode()
-    ).hexdigest()[:16]
+    digest = _folder_digest(
+        {"family": family, "cls": cls_name, "kwargs": kwargs, "v": _CONFIG_BUILDER_VERSION}
+    )
     target = Path(out_dir) / f"{family}-config-{digest}"
     if (target / "config.json").is_file():
         return target
@@ -539,10 +540,7 @@ def build_tiny_config(family: str, out_dir: Path, **overrides: Any) -> Path:
 
     def write(tmp: Path) -> None:
         config.save_pretrained(tmp)
-        cfg_path = tmp / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["torch_dtype"] = "bfloat16"
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        _patch_config(tmp, {"torch_dtype": "bfloat16"})
 
     _publish(target, write)
     return target

@@ -34,9 +34,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from typing_extensions import Buffer
+
+_LayerT = TypeVar("_LayerT")
 
 
 class StoreLogEvent(enum.StrEnum):
@@ -130,6 +132,24 @@ class StoreStats:
     num_bytes: int | None = None
     capacity_bytes: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+#: Wrapper layers ``find_layer`` looks through at most (``FramedStore.backend``, a view's ``inner``, ...).
+_MAX_LAYERS = 8
+
+
+def find_layer(store: object, kind: type[_LayerT]) -> _LayerT | None:
+    """The first layer of ``store`` that is a ``kind`` (a class, or a runtime-checkable protocol): ``store``
+    itself, then its ``backend`` (a ``FramedStore``'s), then each view's ``inner`` (a ``faulty+`` view's);
+    None when no layer is. For tools and metrics that need one backend's own calls."""
+    current: object | None = store
+    for _ in range(_MAX_LAYERS):
+        if current is None:
+            return None
+        if isinstance(current, kind):
+            return current
+        current = getattr(current, "backend", None) or getattr(current, "inner", None)
+    return None
 
 
 def with_extra(stats: StoreStats, extra: dict[str, object], *, url: str | None = None) -> StoreStats:

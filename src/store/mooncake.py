@@ -272,8 +272,6 @@ class MooncakeBackend:
         ~1.6 ms at p99 -- vLLM's scheduler thread among them (docs/performance.md, "Figures behind design
         choices").
         """
-        if len(keys) <= EXISTS_KEYS_PER_CALL:
-            return list(self._store.batch_is_exist(keys))
         codes: list[int] = []
         for start in range(0, len(keys), EXISTS_KEYS_PER_CALL):
             codes.extend(self._store.batch_is_exist(keys[start : start + EXISTS_KEYS_PER_CALL]))

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE
+from hybridkv.store.base import find_layer
 from hybridkv.store.params import byte_size, format_size
 
 __all__ = [
@@ -106,15 +107,12 @@ def tenant_counters_of(store: object) -> dict[str, TenantCounters]:
     """The tenants' counters of ``store`` (a ``Store``, its backend, or a wrapper of either), without the
     cost of ``stats()``: a copy per namespace under a quota plus :data:`OTHER_TENANTS` (``quota_bytes``
     0). Empty for a store without quotas or of a kind that keeps none (Mooncake)."""
-    seen = 0
-    current: object | None = store
-    while current is not None and seen < 8:  # FramedStore.backend, FaultyBackend.inner, ...
-        if isinstance(current, CountsTenants):
-            counters = current.tenant_counters()
-            return counters if isinstance(counters, dict) else {}
-        current = getattr(current, "backend", None) or getattr(current, "inner", None)
-        seen += 1
-    return {}
+    # mypy refuses a protocol as ``type[T]``; isinstance works on it (runtime-checkable).
+    layer = find_layer(store, CountsTenants)  # type: ignore[type-abstract]
+    if layer is None:
+        return {}
+    counters = layer.tenant_counters()
+    return counters if isinstance(counters, dict) else {}
 
 
 def check_quotas(quotas: Mapping[str, int], *, capacity_bytes: int | None) -> None:

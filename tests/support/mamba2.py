@@ -35,7 +35,7 @@ edits the process environment), so FalconH1 / GraniteMoeHybrid / Zamba2 SSM stat
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -316,37 +316,29 @@ class RealCacheCluster(Cluster):
                     slots = self._slots(rank, name, bid)
                     slots[:, lo - first : hi - first, :] = col[None, :, None]
 
-    def _check_loaded(self, rid: str) -> None:
-        """Every slot below the loaded boundary and the Mamba state at it, in every layer of every group on
-        every rank, equals what the forward writes for that prefix."""
-        req = self.sched.requests.get(rid)
-        if req is None or req.is_finished():
-            return  # aborted while loading
-        boundary = req.num_computed_tokens
-        table = self.sched.kv_cache_manager.get_block_ids(rid)
-        prefix = self.prefixes[rid]
-        for rank in range(self.tp):
-            for g in self.geo.groups:
-                ids = table[g.vllm_group_index]
-                if g.group_index in self._mamba:
-                    bid = ids[-(-boundary // g.span) - 1]
-                    v = state_value(prefix, boundary, rank, g.group_index)
-                    for layer, name in enumerate(g.layer_names):
-                        got = self._state_bytes(rank, name, bid)
-                        assert bool((got == layer_value(v, layer)).all()), (
-                            f"{rid}: rank {rank} {name} Mamba state at {boundary} not restored"
-                        )
-                    continue
-                for first in range(0, boundary, g.span):
-                    bid = ids[first // g.span]
-                    assert bid, f"{rid}: group {g.vllm_group_index} position {first} has no block"
-                    hi = min(first + g.span, boundary)
-                    values = [kv_value(prefix, p, rank, g.group_index) for p in range(first, hi)]
-                    for layer, name in enumerate(g.layer_names):
-                        want = torch.tensor([layer_value(v, layer) for v in values], dtype=torch.int16)
-                        got = self._slots(rank, name, bid)[:, : hi - first, :]
-                        bad = (got != want[None, :, None]).any(dim=(0, 2)).nonzero()
-                        assert not len(bad), (
-                            f"{rid}: rank {rank} {name} slot {first + int(bad[0])} not the recomputed value"
-                        )
-        self.loads_checked[rid] = boundary
+    def _check_group_loaded(
+        self, rid: str, rank: int, g: Any, ids: Sequence[int], boundary: int, prefix: list[int]
+    ) -> None:
+        """Every slot below the loaded boundary and the Mamba state at it, in every layer of the group, equals
+        what the forward writes for that prefix."""
+        if g.group_index in self._mamba:
+            bid = ids[-(-boundary // g.span) - 1]
+            v = state_value(prefix, boundary, rank, g.group_index)
+            for layer, name in enumerate(g.layer_names):
+                got = self._state_bytes(rank, name, bid)
+                assert bool((got == layer_value(v, layer)).all()), (
+                    f"{rid}: rank {rank} {name} Mamba state at {boundary} not restored"
+                )
+            return
+        for first in range(0, boundary, g.span):
+            bid = ids[first // g.span]
+            assert bid, f"{rid}: group {g.vllm_group_index} position {first} has no block"
+            hi = min(first + g.span, boundary)
+            values = [kv_value(prefix, p, rank, g.group_index) for p in range(first, hi)]
+            for layer, name in enumerate(g.layer_names):
+                want = torch.tensor([layer_value(v, layer) for v in values], dtype=torch.int16)
+                got = self._slots(rank, name, bid)[:, : hi - first, :]
+                bad = (got != want[None, :, None]).any(dim=(0, 2)).nonzero()
+                assert not len(bad), (
+                    f"{rid}: rank {rank} {name} slot {first + int(bad[0])} not the recomputed value"
+                )
