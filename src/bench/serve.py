@@ -16,7 +16,9 @@ Configurations: ``none`` (vLLM's local prefix cache only), ``hybridkv-file`` (th
 ``hybridkv-mooncake`` and ``mooncake-store`` (vLLM's in-tree ``MooncakeStoreConnector``) on one
 ``mooncake_master`` that the bench starts on 127.0.0.1 (run it inside a private network namespace: Mooncake
 clients listen on 0.0.0.0). Plus ``hybridkv-chaos`` (a ``faulty+file://`` store that fails and corrupts) and
-``hybridkv-full`` (a file store smaller than the working set).
+``hybridkv-full`` (a file store smaller than the working set). The stores hold the same bytes
+(``ServerShape.store_capacity``): the file store's capacity, the peer's one global segment, and
+``hybridkv-mooncake``'s two segments of half that (its scheduler and its worker each mount one).
 
 Per configuration: TTFT (time to the first streamed content chunk) mean/p50/p99, end-to-end latency,
 requests/s and output tokens/s, local and external hit tokens (``/metrics`` deltas, per turn), hybridkv's own
@@ -59,6 +61,7 @@ from hybridkv.devkit.openai_server import (
     metrics_samples,
     stream_request,
 )
+from hybridkv.store.params import parse_size
 
 __all__ = [
     "CONFIGS",
@@ -390,6 +393,16 @@ class ServerShape:
     reference_kv_cache_bytes: int = 256 << 20
 
 
+#: Processes of one TP 1 hybridkv server that open its ``mooncake://`` URL, each mounting its ``segment``:
+#: the scheduler and the worker.
+MOONCAKE_MOUNTS_PER_SERVER = 2
+
+
+def mooncake_pool_bytes(shape: ServerShape) -> int:
+    """The Mooncake pool one server's configuration gets: ``store_capacity``, as the file store's."""
+    return int(parse_size(shape.store_capacity, what="store_capacity"))
+
+
 def server_for(
     config: str,
     model: Path,
@@ -409,7 +422,11 @@ def server_for(
         audit = workdir / f"audit-{config}.jsonl"
         if config == "hybridkv-mooncake":
             assert master is not None, "hybridkv-mooncake needs the mooncake master"
-            store = f"mooncake://{master.address}?segment=512MiB&local_buffer=128MiB&timeout_ms=2000"
+            # The same pool bytes as every other configuration: this URL opens a client in the scheduler
+            # and one in the worker, each mounting half of it (puts go to the worker's half first, the
+            # default placement).
+            segment = mooncake_pool_bytes(shape) // MOONCAKE_MOUNTS_PER_SERVER
+            store = f"mooncake://{master.address}?segment={segment}&local_buffer=128MiB&timeout_ms=2000"
             env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
         elif config == "hybridkv-chaos":
             store = f"faulty+file://{store_dir}?capacity={shape.store_capacity}&{CHAOS_PARAMS}"
@@ -427,7 +444,8 @@ def server_for(
                     "mode": "embedded",
                     "metadata_server": "P2PHANDSHAKE",
                     "master_server_address": master.address,
-                    "global_segment_size": 512 << 20,
+                    # The peer's scheduler has no store client: its one worker mounts the whole pool.
+                    "global_segment_size": mooncake_pool_bytes(shape),
                     "local_buffer_size": 128 << 20,
                     "protocol": "tcp",
                     "device_name": "",
