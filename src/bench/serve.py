@@ -392,15 +392,15 @@ class ServerShape:
     #: the local cache of the serial pass's reference server: large enough for every prefix to stay local
     reference_kv_cache_bytes: int = 256 << 20
 
+    @property
+    def store_capacity_bytes(self) -> int:
+        """``store_capacity`` in bytes: every store configuration's size (a Mooncake pool's too)."""
+        return parse_size(self.store_capacity, what="store_capacity")
+
 
 #: Processes of one TP 1 hybridkv server that open its ``mooncake://`` URL, each mounting its ``segment``:
 #: the scheduler and the worker.
 MOONCAKE_MOUNTS_PER_SERVER = 2
-
-
-def mooncake_pool_bytes(shape: ServerShape) -> int:
-    """The Mooncake pool one server's configuration gets: ``store_capacity``, as the file store's."""
-    return int(parse_size(shape.store_capacity, what="store_capacity"))
 
 
 def server_for(
@@ -425,7 +425,7 @@ def server_for(
             # The same pool bytes as every other configuration: this URL opens a client in the scheduler
             # and one in the worker, each mounting half of it (puts go to the worker's half first, the
             # default placement).
-            segment = mooncake_pool_bytes(shape) // MOONCAKE_MOUNTS_PER_SERVER
+            segment = shape.store_capacity_bytes // MOONCAKE_MOUNTS_PER_SERVER
             store = f"mooncake://{master.address}?segment={segment}&local_buffer=128MiB&timeout_ms=2000"
             env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
         elif config == "hybridkv-chaos":
@@ -445,7 +445,7 @@ def server_for(
                     "metadata_server": "P2PHANDSHAKE",
                     "master_server_address": master.address,
                     # The peer's scheduler has no store client: its one worker mounts the whole pool.
-                    "global_segment_size": mooncake_pool_bytes(shape),
+                    "global_segment_size": shape.store_capacity_bytes,
                     "local_buffer_size": 128 << 20,
                     "protocol": "tcp",
                     "device_name": "",
