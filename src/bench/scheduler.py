@@ -29,6 +29,7 @@ on the same Mooncake deployment is its like-for-like row.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import random
@@ -36,7 +37,7 @@ import re
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,8 @@ SCHEDULER_COLUMNS = [
 ]
 
 #: the columns of the connector hook breakdown (``hook_rows``): medians over rounds
+#: How a row measured with ``lookup_process: true`` is named after its store.
+LOOKUP_PROCESS_SUFFIX = " [lookup process]"
 HOOK_COLUMNS = ["store", "hook", "calls", "total_ms", "p99_ms", "max_ms", "cpu_p99_ms"]
 
 K3_BLOCK = 64
@@ -197,12 +200,17 @@ def k3_configs(
     return vc, cfg
 
 
-def k3_scheduler(store_url: str | None, models_dir: Path, *, transfer: Any = None) -> Any:
-    """vLLM's real ``Scheduler`` over ``k3_configs`` (no workers)."""
+def k3_scheduler(
+    store_url: str | None, models_dir: Path, *, transfer: Any = None, extra: Mapping[str, Any] | None = None
+) -> Any:
+    """vLLM's real ``Scheduler`` over ``k3_configs`` (no workers); ``extra``: more of hybridkv's
+    ``kv_connector_extra_config``."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vc, cfg = k3_configs(store_url, models_dir, transfer=transfer)
+    if extra and store_url is not None:
+        vc.kv_transfer_config.kv_connector_extra_config.update(extra)
     return Scheduler(
         vc,
         cfg,
@@ -288,6 +296,8 @@ class _Config:
     kind: str  # "none", "hybridkv" or "peer"
     url: str | None = None
     lookup_async: bool = False
+    #: hybridkv with ``lookup_process: true``
+    lookup_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -314,8 +324,15 @@ def _drive(config: _Config, settings: _Settings, peer: PeerLookupServer | None) 
     if is_peer:
         assert peer is not None
         transfer = peer.transfer_config(lookup_async=config.lookup_async)
-    sched = k3_scheduler(config.url, settings.models_dir, transfer=transfer)
+    sched = k3_scheduler(
+        config.url,
+        settings.models_dir,
+        transfer=transfer,
+        extra={"lookup_process": True} if config.lookup_process else None,
+    )
     side = sched.connector.scheduler_side if config.kind == "hybridkv" else None
+    if side is not None:
+        assert side.lookups.wait_ready(60.0), f"{config.label}: the lookup process did not start"
     stream = settings.stream
     requests = [k3_request(f"r{i}-{uuid.uuid4().hex[:4]}", fam, n) for i, (fam, n, _) in enumerate(stream)]
     stored = [
@@ -795,6 +812,7 @@ def run_scheduler_bench(
     forward_ms: float = 1.0,
     idle_steps: int = 64,
     peer: PeerSpec | None = None,
+    lookup_process_urls: Sequence[str] = (),
     models_dir: Path = DEFAULT_MODELS_DIR,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -804,7 +822,9 @@ def run_scheduler_bench(
     round (the peer comparison: against the peer's run of the same round). ``forward_ms``: the pause between
     ``schedule()`` calls standing in for the forward pass (short = the connector is asked again most often).
     ``idle_steps``: ``schedule()`` calls after the stream drained (idle steps every configuration has).
-    ``labels``: table names for some URLs (e.g. a store behind a delay proxy on a random port)."""
+    ``labels``: table names for some URLs (e.g. a store behind a delay proxy on a random port).
+    ``lookup_process_urls``: store URLs (of ``store_urls``) measured once more with ``lookup_process: true``
+    (the row's name ends in ``LOOKUP_PROCESS_SUFFIX``)."""
     assert num_rounds >= 1, "num_rounds must be >= 1"
     assert idle_steps >= 0, "idle_steps must be >= 0"
     names = labels or {}
@@ -812,6 +832,10 @@ def run_scheduler_bench(
     prefixes = {fam: random.Random(seed + fam).choice([0.5, 0.75, 1.0]) for fam, _, _ in stream}
     configs = [_Config("(no connector)", "none")]
     configs += [_Config(names.get(url, url), "hybridkv", url) for url in store_urls]
+    configs += [
+        _Config(names.get(url, url) + LOOKUP_PROCESS_SUFFIX, "hybridkv", url, lookup_process=True)
+        for url in lookup_process_urls
+    ]
     if peer is not None:
         assert peer.store_url in store_urls, "the peer's like-for-like hybridkv row must be measured"
         configs += [
@@ -826,17 +850,17 @@ def run_scheduler_bench(
             config = configs[i]
             if config.url is not None and round_index > 0:
                 # every round starts from an empty store of the same kind
-                config = _Config(config.label, config.kind, _fresh_url(config.url))
+                config = dataclasses.replace(config, url=_fresh_url(config.url))
             by_config[i].append(_drive(config, settings, peer.server if peer is not None else None))
     base = by_config[0]
     rows = [_summarize(c.label, by_config[i], None if i == 0 else base) for i, c in enumerate(configs)]
     if peer is not None:
-        ours = next(i for i, c in enumerate(configs) if c.url == peer.store_url)
-        for mode, index in (("sync", len(configs) - 2), ("async", len(configs) - 1)):
-            ratios = _round_ratios(by_config[ours], by_config[index], "connector_p99_ms")
-            if ratios:
-                rows[ours][f"connector_p99_over_peer_{mode}"] = statistics.median(ratios)
-                rows[ours][f"connector_p99_over_peer_{mode}_spread"] = _spread(ratios)
+        for ours in (i for i, c in enumerate(configs) if c.kind == "hybridkv" and c.url == peer.store_url):
+            for mode, index in (("sync", len(configs) - 2), ("async", len(configs) - 1)):
+                ratios = _round_ratios(by_config[ours], by_config[index], "connector_p99_ms")
+                if ratios:
+                    rows[ours][f"connector_p99_over_peer_{mode}"] = statistics.median(ratios)
+                    rows[ours][f"connector_p99_over_peer_{mode}_spread"] = _spread(ratios)
     return {
         "targets": scheduler_targets(rows),
         "benchmark": "scheduler",

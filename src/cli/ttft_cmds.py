@@ -168,6 +168,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "default store's 5 ms per call (%(default)s)",
     )
     scheduler.add_argument(
+        "--lookup-process",
+        action="store_true",
+        help="also measure every store other processes can open (file://, mooncake://: the Mooncake rows) "
+        "with lookup_process true: its lookups in a process of the connector's own",
+    )
+    scheduler.add_argument(
         "--idle-steps",
         type=int,
         default=64,
@@ -324,6 +330,7 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     )
     from hybridkv.devkit.delayed_mooncake import DelayedMooncake, delayed_mooncake
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
+    from hybridkv.store.url import store_kind
 
     if (
         args.requests < 1
@@ -386,6 +393,9 @@ def handle_scheduler(args: argparse.Namespace) -> int:
             forward_ms=args.forward_ms,
             idle_steps=args.idle_steps,
             peer=peer,
+            lookup_process_urls=[url for url in urls if not store_kind(url).process_local]
+            if args.lookup_process
+            else (),
             models_dir=models_dir,
         )
     print(

@@ -41,6 +41,11 @@ Keys (all optional):
                     the local full-attention hit, vLLM falls back to the prefix every group agrees on and
                     the store is not asked again, so what it holds below that hit is recomputed (see
                     docs/failure-semantics.md, "Divergent local hits").
+``lookup_process``  (bool, default false) run the lookups (their searches and the store's existence calls)
+                    in a process of the connector's own instead of a thread of the engine's, so that they
+                    never hold the interpreter lock vLLM's scheduler needs
+                    (``hybridkv.connector.lookup_process``). Needs a store other processes can open
+                    (``file://``, ``mooncake://``); ``memory://`` is refused.
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -58,7 +63,7 @@ from typing import Any
 from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.base import StoreError
 from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size, format_size
-from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url
+from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url, store_kind
 
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
@@ -85,6 +90,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "cuda_copy",
     "weights_version",
     "divergent_local_hits",
+    "lookup_process",
 )
 
 #: values of ``load_mode``
@@ -187,6 +193,7 @@ class ConnectorConfig:
     cuda_copy: str = "auto"
     weights_version: str = ""
     divergent_local_hits: bool = False
+    lookup_process: bool = False
 
     @property
     def layerwise(self) -> bool:
@@ -244,6 +251,12 @@ class ConnectorConfig:
 
         verify = _flag(extra, "verify_checksums", default=True)
         divergent_local_hits = _flag(extra, "divergent_local_hits", default=False)
+        lookup_process = _flag(extra, "lookup_process", default=False)
+        if lookup_process and store_kind(store).process_local:
+            raise ValueError(
+                f"kv_connector_extra_config['lookup_process']: {lookup_process!r} needs a store another process can open "
+                f"(file://, mooncake://); {store!r} lives in this process only"
+            )
 
         load_mode = extra.get("load_mode", "async")
         if load_mode not in LOAD_MODES:
@@ -278,6 +291,7 @@ class ConnectorConfig:
             cuda_copy=cuda_copy,
             weights_version=weights_version or "",
             divergent_local_hits=divergent_local_hits,
+            lookup_process=lookup_process,
         )
 
 

@@ -38,6 +38,7 @@ class ConnectorLogEvent(enum.StrEnum):
     LOOKUP_WHILE_LOADING = "hybridkv: lookup while loading; load abandoned"
     LOOKUP_FAILED = "hybridkv lookup failed; miss"
     LOOKUP_OVER_BUDGET = "hybridkv lookup over budget; miss"
+    LOOKUP_PROCESS_EXITED = "hybridkv lookup process exited; its lookups miss, it is started again"
     INVALIDATION_FAILED = "hybridkv invalidation failed"
     RESET_CACHE = "hybridkv reset_cache"
     RESET_CACHE_FAILED = "hybridkv reset_cache failed; lookups miss until a reset succeeds"

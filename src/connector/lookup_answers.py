@@ -21,7 +21,7 @@ import time
 import structlog
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.lookups import LookupService, LookupTask
+from hybridkv.connector.lookups import LookupRunner, LookupTask
 from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.request_state import LookupInputs, RequestState
 from hybridkv.connector.stats import StatsBox
@@ -56,7 +56,7 @@ class LookupAnswers:
         self,
         cfg: ConnectorConfig,
         machine: LifecycleMachine,
-        lookups: LookupService,
+        lookups: LookupRunner,
         breaker: CircuitBreaker,
         gate: NamespaceGate,
         stats: StatsBox,
@@ -85,7 +85,9 @@ class LookupAnswers:
             search = LookupSearch(
                 self.machine.scheme, tuple(request.block_hashes), request.num_tokens, 0, known=r.known
             )
-            r.task = LookupTask(request.request_id, search, (request.num_tokens, 0, None))
+            r.task = LookupTask(
+                request.request_id, search, (request.num_tokens, 0, None), facts_epoch=r.facts_epoch
+            )
             self.lookups.submit(r.task)
 
     def answer(self, r: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -190,14 +192,14 @@ class LookupAnswers:
         if task is None:
             # No store call in flight for this request: its facts may already answer (the prefetch). With
             # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
-            if r.known and search.next_keys() is None:
+            if self.lookups.local_facts and r.known and search.next_keys() is None:
                 assert search.result is not None
                 if search.num_inconsistent_guesses:
                     self.stats.add("lookup_inconsistent_facts", search.num_inconsistent_guesses)
                 return lc.finish_search(search.result).boundary
             if not self.store_usable():
                 return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
-            r.task = task = LookupTask(request.request_id, search, inputs)
+            r.task = task = LookupTask(request.request_id, search, inputs, facts_epoch=r.facts_epoch)
             self.lookups.submit(task)
         if r.waiting_since is None:
             r.waiting_since = now
@@ -226,6 +228,6 @@ class LookupAnswers:
 
     def _unavailable(self, r: RequestState, reason: str) -> int:
         r.abandon_search()
-        r.known = {}  # an abandoned task may still write to the old facts
+        r.drop_facts()
         r.lc.lookup_unavailable(reason)
         return 0

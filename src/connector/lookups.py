@@ -24,8 +24,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_KEYS_PER_ROUND", "LookupService", "LookupTask"]
+__all__ = ["MAX_KEYS_PER_ROUND", "LookupRunner", "LookupService", "LookupTask"]
 
 #: Keys of one batched ``exists``; searches beyond it wait for the next round (one search may exceed it).
 MAX_KEYS_PER_ROUND = 16384
@@ -62,6 +63,9 @@ class LookupTask:
     search: LookupSearch
     #: (num_tokens, num_computed_tokens, max_boundary) the search answers for.
     inputs: tuple[int, int, int | None]
+    #: which of the request's fact sets the search builds on (``RequestState.facts_epoch``): a lookup
+    #: process keeps each request's facts itself and drops them when this changes
+    facts_epoch: int = 0
     submitted_s: float = field(default_factory=time.monotonic)
     #: seconds of store calls this search has waited for (its CPU work and queueing do not count)
     store_s: float = 0.0
@@ -70,11 +74,54 @@ class LookupTask:
     error: str | None = None
 
 
+class LookupRunner(Protocol):
+    """What the scheduler half calls on its lookups: ``LookupService`` (a thread of this process) or
+    ``hybridkv.connector.lookup_process.ProcessLookupService`` (a process of its own)."""
+
+    #: Whether the searches' facts live in this process (the scheduler may answer from them).
+    local_facts: bool
+    num_exists_calls: int
+    num_keys_checked: int
+    num_searches: int
+    recent_costs: deque[tuple[int, int]]
+
+    def submit(self, task: LookupTask) -> None: ...
+
+    def stalled(self, now: float | None = None) -> bool: ...
+
+    def wait_idle(self, timeout_s: float) -> bool: ...
+
+    def wait_for_progress(self, timeout_s: float) -> None: ...
+
+    def wait_ready(self, timeout_s: float) -> bool: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class LookupService:
     """A daemon worker thread batching the existence checks of every lookup in flight."""
 
-    def __init__(self, store: Store, *, breaker: CircuitBreaker, budget_s: float) -> None:
+    #: The searches' existence facts live in this process (``RequestState.known``): the scheduler may
+    #: answer from them without a store call. A lookup process keeps them in its own.
+    local_facts = True
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        breaker: CircuitBreaker,
+        budget_s: float,
+        on_finish: Callable[[LookupTask], None] | None = None,
+        on_store_call: Callable[[float | None, int], None] | None = None,
+    ) -> None:
+        """``on_finish(task)``: called on the worker right after a task is done (a lookup process answers
+        its parent from there). ``on_store_call(started_s, num_keys)``: before each ``exists``
+        (``time.monotonic()`` start) and after it (``None``)."""
         self.store = store
+        self._on_finish = on_finish
+        self._on_store_call = on_store_call
         self.breaker = breaker
         self.budget_s = budget_s
         # The scheduler thread only ever puts here: ``SimpleQueue.put`` never blocks and never gives up
@@ -129,6 +176,13 @@ class LookupService:
                 return
             self._idle.wait_for(lambda: self._num_retired != retired, timeout_s)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Always ready: the worker thread runs from construction on."""
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: nothing to drop here (its facts live in its ``RequestState``)."""
+
     def close(self) -> None:
         """Stop the worker; tasks not taken yet are cancelled (their ``done`` stays False)."""
         self._closed = True
@@ -148,6 +202,8 @@ class LookupService:
             self.num_searches += 1
             self.recent_costs.append((task.search.num_round_trips, task.search.num_keys))
         task.done = True
+        if self._on_finish is not None:
+            self._on_finish(task)
 
     def _take(self, active: list[LookupTask], *, block: bool) -> bool:
         """Move submitted tasks into ``active`` (waiting for one when ``block``); False once closed."""
@@ -191,6 +247,22 @@ class LookupService:
                     self._num_retired += num_before - len(active)
                     self._idle.notify_all()
 
+    def _exists(self, keys: list[str], started: float) -> list[Status]:
+        """One batched ``exists``, visible to ``stalled()`` (and ``on_store_call``) while in flight."""
+        self._call_started_s = started
+        if self._on_store_call is not None:
+            self._on_store_call(started, len(keys))
+        try:
+            statuses = self.store.exists(keys)
+            assert len(statuses) == len(keys), (
+                f"exists() returned {len(statuses)} results for {len(keys)} keys"
+            )
+            return statuses
+        finally:
+            self._call_started_s = None
+            if self._on_store_call is not None:
+                self._on_store_call(None, len(keys))
+
     def _round(self, active: list[LookupTask]) -> None:
         # The searches' CPU work runs outside the lock (a task is the worker's alone while in flight), so
         # ``submit`` from the scheduler thread never waits for it; a short sleep after each piece of it
@@ -220,20 +292,14 @@ class LookupService:
             return
         keys = list(union)
         started = time.monotonic()
-        self._call_started_s = started
         try:
-            statuses = self.store.exists(keys)
-            assert len(statuses) == len(keys), (
-                f"exists() returned {len(statuses)} results for {len(keys)} keys"
-            )
+            statuses = self._exists(keys, started)
         except Exception as exc:  # noqa: BLE001 -- a store error is a miss for these lookups, never a crash
             self.breaker.on_failure()
             log.warning(ConnectorLogEvent.LOOKUP_ROUND_FAILED, error=repr(exc), num_keys=len(keys))
             for task, _ in batch:
                 self._finish(task, f"store error: {exc!r}")
             return
-        finally:
-            self._call_started_s = None
         elapsed = time.monotonic() - started
         if elapsed > self.budget_s:
             self.breaker.on_failure()  # slow: a few in a row open the circuit

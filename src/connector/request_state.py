@@ -50,6 +50,9 @@ class RequestState:
     num_unallocated_asks: int = 0
     #: existence facts (key -> present) gathered by this incarnation's searches
     known: dict[str, bool] = field(default_factory=dict)
+    #: bumped each time ``known`` is dropped (``drop_facts``): a lookup process keeps the facts of the
+    #: current epoch only
+    facts_epoch: int = 0
     #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
     search: LookupSearch | None = None
     search_inputs: LookupInputs | None = None
@@ -77,12 +80,18 @@ class RequestState:
             self.known = dict(self.known)  # whether or not it has finished: a copy costs little
         self.task, self.search, self.search_inputs, self.waiting_since = None, None, None, None
 
+    def drop_facts(self) -> None:
+        """Start over with no existence facts (a new dict: an abandoned task may still write to the old
+        one), in a new epoch (a lookup process drops its copy of the old ones)."""
+        self.known = {}
+        self.facts_epoch += 1
+
     def forget_facts(self, reason: str) -> None:
         """Drop everything the request learnt about the store (a namespace reset): its search in flight,
         its existence facts, its memo; a hit answered from them is revoked (``hit_revoked``) and a lookup
         in flight ends as a miss, so nothing from before the reset is ever loaded after it."""
         self.abandon_search()
-        self.known = {}  # an abandoned task may still write to the old facts
+        self.drop_facts()
         self.memo = None
         if self.lc.current is State.PARTIAL_HIT:
             self.lc.revoke(reason)

@@ -59,7 +59,8 @@ from hybridkv.connector.capabilities import connector_roles
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookup_answers import LookupAnswers
-from hybridkv.connector.lookups import LookupService
+from hybridkv.connector.lookup_process import ProcessLookupService
+from hybridkv.connector.lookups import LookupRunner, LookupService
 from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
@@ -72,7 +73,7 @@ from hybridkv.connector.sessions import RequestSession, SessionRetention
 from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, InjectedFaults, StatsBox
 from hybridkv.connector.store_events import StoreEvents
 from hybridkv.connector.store_upkeep import StoreUpkeep
-from hybridkv.connector.stores import open_connector_store
+from hybridkv.connector.stores import open_connector_store, store_url
 from hybridkv.connector.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.keys import KeyScheme
@@ -80,7 +81,7 @@ from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
 from hybridkv.lifecycle.sink import AuditSink
 from hybridkv.lifecycle.table import State
 from hybridkv.store.breaker import BreakerState, CircuitBreaker
-from hybridkv.store.url import store_kind
+from hybridkv.store.url import lookup_client_url, store_kind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,9 +131,19 @@ class SchedulerSide:
         self._all_ranks = frozenset(self.geo.ranks)
         self.prefix_cache = PrefixCacheGuard(self.geo)
         self.saves = SavePlanner(self.geo, self.machine, self.stats, self, self._all_ranks)
-        self.lookups = LookupService(
-            self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
-        )
+        self.lookups: LookupRunner
+        if cfg.lookup_process:
+            self.lookups = ProcessLookupService(
+                lookup_client_url(store_url(cfg)),
+                breaker=self.lookup_breaker,
+                budget_s=cfg.lookup_budget_ms / 1000.0,
+                breaker_failures=_BREAKER_FAILURES,
+                breaker_reset_s=_BREAKER_OPEN_S,
+            )
+        else:
+            self.lookups = LookupService(
+                self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
+            )
         #: resets and the gate they close (lookups miss, nothing is saved, while a removal runs)
         self.gate = NamespaceGate()
         self.answers = LookupAnswers(
@@ -447,6 +458,7 @@ class SchedulerSide:
         if r is None:
             return
         r.abandon_search()  # a finished or aborted request's lookup stops (a queued one never runs)
+        self.lookups.forget(request.request_id)
         if r.lc.current is not State.EVICTED:
             r.lc.evict("finished")
         if r.saves.session is not None:

@@ -43,7 +43,7 @@ import enum
 import functools
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -88,6 +88,9 @@ class StoreKind:
     #: Why a URL of this kind names no existing store, so that opening it would create one (read-only tools
     #: refuse then); None when it names one or the kind cannot tell without connecting.
     absent: Callable[[ParsedUrl], str | None] = lambda _parsed: None
+    #: The parameters a client that only asks what exists (a lookup process) sets, over the URL's own:
+    #: Mooncake's mounts no segment (it would hold data, and other clients would place puts in it).
+    lookup_client_params: Mapping[str, str] = field(default_factory=dict)
 
 
 def store_kind(url: str) -> StoreKind:
@@ -101,6 +104,18 @@ def store_kind(url: str) -> StoreKind:
             f"{FAULTY_PREFIX}<url>)"
         )
     return kind
+
+
+def lookup_client_url(url: str) -> str:
+    """The URL a lookup-only client of the same store opens: ``url`` with its kind's
+    ``lookup_client_params`` set (replacing the URL's own values), everything else as it is."""
+    overrides = store_kind(url).lookup_client_params
+    if not overrides:
+        return url
+    base, _, query = url.partition("?")
+    pairs = [pair for pair in query.split("&") if pair and pair.split("=", 1)[0] not in overrides]
+    pairs += [f"{name}={value}" for name, value in overrides.items()]
+    return f"{base}?{'&'.join(pairs)}"
 
 
 def open_store(url: str) -> FramedStore:
@@ -373,6 +388,7 @@ STORE_KINDS: Mapping[str, StoreKind] = {kind.scheme: kind for kind in (
               absent=_absent_file_store),
     StoreKind("mooncake", _open_mooncake, StoreTier.EXTERNAL, process_local=False,
               params=("metadata", "local_hostname", "segment", "local_buffer", "protocol", "device",
-                      "timeout_ms", "breaker_failures", "breaker_reset_s", "preferred_segment")),
+                      "timeout_ms", "breaker_failures", "breaker_reset_s", "preferred_segment"),
+              lookup_client_params={"segment": "0"}),
 )}
 # fmt: on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,12 +37,19 @@ def lookups_settle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def objs(vllm_objs: dict[str, Any]) -> Any:
+def objs(vllm_objs: dict[str, Any], request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     """``vllm_objs`` with a store of its own (so entries other tests wrote or removed do not interfere):
-    ``vc``, its ``store_url``, and ``extra`` (the connector's extra config, restored afterwards)."""
+    ``vc``, its ``store_url``, and ``extra`` (the connector's extra config, restored afterwards).
+
+    Parametrized ``"process"`` (``support.scheduler.both_lookup_modes``): the store is a ``file://`` directory (no query,
+    so a test may append one) and the lookups run in a lookup process."""
     extra = vllm_objs["vc"].kv_transfer_config.kv_connector_extra_config
     saved = dict(extra)
-    url = f"memory://own-{uuid.uuid4().hex[:8]}"
+    if getattr(request, "param", "thread") == "process":
+        url = f"file://{tmp_path / 'store'}"
+        extra["lookup_process"] = True
+    else:
+        url = f"memory://own-{uuid.uuid4().hex[:8]}"
     extra["store"] = url
     try:
         yield {"vc": vllm_objs["vc"], "store_url": url, "extra": extra}

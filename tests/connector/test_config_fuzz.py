@@ -24,7 +24,7 @@ from hybridkv.connector.config import (
 )
 from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.params import MAX_DURATION_MS
-from hybridkv.store.url import check_store_url
+from hybridkv.store.url import check_store_url, store_kind
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -112,11 +112,15 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "lookup_budget_ms": st.floats(-1, 2 * MAX_DURATION_MS) | st.integers(-5, 2 * MAX_DURATION_MS),
     "verify_checksums": st.booleans(),
     "divergent_local_hits": st.booleans(),
+    "lookup_process": st.booleans(),
     "load_mode": st.sampled_from([*LOAD_MODES, "Async", "LAYERWISE", "sync"]),
     "cuda_copy": st.sampled_from([*CUDA_COPY_DIRECTIONS, "Auto", "cuda"]),
     "weights_version": _NAME | st.sampled_from(["v1\n", "v1/step", ""]),
 }
 assert set(_PLAUSIBLE) == set(KNOWN_KEYS), "a key ConnectorConfig knows has no plausible values here"
+#: keys whose values are refused only beside another key's: the message blames the first, and the pair
+#: alone (with the other as given, or absent) must be refused
+_REFUSED_WITH: dict[str, tuple[str, ...]] = {"lookup_process": ("store",)}
 
 
 def _near_misses(key: str) -> st.SearchStrategy[str]:
@@ -163,6 +167,8 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert 0 < cfg.lookup_budget_ms <= MAX_DURATION_MS
     assert type(cfg.verify_checksums) is bool
     assert type(cfg.divergent_local_hits) is bool
+    assert type(cfg.lookup_process) is bool
+    assert not (cfg.lookup_process and store_kind(cfg.store).process_local), cfg.store
     assert cfg.load_mode in LOAD_MODES and cfg.cuda_copy in CUDA_COPY_DIRECTIONS
     assert isinstance(cfg.weights_version, str)
     assert cfg.weights_version == "" or NAMESPACE_RE.fullmatch(cfg.weights_version)
@@ -182,8 +188,11 @@ def _check_refused(message: str, extra: dict[Any, Any], model: str) -> None:
     key = next(k for k in KNOWN_KEYS if repr(k) == match.group(1))
     assert key in extra, (key, message)
     assert repr(extra[key])[:20] in message, (extra[key], message)
+    alone = {key: extra[key]} | {
+        other: extra[other] for other in _REFUSED_WITH.get(key, ()) if other in extra
+    }
     try:
-        ConnectorConfig.from_extra_config({key: extra[key]}, model=model)
+        ConnectorConfig.from_extra_config(alone, model=model)
     except ValueError:
         pass
     else:
@@ -191,6 +200,7 @@ def _check_refused(message: str, extra: dict[Any, Any], model: str) -> None:
 
 
 @given(extra=_EXTRA, model=_MODEL)
+@example(extra={"store": "memory://x", "lookup_process": True}, model="m")  # refused beside the store only
 @example(extra={1: "a", "b": 2}, model="m")  # was TypeError: sorting int and str keys
 @example(extra={"namespace": "abc\n"}, model="m")  # was accepted: `$` matches before a final newline
 @example(extra={"weights_version": "v1\n"}, model="m")  # was accepted, as namespace

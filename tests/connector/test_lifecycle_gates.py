@@ -23,7 +23,7 @@ from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
-from support.scheduler import fill_store, make_request, make_scheduler
+from support.scheduler import both_lookup_modes, fill_store, make_request, make_scheduler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -65,6 +65,7 @@ class _SlowRemoval:
         return getattr(self.inner, name)
 
 
+@both_lookup_modes
 def test_a_hit_answered_before_a_reset_is_never_loaded_after_it(objs: dict[str, Any]) -> None:
     sched, side, sink = _audited(objs["vc"])
     store = open_store(objs["store_url"])
@@ -99,6 +100,7 @@ def test_a_hit_answered_before_a_reset_is_never_loaded_after_it(objs: dict[str, 
     _assert_legal(sink)
 
 
+@both_lookup_modes
 def test_the_load_guard_refuses_a_hit_from_before_a_reset(objs: dict[str, Any]) -> None:
     """The table's ``answer_current`` guard is the last check: a stale PARTIAL_HIT vLLM allocates is
     refused (audited), never loaded, even if nothing revoked it."""
@@ -122,6 +124,7 @@ def test_the_load_guard_refuses_a_hit_from_before_a_reset(objs: dict[str, Any]) 
     _assert_legal(sink)
 
 
+@both_lookup_modes
 def test_a_reset_moves_the_keys_away_from_engines_on_other_weights(objs: dict[str, Any]) -> None:
     sched, side, _ = _audited(objs["vc"])
     store = open_store(objs["store_url"])
@@ -148,6 +151,7 @@ def test_a_reset_moves_the_keys_away_from_engines_on_other_weights(objs: dict[st
     assert [j.boundary for j in out.kv_connector_metadata.loads if j.req_id == "w3"] == [128]
 
 
+@both_lookup_modes
 def test_replicas_declaring_one_weights_version_share_across_lockstep_resets(objs: dict[str, Any]) -> None:
     objs["extra"]["weights_version"] = "rl-step-7"
     _sched_a, side_a, _ = _audited(objs["vc"])
@@ -160,6 +164,7 @@ def test_replicas_declaring_one_weights_version_share_across_lockstep_resets(obj
     assert side_a.scheme.weights_tag == "rl-step-7+reset1"
 
 
+@both_lookup_modes
 def test_a_finished_request_stops_its_lookup(objs: dict[str, Any]) -> None:
     from hybridkv.connector.lookups import LookupTask
 
@@ -197,6 +202,7 @@ class _HeldExists:
         return getattr(self.inner, name)
 
 
+@both_lookup_modes
 def test_a_request_that_reads_no_cached_prefix_costs_no_lookup(objs: dict[str, Any]) -> None:
     _sched, side, sink = _audited(objs["vc"])
     store = open_store(objs["store_url"])

@@ -18,7 +18,7 @@ from hybridkv.devkit.cluster import HASH
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
-from support.scheduler import fill_store, make_request, make_scheduler, model_output
+from support.scheduler import both_lookup_modes, fill_store, make_request, make_scheduler, model_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
 
@@ -64,6 +64,7 @@ def _present(store: Any, keys: list[str]) -> set[str]:
 
 
 # ------------------------------------------------------------------------------------------------- item 4
+@both_lookup_modes
 def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict[str, Any]) -> None:
     sched, side, store, out, keys = _planned_load(objs, "t1", first=3000)
     (job,) = out.kv_connector_metadata.loads
@@ -84,6 +85,7 @@ def test_a_timeout_keeps_good_entries_and_the_next_request_loads_them(objs: dict
     assert [(j.req_id, j.boundary) for j in out2.kv_connector_metadata.loads] == [("t2", 128)]
 
 
+@both_lookup_modes
 def test_a_corrupt_block_is_removed_on_every_rank_and_nothing_else(objs: dict[str, Any]) -> None:
     sched, side, store, out, keys = _planned_load(objs, "c1", first=3200)
     (job,) = out.kv_connector_metadata.loads
@@ -99,6 +101,7 @@ def test_a_corrupt_block_is_removed_on_every_rank_and_nothing_else(objs: dict[st
 
 
 # ------------------------------------------------------------------------------------------------- item 3
+@both_lookup_modes
 def test_a_hung_store_never_stalls_the_scheduler(objs: dict[str, Any]) -> None:
     from vllm.distributed.kv_events import AllBlocksCleared
 
@@ -138,6 +141,7 @@ def _audited(objs: dict[str, Any]) -> tuple[Any, Any, Any, MemoryAuditSink, Any]
     return sched, conn, side, sink, open_store(objs["store_url"])
 
 
+@both_lookup_modes
 def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[str, Any]) -> None:
     sched, conn, side, sink, store = _audited(objs)
     req = make_request("m1", 130, first=3600)
@@ -178,6 +182,7 @@ def test_an_allocation_that_does_not_match_the_plan_declines_the_hit(objs: dict[
     assert side.lifecycle("m1").state == "REFUSED"
 
 
+@both_lookup_modes
 def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]) -> None:
     sched, conn, side, sink, store = _audited(objs)
     req = make_request("n1", 130, first=3700)
@@ -205,6 +210,7 @@ def test_a_planned_block_on_the_null_block_declines_the_hit(objs: dict[str, Any]
     assert len(declined) == 1 and "block 1 is not allocated (null block)" in declined[0]["detail"]["reason"]
 
 
+@both_lookup_modes
 def test_a_bound_plan_names_the_allocated_blocks_and_pickles_compactly(objs: dict[str, Any]) -> None:
     import pickle
 
@@ -265,6 +271,7 @@ def _stored_blocks(side: Any, store: Any) -> set[tuple[int, bytes]]:
     return {block for block, on in ranks.items() if on >= set(RANKS)}
 
 
+@both_lookup_modes
 def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -316,6 +323,7 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     assert store.exists([other])[0].is_ok
 
 
+@both_lookup_modes
 def test_a_tail_save_event_covers_the_block_start_to_its_boundary(objs: dict[str, Any]) -> None:
     sched = make_scheduler(objs["vc"])
     side = sched.connector.scheduler_side

@@ -30,7 +30,7 @@ def test_readme_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_p
             assert actual == "" and shown == "none", cell
         elif key == "put_wave_bytes":
             assert parse_size(key, shown) == actual, cell
-        elif key in ("verify_checksums", "divergent_local_hits"):
+        elif key in ("verify_checksums", "divergent_local_hits", "lookup_process"):
             assert json.loads(shown) is actual, cell
         elif key in ("load_mode", "cuda_copy"):
             assert shown == actual, cell

@@ -10,12 +10,17 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hybridkv.devkit.cluster import HASH
 from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.devkit.tiny_models import tiny_config_kwargs
 
 #: The prompt length of the scheduler-matrix tests.
 PROMPT = 300
+
+#: For a test taking the connector tests' ``objs`` fixture: run it with the lookups on a thread (a
+#: ``memory://`` store) and in a lookup process (``lookup_process: true`` over a ``file://`` store).
+both_lookup_modes = pytest.mark.parametrize("objs", ["thread", "process"], indirect=True)
 
 
 def make_scheduler(vc: Any) -> Any:

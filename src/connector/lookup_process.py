@@ -1,0 +1,479 @@
+"""Lookups in a process of their own (``lookup_process: true``): off the engine's interpreter.
+
+:class:`~hybridkv.connector.lookups.LookupService` runs every search on a thread of the engine's own
+process, so its Python work and the store binding's (Mooncake converts thousands of keys while it holds the
+GIL) compete with vLLM's scheduler thread for one interpreter lock: a scheduler step that wants the GIL
+back may wait up to the interpreter's switch interval (docs/performance.md, "Lookups and vLLM's
+scheduler"). :class:`ProcessLookupService` answers to the same calls, and runs the same ``LookupService``
+in a child process (``python -m hybridkv.connector.lookup_process``) over its own client of the same store:
+``file://`` and ``mooncake://`` are shared across processes (the child's Mooncake client mounts no segment;
+``memory://`` cannot be, and the configuration refuses it).
+
+What crosses the socket between the two (pickled messages):
+
+- to the child: a search (the request's block hashes, token counts, retry cap and confirm rounds, its facts
+  epoch and the facts the scheduler holds: the keys a truncated load proved bad), the key scheme once per
+  scheme, a cancellation, a finished request (its facts are dropped), ``None`` to stop;
+- to the parent: ``ready`` once its store is open, a search done (its result as plain integers, :func:`~hybridkv.lifecycle.lookup.
+  portable_result`, or its error, its round trips, keys and store time), each store call's start and end
+  (``stalled()``), each round's breaker outcome (replayed on the scheduler's lookup breaker).
+
+Contracts (the thread service's, plus):
+
+- ``submit`` never blocks and never waits on the child: it puts the task on a queue that a sender thread
+  writes to the socket. A receiver thread reads the answers, rebuilds each result (in slices, handing the
+  GIL over between them) and sets the task's ``done`` last, as the thread service does.
+- The existence facts of a request's searches live in the child (``local_facts`` is false: the scheduler
+  never answers from facts itself), per request and facts epoch; a new epoch (``RequestState.drop_facts``:
+  a reset, an unavailable store) drops them, and ``forget`` drops a finished request's.
+- A child that exits (killed, crashed) fails its searches in flight with ``error`` (the scheduler answers
+  "miss"), counts a failure on the lookup breaker, and is started again for the next search, at most once
+  per ``RESTART_BACKOFF_S``; meanwhile searches fail at once. The engine never waits for a child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from hybridkv.connector.log_events import ConnectorLogEvent
+from hybridkv.connector.lookups import GIL_HANDOFF_S, LookupService, LookupTask
+from hybridkv.lifecycle.lookup import LookupSearch, portable_result, result_from_portable
+from hybridkv.store.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from hybridkv.lifecycle.keys import KeyScheme
+    from hybridkv.store.base import Store
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["MAX_RESTART_BACKOFF_S", "RESTART_BACKOFF_S", "ProcessLookupService", "child_main"]
+
+#: The shortest time between two starts of the lookup process (a child that dies at once is not restarted
+#: in a loop); searches submitted meanwhile fail at once (a miss).
+RESTART_BACKOFF_S = 1.0
+#: The backoff doubles with each child that exits before answering a search, up to this.
+MAX_RESTART_BACKOFF_S = 30.0
+#: How long ``close`` waits for the child to exit before killing it.
+_CLOSE_WAIT_S = 1.0
+
+
+class ProcessLookupService:
+    """The lookup service's calls (``submit``, ``stalled``, ``wait_idle``, ``wait_for_progress``,
+    ``forget``, ``close``) over a child process running ``LookupService`` on its own store client."""
+
+    local_facts = False
+
+    def __init__(
+        self,
+        store_url: str,
+        *,
+        breaker: CircuitBreaker,
+        budget_s: float,
+        breaker_failures: int,
+        breaker_reset_s: float,
+    ) -> None:
+        self.store_url = store_url
+        self.breaker = breaker
+        self.budget_s = budget_s
+        self._breaker_args = (breaker_failures, breaker_reset_s)
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._num_submitted = 0  # the scheduler thread's
+        self._num_retired = 0  # under ``_idle``
+        self._next_seq = 0
+        #: seq -> (task, the child generation it was sent to); written by the sender and the receiver
+        self._in_flight: dict[int, tuple[LookupTask, int]] = {}
+        self._in_flight_lock = threading.Lock()
+        self._call_started_s: float | None = None
+        self._closed = False
+        self._ready = threading.Event()  # set once a child has opened its store
+        self.num_exists_calls = 0
+        self.num_keys_checked = 0
+        self.num_searches = 0
+        self.num_process_starts = 0
+        self.recent_costs: deque[tuple[int, int]] = deque(maxlen=4096)
+        # The sender's (it starts children): the current child, its generation, when it was started.
+        self._child: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._generation = 0
+        self._dead_generations: set[int] = set()
+        self._started_s = -MAX_RESTART_BACKOFF_S
+        #: children that exited (or did not start) since one last answered a search
+        self._num_failed_starts = 0
+        self._schemes_sent: dict[int, KeyScheme] = {}  # id -> scheme (kept, so the id is not reused)
+        self._sender = threading.Thread(target=self._send_loop, name="hybridkv-lookup-send", daemon=True)
+        self._sender.start()
+        self._outbox.put(("start",))  # start the child now: engine start-up hides its import time
+
+    # -- the scheduler's calls --------------------------------------------------------------------------
+
+    def submit(self, task: LookupTask) -> None:
+        """Queue ``task`` for the child without waiting."""
+        assert not self._closed, "ProcessLookupService.submit after close"
+        self._num_submitted += 1
+        self._outbox.put(("search", task))
+
+    def stalled(self, now: float | None = None) -> bool:
+        """Whether the child's store call in flight has been running longer than the budget."""
+        started = self._call_started_s
+        return started is not None and (time.monotonic() if now is None else now) - started > self.budget_s
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        target = self._num_submitted
+        with self._idle:
+            return self._idle.wait_for(lambda: self._num_retired >= target, timeout_s)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        with self._idle:
+            retired = self._num_retired
+            if retired >= self._num_submitted:
+                return
+            self._idle.wait_for(lambda: self._num_retired != retired, timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until a child has opened its store (benches: measure lookups, not the child's start)."""
+        return self._ready.wait(timeout_s)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: the child drops its facts."""
+        if not self._closed:
+            self._outbox.put(("forget", request_id))
+
+    def close(self) -> None:
+        """Stop the child (at most ``_CLOSE_WAIT_S``, then killed); searches in flight stay not done."""
+        if self._closed:
+            return
+        self._closed = True
+        self._outbox.put(None)
+        self._sender.join(_CLOSE_WAIT_S + 1.0)
+
+    @property
+    def child_pid(self) -> int | None:
+        """The running child's process id (tests: kill it), or None."""
+        child = self._child
+        return child.pid if child is not None and child.poll() is None else None
+
+    # -- sender thread ----------------------------------------------------------------------------------
+
+    def _retire(self, task: LookupTask, error: str | None) -> None:
+        task.error = error
+        task.done = True
+        with self._idle:
+            self._num_retired += 1
+            self._idle.notify_all()
+
+    def _start_child(self) -> bool:
+        """Start a child unless one runs or the backoff has not passed; False: none runs."""
+        if self._child is not None and self._generation not in self._dead_generations:
+            return True
+        now = time.monotonic()
+        # A child that keeps dying (a store it cannot open) is started less and less often.
+        backoff_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** max(self._num_failed_starts - 1, 0))
+        if now - self._started_s < backoff_s:
+            return False
+        self._started_s = now
+        parent_sock, child_sock = socket.socketpair()
+        try:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hybridkv.connector.lookup_process",
+                    str(child_sock.fileno()),
+                    self.store_url,
+                    repr(self.budget_s),
+                    str(self._breaker_args[0]),
+                    repr(self._breaker_args[1]),
+                ],
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            parent_sock.close()
+            self._num_failed_starts += 1
+            log.warning(ConnectorLogEvent.LOOKUP_PROCESS_EXITED, error=repr(exc), restarting=True)
+            return False
+        finally:
+            child_sock.close()
+        self._generation += 1
+        self._child = child
+        self._conn = Connection(parent_sock.detach())
+        self._schemes_sent = {}
+        self.num_process_starts += 1
+        threading.Thread(
+            target=self._receive_loop,
+            args=(self._conn, self._generation, child),
+            name=f"hybridkv-lookup-recv-{self._generation}",
+            daemon=True,
+        ).start()
+        return True
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                self._stop_child()
+                return
+            kind = item[0]
+            if kind == "start":
+                self._start_child()
+                continue
+            if kind == "forget":
+                if self._child is not None and self._generation not in self._dead_generations:
+                    self._send(item)
+                continue
+            task: LookupTask = item[1]
+            if task.cancelled:
+                self._retire(task, "cancelled")
+                continue
+            if not self._start_child():
+                self.breaker.on_failure()
+                self._retire(task, "lookup process not running (restarting)")
+                continue
+            search: LookupSearch = task.search
+            scheme_id = id(search.scheme)
+            if scheme_id not in self._schemes_sent:
+                self._schemes_sent[scheme_id] = search.scheme
+                self._send(("scheme", scheme_id, search.scheme))
+            seq = self._next_seq
+            self._next_seq += 1
+            with self._in_flight_lock:
+                self._in_flight[seq] = (task, self._generation)
+            facts = {key: present for key, present in search.known.items()}  # a truncation's bad keys
+            self._send(
+                (
+                    "search",
+                    seq,
+                    task.request_id,
+                    task.facts_epoch,
+                    scheme_id,
+                    search.block_hashes,
+                    search.num_tokens,
+                    search.num_computed_tokens,
+                    search.max_boundary,
+                    search.max_confirm_rounds,
+                    facts,
+                )
+            )
+
+    def _send(self, message: tuple[Any, ...] | None) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):  # the child is gone: its receiver fails what was sent to it
+            conn.send(message)
+
+    def _stop_child(self) -> None:
+        child, conn = self._child, self._conn
+        if child is None or conn is None:
+            return
+        self._send(None)
+        try:
+            child.wait(_CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(_CLOSE_WAIT_S)
+        conn.close()
+
+    # -- receiver threads (one per child) ---------------------------------------------------------------
+
+    def _receive_loop(self, conn: Connection, generation: int, child: subprocess.Popen[bytes]) -> None:
+        try:
+            while True:
+                message = conn.recv()
+                self._on_message(message, generation)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._child_exited(generation, child)
+
+    def _on_message(self, message: tuple[Any, ...], generation: int) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self._ready.set()
+        elif kind == "call":
+            _, started_s, num_keys = message
+            self._call_started_s = started_s
+            if started_s is None:
+                self.num_exists_calls += 1
+                self.num_keys_checked += num_keys
+        elif kind == "breaker":
+            if message[1]:
+                self.breaker.on_success()
+            else:
+                self.breaker.on_failure()
+        elif kind == "done":
+            _, seq, error, portable, num_round_trips, num_keys, store_s = message
+            with self._in_flight_lock:
+                entry = self._in_flight.pop(seq, None)
+            if entry is None:
+                return
+            self._num_failed_starts = 0
+            task = entry[0]
+            search = task.search
+            search.num_round_trips, search.num_keys = num_round_trips, num_keys
+            task.store_s = store_s
+            if error is None:
+                search.result = result_from_portable(portable, search.scheme, search.block_hashes, _hand_off)
+                self.num_searches += 1
+                self.recent_costs.append((num_round_trips, num_keys))
+            self._retire(task, error)
+
+    def _child_exited(self, generation: int, child: subprocess.Popen[bytes]) -> None:
+        self._dead_generations.add(generation)
+        self._num_failed_starts += 1
+        self._call_started_s = None
+        code = child.poll()
+        with self._in_flight_lock:
+            lost = [seq for seq, (_task, gen) in self._in_flight.items() if gen == generation]
+            tasks = [self._in_flight.pop(seq)[0] for seq in lost]
+        if self._closed:
+            return
+        self.breaker.on_failure()
+        log.warning(
+            ConnectorLogEvent.LOOKUP_PROCESS_EXITED,
+            exit_code=code,
+            num_lookups_failed=len(tasks),
+            restarting=True,
+        )
+        for task in tasks:
+            self._retire(task, f"lookup process exited (code {code})")
+
+
+def _hand_off() -> None:
+    """Between slices of a result's rebuild: let a waiting scheduler thread have the GIL."""
+    time.sleep(GIL_HANDOFF_S)
+
+
+# -- the child ------------------------------------------------------------------------------------------
+
+
+class _ReportingBreaker(CircuitBreaker):
+    """The child's lookup breaker: every outcome also goes to the parent's (``breaker`` messages)."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None], *, num_failures_to_open: int, reset_s: float):
+        super().__init__(num_failures_to_open=num_failures_to_open, reset_s=reset_s)
+        self._send = send
+
+    def on_success(self) -> None:
+        super().on_success()
+        self._send(("breaker", True))
+
+    def on_failure(self) -> None:
+        super().on_failure()
+        self._send(("breaker", False))
+
+
+class _LookupChild:
+    """The lookup process's state: its store, its ``LookupService``, the schemes and facts it was sent."""
+
+    def __init__(self, conn: Connection, store: Store, budget_s: float, breaker: tuple[int, float]) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self.store = store
+        self.schemes: dict[int, KeyScheme] = {}
+        #: request_id -> (facts epoch, key -> present)
+        self.facts: dict[str, tuple[int, dict[str, bool]]] = {}
+        #: request_id -> its search in flight; id(task) -> the parent's sequence number for it
+        self._task_of: dict[str, LookupTask] = {}
+        self._seq_of: dict[int, int] = {}
+        self._tasks_lock = threading.Lock()  # the worker finishes tasks while the main thread submits them
+        self.service = LookupService(
+            store,
+            breaker=_ReportingBreaker(self.send, num_failures_to_open=breaker[0], reset_s=breaker[1]),
+            budget_s=budget_s,
+            on_finish=self._on_finish,
+            on_store_call=lambda started_s, num_keys: self.send(("call", started_s, num_keys)),
+        )
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock, contextlib.suppress(OSError):  # the parent gone: ``serve`` ends too
+            self.conn.send(message)
+
+    def _on_finish(self, task: LookupTask) -> None:
+        with self._tasks_lock:
+            seq = self._seq_of.pop(id(task))
+            if self._task_of.get(task.request_id) is task:
+                del self._task_of[task.request_id]
+        search = task.search
+        if task.error is None and search.result is not None:
+            error, portable = None, portable_result(search.result)
+        else:
+            error, portable = task.error or "the search ended without a result", None
+        self.send(("done", seq, error, portable, search.num_round_trips, search.num_keys, task.store_s))
+
+    def search(self, message: tuple[Any, ...]) -> None:
+        (_, seq, request_id, epoch, scheme_id, block_hashes, num_tokens, num_computed, max_boundary,
+         max_confirm_rounds, known_by_parent) = message  # fmt: skip
+        held = self.facts.get(request_id)
+        if held is None or held[0] != epoch:
+            held = self.facts[request_id] = (epoch, {})
+        known = held[1]
+        known.update(known_by_parent)
+        search = LookupSearch(
+            self.schemes[scheme_id],
+            block_hashes,
+            num_tokens,
+            num_computed,
+            max_boundary=max_boundary,
+            known=known,
+            max_confirm_rounds=max_confirm_rounds,
+        )
+        task = LookupTask(request_id, search, (num_tokens, num_computed, max_boundary), facts_epoch=epoch)
+        with self._tasks_lock:
+            previous = self._task_of.get(request_id)
+            if previous is not None:
+                previous.cancelled = True  # the parent asked anew: it ignores the old answer
+            self._task_of[request_id] = task
+            self._seq_of[id(task)] = seq
+        self.service.submit(task)
+
+    def serve(self) -> None:
+        """Take the parent's messages until ``None`` or its end of the socket closes."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            kind = message[0]
+            if kind == "scheme":
+                self.schemes[message[1]] = message[2]
+            elif kind == "forget":
+                self.facts.pop(message[1], None)
+            elif kind == "search":
+                self.search(message)
+
+
+def child_main(
+    fd: int, store_url: str, budget_s: float, breaker_failures: int, breaker_reset_s: float
+) -> int:
+    """The lookup process: searches from the parent over socket ``fd``, answers back."""
+    from hybridkv.store import open_store  # here: the parent never opens the child's client
+
+    child = _LookupChild(Connection(fd), open_store(store_url), budget_s, (breaker_failures, breaker_reset_s))
+    child.send(("ready",))
+    try:
+        child.serve()
+    finally:
+        child.service.close()
+        child.store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(
+        child_main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    )
