@@ -69,6 +69,49 @@ def register(
     bench.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     bench.set_defaults(func=handle_agentic)
 
+    policies = bench_subparsers.add_parser(
+        "agentic-policies",
+        help="eviction orders from the literature (LRU, leaf-first, S3-FIFO, an admission oracle) modelled "
+        "on the agentic trace: prompt tokens served",
+        description="Replays the agentic trace of `hybridkv bench agentic` through models of eviction orders "
+        "(no store: entries and their sizes only) at several capacities: the share of prompt tokens each "
+        "serves, medians over seeds with [min, max], points against LRU per seed, and the 15-point target.",
+    )
+    policies.add_argument("--seed", type=int, default=0, help="seed of the first round's trace (%(default)s)")
+    policies.add_argument("--rounds", type=int, default=5, help="seeds, seed + r in round r (%(default)s)")
+    policies.add_argument(
+        "--capacity-fractions",
+        default="0.02,0.05,0.1",
+        help="comma-separated store capacities as fractions of the working set (%(default)s)",
+    )
+    add_report_arguments(policies, "bench-results/agentic-policies.json", plot=False)
+    policies.set_defaults(func=handle_agentic_policies)
+
+
+def handle_agentic_policies(args: argparse.Namespace) -> int:
+    """Model every eviction order at every capacity; print the table and the targets, write the JSON."""
+    from hybridkv.bench.agentic import AgenticWorkload
+    from hybridkv.bench.agentic_policies import POLICY_COLUMNS, run_policy_model
+    from hybridkv.bench.report import format_targets, write_json
+
+    try:
+        fractions = [float(part) for part in args.capacity_fractions.split(",")]
+    except ValueError:
+        fractions = []
+    if args.rounds < 1 or not fractions or any(not f > 0 for f in fractions):
+        print(
+            f"error: need --rounds >= 1 and --capacity-fractions of numbers > 0, got {args.capacity_fractions!r}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    report = run_policy_model(
+        AgenticWorkload(), seed=args.seed, num_rounds=args.rounds, capacity_fractions=fractions
+    )
+    print(format_table(report["rows"], POLICY_COLUMNS))
+    print("\n" + format_targets(report["targets"]))
+    print(f"wrote {write_json(args.out, report)}")
+    return EXIT_OK
+
 
 def handle_agentic(args: argparse.Namespace) -> int:
     """Run the bench, print the trace's shape, the tables and the targets, write the JSON and the PNG."""

@@ -80,6 +80,8 @@ class LookupRunner(Protocol):
 
     #: Whether the searches' facts live in this process (the scheduler may answer from them).
     local_facts: bool
+    #: The longest an engine step that scheduled nothing waits for a lookup in flight (``wait_for_progress``).
+    idle_step_wait_s: float
     num_exists_calls: int
     num_keys_checked: int
     num_searches: int
@@ -106,6 +108,10 @@ class LookupService:
     #: The searches' existence facts live in this process (``RequestState.known``): the scheduler may
     #: answer from them without a store call. A lookup process keeps them in its own.
     local_facts = True
+    #: An idle engine step waits up to this for a lookup in flight: vLLM's engine loop would otherwise spin
+    #: through empty steps, taking the GIL back from the worker for a switch interval each time it lets it
+    #: go (docs/performance.md, "Lookups and vLLM's scheduler").
+    idle_step_wait_s = 0.002
 
     def __init__(
         self,

@@ -99,8 +99,6 @@ log = structlog.get_logger(__name__)
 #: slow round (a GC pause, a store failover) does not make the cache cold; a store that keeps failing is
 #: not hammered, and is probed again after a second.
 _BREAKER_FAILURES = 3
-#: Longest wait of an engine step that scheduled nothing for a lookup in flight to finish.
-_IDLE_STEP_LOOKUP_WAIT_S = 0.002
 _BREAKER_OPEN_S = 1.0
 #: The longest ``reset_cache`` waits for the namespace removal before answering (the engine core waits).
 RESET_WAIT_S = 1.0
@@ -331,7 +329,7 @@ class SchedulerSide:
         if so.total_num_scheduled_tokens == 0:
             # Nothing to compute: let lookups in flight run instead of the engine loop's empty steps
             # (``LookupService.wait_for_progress``); a step with work never waits here.
-            self.lookups.wait_for_progress(_IDLE_STEP_LOOKUP_WAIT_S)
+            self.lookups.wait_for_progress(self.lookups.idle_step_wait_s)
         meta = self.take_unplanned_meta()
         bs = so.kv_connector_block_state
         if bs is None or not self.can_save or self.namespace_closed:

@@ -8,10 +8,14 @@ tokens are still identical, the engine never errors, and the truncation is in th
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 from hybridkv.audit.replay import audit_file
+from hybridkv.connector.lookup_process import RESTART_BACKOFF_S
 from hybridkv.devkit.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 
@@ -128,3 +132,46 @@ def test_shared_prefix_hits_whole_blocks_on_a_single_group_model(tmp_path: Path)
         reset_local_cache(llm)
         out, cached = generate(llm, b)
     assert cached == 128 and out == baseline
+
+
+def test_lookups_in_their_own_process_hit_and_survive_its_death(tmp_path: Path) -> None:
+    """``lookup_process: true`` on a real engine: the reload hits as with the lookup thread (same tokens,
+    same audit); the lookup process killed between requests costs lookups, never a request or the engine,
+    and a new one serves the next hit."""
+    model = build_tiny_model("qwen3_next", MODELS_DIR)
+    log_path = tmp_path / "audit.jsonl"
+    extra = {
+        "store": f"file://{tmp_path}/store?capacity=256MiB",
+        "audit_log": str(log_path),
+        "lookup_process": True,
+    }
+    tokens = prompt(PROMPT_LEN, seed=11)
+    with engine(model, extra) as llm:
+        cold, cached0 = generate(llm, tokens)
+        reset_local_cache(llm)
+        warm, cached1 = generate(llm, tokens)
+        sched, _worker = connectors(llm)
+        lookups = sched.scheduler_side.lookups
+        pid = lookups.child_pid
+        assert pid is not None, "no lookup process runs"
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while lookups.child_pid == pid and time.monotonic() < deadline:  # its receiver sees the end
+            time.sleep(0.05)
+        reset_local_cache(llm)
+        after_kill, _ = generate(llm, tokens)  # a miss or a hit: either way the same tokens
+        time.sleep(RESTART_BACKOFF_S)
+        hit_again = 0
+        for _ in range(10):  # the next lookups start a new process; one of them hits
+            reset_local_cache(llm)
+            again, hit_again = generate(llm, tokens)
+            assert again == cold
+            if hit_again:
+                break
+            time.sleep(RESTART_BACKOFF_S)
+        starts = lookups.num_process_starts
+    assert cached0 == 0 and cached1 == 256 and warm == cold and after_kill == cold
+    assert hit_again == 256, "no hit after the lookup process was started again"
+    assert starts == 2, starts
+    report = audit_file(log_path)
+    assert report.ok, report.to_dict()["violations"]

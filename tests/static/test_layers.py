@@ -49,6 +49,11 @@ ALLOWED: dict[str, set[str]] = {
 #: tooling, lazily, when that command runs. (CLI module, function) -> the tooling modules it imports.
 CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
     ("hybridkv.cli.agentic_cmds", "handle_agentic"): {"hybridkv.bench.agentic", "hybridkv.bench.report"},
+    ("hybridkv.cli.agentic_cmds", "handle_agentic_policies"): {
+        "hybridkv.bench.agentic",
+        "hybridkv.bench.agentic_policies",
+        "hybridkv.bench.report",
+    },
     ("hybridkv.cli.agentic_serve_cmds", "handle_agentic_serve"): {
         "hybridkv.bench.agentic_serve",
         "hybridkv.bench.report",
