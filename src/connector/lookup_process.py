@@ -186,6 +186,9 @@ class ProcessLookupService:
         if now - self._started_s < backoff_s:
             return False
         self._started_s = now
+        if self._conn is not None:
+            self._conn.close()  # the dead child's (its receiver thread has seen the end)
+            self._conn = None
         parent_sock, child_sock = socket.socketpair()
         try:
             child = subprocess.Popen(
@@ -269,6 +272,13 @@ class ProcessLookupService:
                     facts,
                 )
             )
+            if self._generation in self._dead_generations:
+                # The child died around the send; its receiver may have failed its searches before this
+                # one was registered: fail it here unless the receiver already has.
+                with self._in_flight_lock:
+                    lost = self._in_flight.pop(seq, None)
+                if lost is not None:
+                    self._retire(task, "lookup process exited")
 
     def _send(self, message: tuple[Any, ...] | None) -> None:
         conn = self._conn
@@ -337,7 +347,10 @@ class ProcessLookupService:
         self._dead_generations.add(generation)
         self._num_failed_starts += 1
         self._call_started_s = None
-        code = child.poll()
+        try:
+            code: int | None = child.wait(_CLOSE_WAIT_S)  # reaped here: its socket closes as it exits
+        except subprocess.TimeoutExpired:  # its end closed, yet it runs: it exits on its own or at close
+            code = None
         with self._in_flight_lock:
             lost = [seq for seq, (_task, gen) in self._in_flight.items() if gen == generation]
             tasks = [self._in_flight.pop(seq)[0] for seq in lost]

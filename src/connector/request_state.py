@@ -11,8 +11,9 @@ field                       meaningful while the lifecycle is
 ``memo``                    ``PARTIAL_HIT`` / ``MISS`` (the answer repeated asks reuse), of the current
                             reset epoch only
 ``load``, ``load_results``, ``load_ranks``        ``LOADING`` (waiting for every rank's report)
-``known``, ``block_hex``    any live state: existence facts of this incarnation's searches, of the
-                            current reset epoch only (a reset drops them: ``forget_facts``)
+``known``, ``block_hex``,   any live state: existence facts of this incarnation's searches, of the
+``facts_epoch``             current reset epoch only (a reset drops them: ``forget_facts``; the epoch
+                            counts the drops, for a lookup process that keeps the facts itself)
 ==========================  =====================================================================
 
 Nothing here changes the lifecycle's state except through its methods (the table's triggers).
