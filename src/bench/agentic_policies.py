@@ -21,6 +21,13 @@ The orders (:data:`POLICIES`):
   from the small queue straight into the main one when it comes back;
 - ``lru-no-one-offs``: LRU that never stores the one-off requests' blocks (an oracle: no admission policy
   knows which prompts will never come back; it bounds what admission control could buy);
+- ``clairvoyant``: Belady's MIN made prefix-aware (an oracle: it reads the trace's future). It evicts the
+  entry whose next use lies furthest ahead -- an attention block's next use is the next request of its
+  tenant whose unbounded-store hit covers it, a state's the next request whose unbounded-store hit ends at
+  it -- and, among entries next used by the same request, the deepest first, so a prefix is cut from its
+  tail (plain MIN breaks such ties arbitrarily and leaves prefixes with holes: it served less than LRU).
+  Not a proven optimum (entries differ in size, and a prefix is worth something only whole), but what a
+  policy that knew every session's next turn would serve: the reference any online order is held to;
 - ``unbounded``: the ceiling (``AgenticTrace.ideal_hit_tokens``).
 
 A model, not a store: no bytes move, nothing is framed. Its ``lru`` is checked against the memory store's
@@ -30,8 +37,9 @@ capacity).
 
 from __future__ import annotations
 
+import heapq
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
@@ -46,13 +54,24 @@ from hybridkv.bench.agentic import (
 )
 from hybridkv.bench.report import target_row
 
-__all__ = ["POLICIES", "POLICY_COLUMNS", "LruModel", "S3FifoModel", "model_hit_fraction", "run_policy_model"]
+__all__ = [
+    "POLICIES",
+    "POLICY_COLUMNS",
+    "ClairvoyantModel",
+    "LruModel",
+    "S3FifoModel",
+    "model_hit_fraction",
+    "run_policy_model",
+]
 
 #: An entry: (tenant, "a" attention block / "s" Mamba state, the block hash of its boundary).
 Entry = tuple[str, str, bytes]
 
 
 class CacheModel(Protocol):
+    def start_request(self, index: int) -> None:
+        """The replay moves to the trace's request ``index`` (only an oracle needs the clock)."""
+
     def holds(self, entry: Entry) -> bool: ...
 
     def access(self, entry: Entry) -> None: ...
@@ -65,6 +84,9 @@ class LruModel:
         self.capacity = capacity
         self.entries: OrderedDict[Entry, int] = OrderedDict()
         self.used = 0
+
+    def start_request(self, index: int) -> None:
+        pass
 
     def holds(self, entry: Entry) -> bool:
         return entry in self.entries
@@ -97,6 +119,9 @@ class S3FifoModel:
         self.freq: dict[Entry, int] = {}
         self.small_used = 0
         self.main_used = 0
+
+    def start_request(self, index: int) -> None:
+        pass
 
     def holds(self, entry: Entry) -> bool:
         return entry in self.small or entry in self.main
@@ -144,12 +169,111 @@ class S3FifoModel:
             return
 
 
-#: policy name -> (the cache it models, whether a hit touches deepest first, whether one-offs are stored)
-POLICIES: dict[str, tuple[Callable[[float], CacheModel], bool, bool]] = {
-    "lru": (LruModel, False, True),
-    "lru-tail-first": (LruModel, True, True),
-    "s3fifo": (S3FifoModel, False, True),
-    "lru-no-one-offs": (LruModel, False, False),
+#: No further use.
+_NEVER = 1 << 62
+
+
+class ClairvoyantModel:
+    """Prefix-aware MIN over sized entries: evicts the entry whose next use (``entry_to_uses``: the request
+    indexes that use it, ascending) is furthest ahead, the deepest (``entry_to_depth``) of those first.
+    ``start_request`` moves its clock; an entry's uses at or before the clock are past, and a held entry
+    whose use passes is queued again at its next one (whether or not the replay touched it: a request
+    whose hit stopped short of its forecast passes uses it did not make)."""
+
+    def __init__(
+        self, capacity: float, entry_to_uses: dict[Entry, list[int]], entry_to_depth: dict[Entry, float]
+    ) -> None:
+        self.capacity = capacity
+        self.entry_to_uses = entry_to_uses
+        self.entry_to_depth = entry_to_depth
+        self.entry_to_size: dict[Entry, int] = {}
+        self.entry_to_next_use_index: dict[Entry, int] = {}
+        # (-next use, -depth, entry); stale items (a next use that has passed, an entry gone) are skipped.
+        self.heap: list[tuple[int, float, Entry]] = []
+        self.used = 0
+        self.now = -1
+        self.request_to_entries: dict[int, list[Entry]] = defaultdict(list)
+        for entry, uses in entry_to_uses.items():
+            for index in uses:
+                self.request_to_entries[index].append(entry)
+
+    def start_request(self, index: int) -> None:
+        assert index > self.now, f"the replay went back from request {self.now} to {index}"
+        passed = range(self.now, index)
+        self.now = index
+        for past in passed:
+            for entry in self.request_to_entries.get(past, ()):
+                if entry in self.entry_to_size:
+                    self._push(entry)
+
+    def _next_use(self, entry: Entry) -> int:
+        uses = self.entry_to_uses.get(entry, [])
+        position = self.entry_to_next_use_index.get(entry, 0)
+        while position < len(uses) and uses[position] <= self.now:
+            position += 1
+        self.entry_to_next_use_index[entry] = position
+        return uses[position] if position < len(uses) else _NEVER
+
+    def _push(self, entry: Entry) -> None:
+        heapq.heappush(self.heap, (-self._next_use(entry), -self.entry_to_depth[entry], entry))
+
+    def holds(self, entry: Entry) -> bool:
+        return entry in self.entry_to_size
+
+    def access(self, entry: Entry) -> None:
+        self._push(entry)
+
+    def insert(self, entry: Entry, size: int) -> None:
+        if entry in self.entry_to_size:
+            self._push(entry)
+            return
+        self.entry_to_size[entry] = size
+        self.used += size
+        self._push(entry)
+        while self.used > self.capacity:
+            negative_next_use, negative_depth, victim = heapq.heappop(self.heap)
+            if victim not in self.entry_to_size:
+                continue
+            next_use = self._next_use(victim)
+            if next_use != -negative_next_use:  # its use then has passed: queue it at its next one
+                heapq.heappush(self.heap, (-next_use, negative_depth, victim))
+                continue
+            self.used -= self.entry_to_size.pop(victim)
+
+    @classmethod
+    def of_trace(cls, trace: AgenticTrace, capacity: float) -> ClairvoyantModel:
+        """The oracle of ``trace``: an attention block is used by every request whose unbounded-store hit
+        covers it, a state by every request whose unbounded-store hit ends at it."""
+        block_tokens = trace.workload.block_tokens
+        entry_to_uses: dict[Entry, list[int]] = defaultdict(list)
+        entry_to_depth: dict[Entry, float] = {}
+        for index, (request, hit_tokens) in enumerate(
+            zip(trace.requests, trace.ideal_hit_tokens(), strict=True)
+        ):
+            tenant, hashes = request.tenant, request.block_hashes
+            for depth, block_hash in enumerate(hashes):
+                entry_to_depth[(tenant, "a", block_hash)] = depth
+                entry_to_depth[(tenant, "s", block_hash)] = depth + 0.5  # a state before its block
+            num_hit_blocks = hit_tokens // block_tokens
+            for block_hash in hashes[:num_hit_blocks]:
+                entry_to_uses[(tenant, "a", block_hash)].append(index)
+            if num_hit_blocks:
+                entry_to_uses[(tenant, "s", hashes[num_hit_blocks - 1])].append(index)
+        return cls(capacity, dict(entry_to_uses), entry_to_depth)
+
+
+def _online(make: Callable[[float], CacheModel]) -> Callable[[AgenticTrace, float], CacheModel]:
+    return lambda _trace, capacity: make(capacity)
+
+
+#: policy name -> (the cache it models, given the trace and the capacity; whether a hit touches deepest first;
+#: whether one-offs are stored). Only the oracles read the trace.
+POLICIES: dict[str, tuple[Callable[[AgenticTrace, float], CacheModel], bool, bool]] = {
+    "lru": (_online(LruModel), False, True),
+    "lru-tail-first": (_online(LruModel), True, True),
+    "s3fifo": (_online(S3FifoModel), False, True),
+    "lru-no-one-offs": (_online(LruModel), False, False),
+    "clairvoyant": (ClairvoyantModel.of_trace, False, True),
 }
 
 
@@ -163,10 +287,11 @@ def model_hit_fraction(
 ) -> float:
     """Prompt tokens served from a store evicting by ``policy`` over all prompt tokens of ``trace``."""
     make_cache, tail_first, store_one_offs = POLICIES[policy]
-    cache = make_cache(capacity_bytes)
+    cache = make_cache(trace, capacity_bytes)
     block_tokens = trace.workload.block_tokens
     served = total = 0
-    for request in trace.requests:
+    for index, request in enumerate(trace.requests):
+        cache.start_request(index)
         tenant, hashes = request.tenant, request.block_hashes
         total += request.num_prompt_tokens
         cap = min(request.num_prompt_tokens - 1, len(hashes) * block_tokens) // block_tokens
@@ -191,8 +316,8 @@ def model_hit_fraction(
 
 #: The issue's bar: prompt points more served than plain LRU at the same capacity.
 TARGET_POINTS = 15.0
-#: The policy that knows the future (a bound, not a candidate).
-ORACLE = "lru-no-one-offs"
+#: The policies that know the future (bounds, not candidates).
+ORACLES = ("lru-no-one-offs", "clairvoyant")
 
 #: the table's columns
 POLICY_COLUMNS = ["capacity_fraction", "policy", "hit_fraction", "spread", "points_vs_lru", "points_spread"]
@@ -241,7 +366,7 @@ def run_policy_model(
         candidates = [
             row
             for row in rows
-            if row["capacity_fraction"] == fraction and row["policy"] not in ("lru", "unbounded", ORACLE)
+            if row["capacity_fraction"] == fraction and row["policy"] not in ("lru", "unbounded", *ORACLES)
         ]
         best = max(candidates, key=lambda row: row["points_vs_lru"], default=None)
         targets.append(

@@ -71,8 +71,8 @@ def register(
 
     policies = bench_subparsers.add_parser(
         "agentic-policies",
-        help="eviction orders from the literature (LRU, leaf-first, S3-FIFO, an admission oracle) modelled "
-        "on the agentic trace: prompt tokens served",
+        help="eviction orders from the literature (LRU, leaf-first, S3-FIFO) and two oracles (admission, "
+        "clairvoyant MIN) modelled on the agentic trace: prompt tokens served",
         description="Replays the agentic trace of `hybridkv bench agentic` through models of eviction orders "
         "(no store: entries and their sizes only) at several capacities: the share of prompt tokens each "
         "serves, medians over seeds with [min, max], points against LRU per seed, and the 15-point target.",

@@ -18,6 +18,7 @@ from hybridkv.bench.agentic import (
 )
 from hybridkv.bench.agentic_policies import (
     POLICIES,
+    ClairvoyantModel,
     LruModel,
     S3FifoModel,
     model_hit_fraction,
@@ -71,6 +72,46 @@ def test_s3fifo_keeps_entries_reused_over_one_offs() -> None:
         for i in range(30):
             cache.insert(("t", "a", bytes([i])), 10)
         assert cache.holds(("t", "a", b"kept")) is survives, type(cache).__name__
+
+
+def test_the_clairvoyant_model_evicts_the_furthest_use_from_the_tail() -> None:
+    """MIN, prefix-aware: an entry never used again goes first, then the one used furthest ahead; among
+    entries the same request uses next, the deepest (a prefix is cut from its tail, never holed)."""
+    head, middle, tail, state, dead = (("t", kind, bytes([i])) for i, kind in enumerate("aaasa"))
+    other, x, y = ("t", "a", b"other"), ("u", "a", b"x"), ("u", "a", b"y")
+    uses = {head: [5], middle: [5], tail: [5], state: [3], x: [5], y: [5]}
+    depth = {head: 0.0, middle: 1.0, tail: 2.0, state: 2.5, dead: 0.0, other: 0.0, x: 0.0, y: 1.0}
+    cache = ClairvoyantModel(40.0, uses, depth)
+    cache.start_request(0)
+    for entry in (dead, head, middle, tail, state):
+        cache.insert(entry, 10)
+    assert not cache.holds(dead) and all(cache.holds(e) for e in (head, middle, tail, state))
+    cache.insert(other, 10)  # no use either: it goes itself (a bypass)
+    assert cache.used == 40 and all(cache.holds(e) for e in (head, middle, tail, state))
+    cache.start_request(4)  # the state's use has passed: it is never used again
+    cache.insert(x, 10)
+    assert not cache.holds(state) and cache.holds(x)
+    cache.insert(y, 10)  # all used next at request 5: the deepest goes, the tail of t's prefix
+    assert not cache.holds(tail) and all(cache.holds(e) for e in (head, middle, x, y))
+    with pytest.raises(AssertionError, match="went back"):
+        cache.start_request(2)
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.2])
+def test_the_clairvoyant_model_serves_at_least_every_online_order(fraction: float) -> None:
+    """The oracle is the reference the online orders are held to: on these traces it serves at least what
+    each of them serves, and at most the unbounded store's ceiling."""
+    for seed in (1, 2):
+        trace = generate_trace(SMALL, seed)
+        capacity = fraction * trace.working_set_bytes(
+            DEFAULT_ATTENTION_VALUE_BYTES, DEFAULT_STATE_VALUE_BYTES
+        )
+        clairvoyant = model_hit_fraction(trace, "clairvoyant", capacity)
+        ideal = sum(trace.ideal_hit_tokens()) / sum(r.num_prompt_tokens for r in trace.requests)
+        assert clairvoyant <= ideal + 1e-9, (seed, clairvoyant, ideal)
+        for policy in ("lru", "lru-tail-first", "s3fifo"):
+            online = model_hit_fraction(trace, policy, capacity)
+            assert clairvoyant >= online, (seed, policy, online, clairvoyant)
 
 
 def test_the_command_prints_every_policy_and_the_target(
