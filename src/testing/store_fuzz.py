@@ -23,6 +23,12 @@ and whether the key is certainly present. The properties:
 - ``stats()``: when both are known, bytes stay within capacity (plus the values written concurrently).
 - ``retain`` answers like ``exists`` and changes neither what is stored nor what a read returns (a store
   that cannot retain answers ``TRANSFER_FAILED`` for every key).
+- Pins (with ``retention_capacity_bytes``, the capacity of a store that retains): retentions are drawn with
+  a long TTL, a TTL that runs out within the example, or a release. While every entry retained and not
+  released fits in ``RETAIN_FRACTION`` of the capacity, an entry retained for the long TTL is never
+  evicted -- not by puts of any batch, not by writers of one key at once (as long as their values and the
+  pins fit the capacity together) -- it reads back, ``exists`` and is listed until it is removed or
+  released; an entry whose TTL ran out, or that was released, is ordinary again (it may go).
 - With ``quotas`` (``hybridkv.store.quotas``; the pool then holds keys of those tenants and of one without a
   quota): after every put each tenant's bytes are within its quota -- exactly after a put from one thread,
   whatever its batch (a batch of more bytes than the quota keeps only its newest values that fit), plus the
@@ -42,6 +48,7 @@ from collections.abc import Callable, Mapping
 
 from hybridkv.store.base import Status, Store
 from hybridkv.store.quotas import namespace_of
+from hybridkv.store.retention import RETAIN_FRACTION
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -52,6 +59,9 @@ _FAILURES = frozenset({Status.TRANSFER_FAILED, Status.TIMEOUT})
 FREE_TENANT = "free"
 #: Bytes a frame adds to its value at most (header, key, checksum) for the pool's keys.
 _FRAME_OVERHEAD = 512
+#: Retention TTLs the machine draws: one that outlives any example, one that runs out within it.
+_LONG_TTL_S = 600.0
+_SHORT_TTL_S = 0.05
 
 
 def key_pool(max_value_size: int, tenants: tuple[str, ...] = ()) -> list[tuple[str, int]]:
@@ -72,6 +82,7 @@ def make_store_machine(
     max_value_size: int = 4096,
     num_writer_threads: int = 3,
     quotas: Mapping[str, int] | None = None,
+    retention_capacity_bytes: int | None = None,
 ) -> type[RuleBasedStateMachine]:
     """Build a conformance state machine for the stores ``factory`` returns.
 
@@ -84,7 +95,16 @@ def make_store_machine(
         max_value_size: the largest value size in the key pool.
         num_writer_threads: writers of one key at once in the concurrency rule.
         quotas: the bytes per tenant the store was opened with (``None``: it has none).
+        retention_capacity_bytes: the capacity of a store that retains (``hybridkv.store.retention``):
+            checks that pins survive eviction. Not with quotas (a tenant's quota protects only half of it),
+            injected failures or corruption (an unanswered call leaves a pin unknown).
     """
+    assert retention_capacity_bytes is None or not quotas, (
+        "retention_capacity_bytes with quotas: a tenant's own eviction protects only half its quota"
+    )
+    assert retention_capacity_bytes is None or not (allows_failures or allows_corruption), (
+        "retention_capacity_bytes with injected faults: a failed call leaves a pin unknown"
+    )
     tenant_quotas: dict[str, int] = dict(quotas or {})
     pool = key_pool(max_value_size, (*sorted(tenant_quotas), FREE_TENANT) if tenant_quotas else ())
     tenant_to_keys: dict[str, set[str]] = {}
@@ -109,6 +129,11 @@ def make_store_machine(
             self.possible: dict[str, set[bytes]] = {}
             # keys a put returned OK for and nothing removed since (meaningful without eviction)
             self.certain: set[str] = set()
+            # retained keys (retain answered OK; not released or removed since) -> the end of the retention
+            self.key_to_retained_until: dict[str, float] = {}
+            # the retained keys that must survive: retained while all retentions fit the protected share,
+            # and they have fitted since (once they did not, the store may have let any of them go)
+            self.pinned: set[str] = set()
 
         def teardown(self) -> None:
             self.store.close()
@@ -173,6 +198,8 @@ def make_store_machine(
                 )
             elif status is Status.NOT_FOUND:
                 assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
+                self._check_not_pinned("get_into", key)
+                self.key_to_retained_until.pop(key, None)  # an entry not stored is not retained
             elif status is Status.CORRUPT:
                 assert allows_corruption, f"{key!r} read CORRUPT without corruption injected"
             else:
@@ -194,7 +221,9 @@ def make_store_machine(
             self._put(data, batch[: data.draw(st.integers(2, len(batch)), label="batch size")], split)
 
         def _put(self, data: st.DataObject, batch: list[str], split: bool) -> None:
-            values = [value_for(data, key) for key in batch]
+            self._put_values(batch, [value_for(data, key) for key in batch], split)
+
+        def _put_values(self, batch: list[str], values: list[bytes], split: bool) -> None:
             # A split value is passed as two parts (scatter-gather), concatenated by the store.
             offered: list[bytes | list[memoryview | bytearray]] = [
                 [memoryview(v)[: len(v) // 2], bytearray(v[len(v) // 2 :])] if split else v for v in values
@@ -238,6 +267,60 @@ def make_store_machine(
             if status is Status.NOT_FOUND:
                 assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
 
+        def _retained_bytes(self) -> int:
+            """What the store may count as retained (an upper bound): every retention not known to be
+            released, expired (with a margin) or gone with its entry."""
+            horizon = time.time() - _SHORT_TTL_S
+            return sum(
+                key_to_size[key] + _FRAME_OVERHEAD
+                for key, until in self.key_to_retained_until.items()
+                if until > horizon
+            )
+
+        def _pinned(self) -> set[str]:
+            """The keys that must survive eviction now (``self.pinned``) whose long TTL still runs."""
+            now = time.time()
+            return {key for key in self.pinned if self.key_to_retained_until[key] > now + _LONG_TTL_S / 2}
+
+        def _fit_pins(self, extra_bytes: int = 0) -> None:
+            """Forget every pin once the retentions (counted as long as the machine knows of them, expired
+            or not), plus ``extra_bytes`` written at once, may not fit the protected share."""
+            assert retention_capacity_bytes is not None
+            if self._retained_bytes() > RETAIN_FRACTION * retention_capacity_bytes or (
+                self._retained_bytes() + extra_bytes > retention_capacity_bytes
+            ):
+                self.pinned.clear()
+
+        def _check_not_pinned(self, op: str, key: str) -> None:
+            assert key not in self._pinned(), (
+                f"{op}({key!r}): NOT_FOUND, but it is retained for {_LONG_TTL_S:g} s within the protected "
+                f"share of the capacity ({len(self.key_to_retained_until)} keys retained)"
+            )
+
+        def _unpin(self, key: str) -> None:
+            self.key_to_retained_until.pop(key, None)
+            self.pinned.discard(key)
+
+        def _retain(self, batch: list[str], ttl_s: float) -> None:
+            until = time.time() + ttl_s if ttl_s else 0.0
+            statuses = self.store.retain(batch, until)
+            if not self.store.supports_retention:
+                assert statuses == [Status.TRANSFER_FAILED] * len(batch), f"retain({batch}) -> {statuses}"
+                return
+            answered = self._check_presence("retain", batch, statuses)
+            for key, status, known in zip(batch, statuses, answered, strict=True):
+                if status is Status.OK and until:
+                    self.key_to_retained_until[key] = until
+                    if ttl_s == _LONG_TTL_S:
+                        self.pinned.add(key)
+                    else:
+                        self.pinned.discard(key)
+                elif known:  # released, or not stored (a pin is not kept for a later put)
+                    self._unpin(key)
+                # (an unanswered call: its pin is unknown; the machine does not check pins with failures)
+            if retention_capacity_bytes is not None:
+                self._fit_pins()
+
         def _check_presence(self, op: str, batch: list[str], statuses: list[Status]) -> list[bool]:
             """Check ``op``'s (``exists``, ``remove``) answers: ``OK`` only for a key put and not removed,
             ``NOT_FOUND`` never for a key certainly stored (unless the store may evict), anything else an
@@ -253,6 +336,8 @@ def make_store_machine(
                     assert allows_eviction or key not in self.certain, (
                         f"{op}({key!r}) NOT_FOUND but it is stored"
                     )
+                    self._check_not_pinned(op, key)
+                    self.key_to_retained_until.pop(key, None)  # an entry not stored is not retained
                 else:
                     self._check_failure_allowed(op, key, status)
                 answered.append(status in (Status.OK, Status.NOT_FOUND))
@@ -262,24 +347,89 @@ def make_store_machine(
         def exists(self, batch: list[str]) -> None:
             self._check_presence("exists", batch, self.store.exists(batch))
 
-        @rule(batch=st.lists(keys, min_size=1, max_size=4, unique=True), release=st.booleans())
-        def retain(self, batch: list[str], release: bool) -> None:
+        @rule(
+            batch=st.lists(keys, min_size=1, max_size=4, unique=True),
+            ttl_s=st.sampled_from([0.0, _SHORT_TTL_S, _LONG_TTL_S]),
+        )
+        def retain(self, batch: list[str], ttl_s: float) -> None:
             """Retention changes neither presence nor bytes (``hybridkv.store.retention``); a store that
-            cannot retain says ``TRANSFER_FAILED`` for every key."""
-            statuses = self.store.retain(batch, 0.0 if release else time.time() + 600)
-            if not self.store.supports_retention:
-                assert statuses == [Status.TRANSFER_FAILED] * len(batch), f"retain({batch}) -> {statuses}"
+            cannot retain says ``TRANSFER_FAILED`` for every key. ``ttl_s`` 0 releases."""
+            self._retain(batch, ttl_s)
+
+        @precondition(lambda self: retention_capacity_bytes is not None and bool(self.certain))
+        @rule(data=st.data(), ttl_s=st.sampled_from([_SHORT_TTL_S, _LONG_TTL_S]))
+        def retain_stored(self, data: st.DataObject, ttl_s: float) -> None:
+            """Retain entries the machine put (most retains of random keys find nothing to retain)."""
+            stored = sorted(self.certain)
+            self._retain(
+                data.draw(st.lists(st.sampled_from(stored), min_size=1, max_size=2, unique=True)), ttl_s
+            )
+
+        @precondition(lambda self: retention_capacity_bytes is not None)
+        @rule(data=st.data(), pin_first=st.booleans())
+        def flood(self, data: st.DataObject, pin_first: bool) -> None:
+            """Fresh puts of the pool's largest values, one by one, of keys not retained (removed first, so
+            that every put writes): more bytes than the capacity, enough to evict everything that is not
+            protected; then every pin is checked. ``pin_first``: put a smaller value and retain it for the
+            long TTL before the flood."""
+            if pin_first:
+                key = data.draw(
+                    st.sampled_from([k for k, size in pool if size < max_value_size]), label="pin"
+                )
+                self._remove([key])
+                self._put(data, [key], split=False)
+                self._retain([key], _LONG_TTL_S)
+            # The flood's values are not drawn (megabytes of draws overrun Hypothesis' buffer): one byte
+            # pattern per round and key, so that reads still tell them apart.
+            assert retention_capacity_bytes is not None
+            batch = [
+                key for key, size in pool if size == max_value_size and key not in self.key_to_retained_until
+            ]
+            # Rounds of fresh puts until more than the whole capacity was written.
+            num_rounds = 1 + retention_capacity_bytes // max(1, len(batch) * max_value_size)
+            for round_index in range(num_rounds if batch else 0):
+                self._remove(batch)
+                for key_index, key in enumerate(batch):
+                    pattern = bytes([(round_index * len(batch) + key_index) % 251 + 1])
+                    self._put_values([key], [pattern * key_to_size[key]], split=False)
+            if self.key_to_retained_until:  # which retained entries are left (a pinned one must be)
+                retained = sorted(self.key_to_retained_until)
+                self._check_presence("exists", retained, self.store.exists(retained))
+            self._check_pins()
+
+        @precondition(lambda self: retention_capacity_bytes is not None)
+        @rule()
+        def pinned_entries_are_listed_and_read(self) -> None:
+            """Every pinned entry is still stored: ``exists``, listing and a read."""
+            self._check_pins()
+
+        def _check_pins(self) -> None:
+            pinned = sorted(self._pinned())
+            if not pinned:
                 return
-            self._check_presence("retain", batch, statuses)
+            self._check_presence("exists", pinned, self.store.exists(pinned))
+            if supports_listing:
+                listed = set(self.store.iter_keys(""))
+                missing = set(self._pinned()) - listed
+                assert not missing, f"iter_keys('') misses pinned keys {sorted(missing)}"
+            destinations = [bytearray(key_to_size[key]) for key in pinned]
+            for key, status, destination in zip(
+                pinned, self.store.get_into(pinned, destinations), destinations, strict=True
+            ):
+                self._check_read(key, status, bytes(destination))
 
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
+            self._remove(batch)
+
+        def _remove(self, batch: list[str]) -> None:
             answered = self._check_presence("remove", batch, self.store.remove(batch))
             for key, gone in zip(batch, answered, strict=True):
                 if gone:
                     self.possible.pop(key, None)
                 # (a failed remove: the key may or may not be gone)
                 self.certain.discard(key)
+                self._unpin(key)
 
         @rule(prefix=st.sampled_from(["a/", "b/", "ключ/", "a/0"]))
         def remove_prefix(self, prefix: str) -> None:
@@ -295,6 +445,8 @@ def make_store_machine(
             for key in matching_possible:
                 self.possible.pop(key)
                 self.certain.discard(key)
+            for key in [key for key in self.key_to_retained_until if key.startswith(prefix)]:
+                self._unpin(key)
 
         @precondition(lambda self: supports_listing)
         @rule(prefix=st.sampled_from(["", "a/", "ключ/"]))
@@ -307,10 +459,16 @@ def make_store_machine(
             if not allows_eviction:
                 missing = {key for key in self.certain if key.startswith(prefix)} - set(listed)
                 assert not missing, f"iter_keys({prefix!r}) misses stored keys {sorted(missing)}"
+            unlisted_pins = {key for key in self._pinned() if key.startswith(prefix)} - set(listed)
+            assert not unlisted_pins, f"iter_keys({prefix!r}) misses pinned keys {sorted(unlisted_pins)}"
 
         @rule(data=st.data(), key=keys)
         def concurrent_writers_of_one_key(self, data: st.DataObject, key: str) -> None:
             values = [value_for(data, key) for _ in range(num_writer_threads)]
+            if retention_capacity_bytes is not None:
+                # Writers at once may each pass the capacity check before any publishes: pins are kept
+                # only while all their values and the retained entries fit the capacity together.
+                self._fit_pins(num_writer_threads * (key_to_size[key] + _FRAME_OVERHEAD))
             barrier = threading.Barrier(num_writer_threads)
             thread_statuses: list[Status | None] = [None] * num_writer_threads
 
