@@ -16,6 +16,10 @@ The orders (:data:`POLICIES`):
 - ``lru-tail-first``: LRU, but a hit touches its entries deepest first, so a cold prefix loses its tail
   before its head (a radix tree's leaf-first eviction, SGLang's RadixAttention; for a hybrid model a prefix
   cut from its tail keeps the earlier turns' states usable, one cut from its head keeps nothing);
+- ``lru-superseded-states``: LRU, hybrid-aware: when a save stores a Mamba state deeper than the state its
+  request loaded, the loaded one is superseded (the session's next turn hits the deeper one) and goes to
+  the cold end, first to be evicted; a state is 2x an attention block here, and a session's superseded
+  states are dead weight beside its live prefix;
 - ``s3fifo``: S3-FIFO (Yang et al., SOSP 2023): a small FIFO (10 % of capacity) that one-hit entries leave
   quickly, a main FIFO with up to 3 reinsertions on access, and a ghost list that admits an entry evicted
   from the small queue straight into the main one when it comes back;
@@ -93,6 +97,11 @@ class LruModel:
 
     def access(self, entry: Entry) -> None:
         self.entries.move_to_end(entry)
+
+    def demote(self, entry: Entry) -> None:
+        """``entry`` goes first at the next eviction."""
+        if entry in self.entries:
+            self.entries.move_to_end(entry, last=False)
 
     def insert(self, entry: Entry, size: int) -> None:
         if entry in self.entries:
@@ -271,6 +280,7 @@ def _online(make: Callable[[float], CacheModel]) -> Callable[[AgenticTrace, floa
 POLICIES: dict[str, tuple[Callable[[AgenticTrace, float], CacheModel], bool, bool]] = {
     "lru": (_online(LruModel), False, True),
     "lru-tail-first": (_online(LruModel), True, True),
+    "lru-superseded-states": (_online(LruModel), False, True),
     "s3fifo": (_online(S3FifoModel), False, True),
     "lru-no-one-offs": (_online(LruModel), False, False),
     "clairvoyant": (ClairvoyantModel.of_trace, False, True),
@@ -311,6 +321,9 @@ def model_hit_fraction(
             cache.insert((tenant, "a", h), attention_value_bytes)
         if len(hashes) > hit:
             cache.insert((tenant, "s", hashes[-1]), state_value_bytes)
+            if hit and policy == "lru-superseded-states":
+                assert isinstance(cache, LruModel), type(cache)
+                cache.demote((tenant, "s", hashes[hit - 1]))
     return served / total if total else 0.0
 
 
