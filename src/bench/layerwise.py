@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m hybridkv.bench.layerwise", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--family", default="llama")
-    parser.add_argument("--size", default="bench", help="tiny model size: tiny or bench (%(default)s)")
+    parser.add_argument("--size", default="bench", help="tiny model size: tiny, bench or long (%(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16")

@@ -34,6 +34,10 @@ prefix runs the same requests. An external hit restores exactly what a local hit
 tokens must equal that server's. (Not the small-cache ``none`` server's: a prefix recomputed after eviction
 rounds differently and may flip a tie.) Every server computes on the same CPU cores
 (``ServerShape.reserved_cpus``).
+
+Repeated runs (``summarize_runs``): configurations run in the order given, so repeated runs rotate it
+(``rotated``); the summary takes every ratio per run, then its median and [min, max], judges ``TARGETS`` at
+those medians, and breaks each turn's time down (client TTFT, vLLM's queue and prefill, hybridkv's load job).
 """
 
 from __future__ import annotations
@@ -68,9 +72,12 @@ __all__ = [
     "EXACT_CONFIGS",
     "Workload",
     "conversation_messages",
+    "format_runs_table",
     "format_serve_table",
     "plot_serve",
+    "rotated",
     "run_serve_bench",
+    "summarize_runs",
 ]
 
 CONFIGS: tuple[str, ...] = (
@@ -793,14 +800,17 @@ def run_serve_bench(
     on_config: Callable[[str], None] | None = None,
     checkpoint: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
-    """Run every configuration in order (``none`` first when present: the token reference); return the
-    report (JSON-ready). ``serial_sessions`` > 0 adds the concurrency-1 pass (``serial_workload``) to every
-    configuration. ``checkpoint`` gets the report so far after each configuration."""
+    """Run every configuration in the order given (rotate it between repeated runs: a host's load drifts over
+    a run, and whichever configuration runs first or last would meet the same part of that drift every time);
+    return the report (JSON-ready, rows in ``CONFIGS`` order; agreement is against ``none`` wherever it ran).
+    ``serial_sessions`` > 0 adds the concurrency-1 pass (``serial_workload``) to every configuration.
+    ``checkpoint`` gets the report so far after each configuration."""
     serial = serial_workload(workload, serial_sessions) if serial_sessions > 0 else None
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown serve configuration(s) {unknown}; expected some of {list(CONFIGS)}")
-    ordered = sorted(configs, key=CONFIGS.index)
+    ordered = list(dict.fromkeys(configs))
+    load_start = os.getloadavg()
     master: MooncakeMaster | None = None
     runs: dict[str, ConfigRun] = {}
     try:
@@ -843,7 +853,44 @@ def run_serve_bench(
     finally:
         if master is not None:
             master.stop()
-    return build_report(runs, workload, shape, model, serial_reference)
+    report = build_report(runs, workload, shape, model, serial_reference)
+    # What else ran on the host: the 1-minute load average when the bench started and when it ended.
+    report["load_average"] = {"start": load_start[0], "end": os.getloadavg()[0]}
+    return report
+
+
+#: The configurations whose ratios the targets judge, and the ones they are judged against.
+HYBRID_CONFIGS: tuple[str, ...] = ("hybridkv-file", "hybridkv-mooncake")
+BASE_CONFIGS: tuple[str, ...] = ("none", "mooncake-store")
+#: The targets, a ratio of a hybridkv configuration's to a base's: mean TTFT and throughput (requests/s).
+TARGETS: dict[str, tuple[str, float]] = {
+    "ttft_mean_vs_none": ("<=", 0.5),
+    "ttft_mean_vs_mooncake-store": ("<=", 0.8),
+    "throughput_vs_none": (">=", 1.0),
+    "throughput_vs_mooncake-store": (">=", 1.0),
+}
+#: Ratios ``run_ratios`` takes: the TTFT statistics (to the base's), and throughput.
+_RATIO_METRICS = {
+    "ttft_mean": "ttft_mean_s",
+    "ttft_p50": "ttft_p50_s",
+    "ttft_p99": "ttft_p99_s",
+    # turns after the first: the requests whose prefix a tier can serve
+    "ttft_resent_mean": "ttft_resent_mean_s",
+}
+
+
+def run_ratios(by_config: Mapping[str, Mapping[str, Any]], hybrid_config: str) -> dict[str, float]:
+    """One run's ratios of ``hybrid_config``'s row to each base configuration's: ``ttft_{mean,p50,p99}_vs_<base>``
+    (lower is better) and ``throughput_vs_<base>`` (requests/s; higher is better). Missing where either row
+    lacks the number."""
+    hybrid = by_config.get(hybrid_config) or {}
+    ratios: dict[str, float] = {}
+    for base in BASE_CONFIGS:
+        other = by_config.get(base) or {}
+        for name, key in (*_RATIO_METRICS.items(), ("throughput", "requests_per_s")):
+            if hybrid.get(key) and other.get(key):
+                ratios[f"{name}_vs_{base}"] = hybrid[key] / other[key]
+    return ratios
 
 
 def build_report(
@@ -855,7 +902,7 @@ def build_report(
 ) -> dict[str, Any]:
     reference = runs.get("none")
     rows: list[dict[str, Any]] = []
-    for config, run in runs.items():
+    for config, run in sorted(runs.items(), key=lambda item: CONFIGS.index(item[0])):
         row: dict[str, Any] = {"config": config, **run.summary, **run.after}
         row["local_cache_tokens"] = run.local_cache_tokens
         if run.error is not None:
@@ -876,24 +923,13 @@ def build_report(
     working_set = max((working_set_tokens(r.records, workload, model) for r in runs.values()), default=0)
     local = next((r.local_cache_tokens for r in runs.values() if r.local_cache_tokens), None)
     by_config = {row["config"]: row for row in rows}
-    targets = {
-        "ttft_mean_vs_none": ("<=", 0.5),
-        "ttft_mean_vs_mooncake-store": ("<=", 0.8),
-        "throughput_vs_none": (">=", 1.0),
-        "throughput_vs_mooncake-store": (">=", 1.0),
-    }
     target_rows: list[dict[str, Any]] = []
-    for hybrid_config in ("hybridkv-file", "hybridkv-mooncake"):
+    for hybrid_config in HYBRID_CONFIGS:
         hybrid = by_config.get(hybrid_config)
         if hybrid is None or not hybrid.get("ttft_mean_s"):
             continue
-        ratios: dict[str, float] = {}
-        for base in ("none", "mooncake-store"):
-            other = by_config.get(base)
-            if other is not None and other.get("ttft_mean_s"):
-                ratios[f"ttft_mean_vs_{base}"] = hybrid["ttft_mean_s"] / other["ttft_mean_s"]
-                ratios[f"throughput_vs_{base}"] = hybrid["requests_per_s"] / other["requests_per_s"]
-        for name, (op, bound) in targets.items():
+        ratios = run_ratios(by_config, hybrid_config)
+        for name, (op, bound) in TARGETS.items():
             value = ratios.get(name)
             met = None if value is None else (value <= bound if op == "<=" else value >= bound)
             target_rows.append(
@@ -908,6 +944,8 @@ def build_report(
     core_ids = {config: run.after.get("engine_core_ids") for config, run in runs.items() if run.after}
     return {
         "model": str(model),
+        # the order the configurations ran in
+        "run_order": list(runs),
         "workload": asdict(workload),
         "server": asdict(shape),
         "local_cache_tokens": local,
@@ -993,6 +1031,189 @@ def format_serve_table(report: Mapping[str, Any]) -> str:
                 "error"
             ].splitlines()
             lines.append(f"{row['config']}: failed: {causes[-1].strip()[-300:]}")
+    return "\n".join(lines)
+
+
+# --- repeated runs --------------------------------------------------------------------------------------------
+
+
+def rotated(configs: Sequence[str], run: int) -> list[str]:
+    """``configs`` rotated left by ``run``: the order of run ``run`` of a repeated bench, so each configuration
+    takes each place in turn."""
+    shift = run % len(configs) if configs else 0
+    return [*configs[shift:], *configs[:shift]]
+
+
+#: Per configuration, the numbers ``summarize_runs`` takes the median and [min, max] of.
+RUN_METRICS = (
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "ttft_resent_mean_s",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "local_hit_tokens",
+    "external_hit_tokens",
+    "agreement_same_prompt",
+    "engine_queue_mean_s",
+    "engine_prefill_mean_s",
+)
+
+
+def _spread(values: Sequence[float | None]) -> dict[str, float] | None:
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return None
+    return {"median": statistics.median(present), "min": min(present), "max": max(present), "n": len(present)}
+
+
+#: Per turn, where a request's time goes: the client's TTFT (mean over the turn's requests), vLLM's queue and
+#: prefill time per request, and hybridkv's load job seconds per request (0 for the other configurations).
+_TURN_METRICS = ("ttft_mean_s", "engine_queue_s", "engine_prefill_s", "load_job_s")
+
+
+def turn_breakdown(report: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per configuration and turn of one run: ``_TURN_METRICS`` (the client's TTFTs only where every request
+    of the run had one: the report lists them in turn order)."""
+    sessions = report["workload"]["num_sessions"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for config, turns in report.get("per_turn", {}).items():
+        ttfts = report.get("ttfts", {}).get(config, [])
+        rows = []
+        for turn in turns:
+            index = int(turn["turn"])
+            count = turn.get("prefill_s_count") or 0
+            mine = (
+                ttfts[index * sessions : (index + 1) * sessions]
+                if len(ttfts) == sessions * len(turns)
+                else []
+            )
+            rows.append(
+                {
+                    "turn": index + 1,
+                    "ttft_mean_s": statistics.fmean(mine) if mine else None,
+                    "engine_queue_s": turn["queue_s_sum"] / count if count else None,
+                    "engine_prefill_s": turn["prefill_s_sum"] / count if count else None,
+                    "load_job_s": turn.get("hybridkv_load_job_seconds", 0.0) / count if count else None,
+                }
+            )
+        out[config] = rows
+    return out
+
+
+def summarize_runs(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians and [min, max] over repeated runs of the bench (each a ``run_serve_bench`` report): per
+    configuration the ``RUN_METRICS``, its errors and its serial pass's worst agreement; per hybridkv
+    configuration its ratios to each base (``run_ratios``, taken per run, then the median); and the
+    ``TARGETS`` judged at those medians, with the failed requests and serial exactness of every run."""
+    from hybridkv.bench.report import target_row
+
+    configs = sorted({row["config"] for r in reports for row in r["rows"]}, key=CONFIGS.index)
+    rows: list[dict[str, Any]] = []
+    for config in configs:
+        mine = [row for r in reports for row in r["rows"] if row["config"] == config]
+        row: dict[str, Any] = {"config": config, "runs": len(mine)}
+        row["failed_runs"] = sum(1 for x in mine if x.get("error"))
+        row["errors"] = sum(x.get("errors") or 0 for x in mine)
+        serial = [x["serial_agreement"] for x in mine if x.get("serial_agreement") is not None]
+        row["serial_agreement_min"] = min(serial) if serial else None
+        for metric_name in RUN_METRICS:
+            row[metric_name] = _spread([x.get(metric_name) for x in mine])
+        rows.append(row)
+    ratios: dict[str, dict[str, dict[str, float] | None]] = {}
+    for hybrid_config in HYBRID_CONFIGS:
+        per_run = [run_ratios({row["config"]: row for row in r["rows"]}, hybrid_config) for r in reports]
+        names = sorted({name for one in per_run for name in one})
+        if names:
+            ratios[hybrid_config] = {name: _spread([one.get(name) for one in per_run]) for name in names}
+    targets: list[dict[str, Any]] = []
+    for hybrid_config, spreads in ratios.items():
+        for name, (op, bound) in TARGETS.items():
+            spread = spreads.get(name)
+            if spread is None:
+                continue  # the base configuration did not run
+            targets.append(
+                target_row(
+                    f"{hybrid_config} {name}, median of {len(reports)} runs",
+                    spread["median"],
+                    op,
+                    bound,
+                )
+            )
+    failed = sum(row["errors"] + row["failed_runs"] for row in rows)
+    targets.append(target_row("failed requests and configurations, every run", float(failed), "==", 0))
+    exact = [row["serial_agreement_min"] for row in rows if row["config"] in EXACT_CONFIGS]
+    if exact and all(value is not None for value in exact):
+        targets.append(
+            target_row("serial pass agreement of hybridkv-file/-mooncake, worst run", min(exact), "==", 1)
+        )
+    breakdowns = [turn_breakdown(r) for r in reports if "workload" in r]
+    per_turn: dict[str, list[dict[str, Any]]] = {}
+    for config in configs:
+        runs_turns = [b[config] for b in breakdowns if config in b]
+        num_turns = min((len(turns) for turns in runs_turns), default=0)
+        per_turn[config] = [
+            {
+                "turn": index + 1,
+                **{name: _spread([turns[index][name] for turns in runs_turns]) for name in _TURN_METRICS},
+            }
+            for index in range(num_turns)
+        ]
+    return {
+        "runs": len(reports),
+        "run_orders": [r.get("run_order") for r in reports],
+        "per_turn": per_turn,
+        "load_average": [r.get("load_average") for r in reports],
+        "local_cache_tokens": _spread([r.get("local_cache_tokens") for r in reports]),
+        "working_set_tokens": _spread([r.get("working_set_tokens") for r in reports]),
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets,
+    }
+
+
+def _cell(spread: Mapping[str, float] | None, digits: int) -> str | None:
+    if spread is None:
+        return None
+    fmt = f"{{:,.{digits}f}}"
+    return f"{fmt.format(spread['median'])} [{fmt.format(spread['min'])}, {fmt.format(spread['max'])}]"
+
+
+def format_runs_table(summary: Mapping[str, Any]) -> str:
+    """The summary of repeated runs (``summarize_runs``) as text: medians [min, max]."""
+    from hybridkv.bench.report import format_targets
+    from hybridkv.tables import format_table
+
+    digits = {"local_hit_tokens": 0, "external_hit_tokens": 0, "agreement_same_prompt": 3}
+    rows = [
+        {
+            "config": row["config"],
+            "runs": row["runs"],
+            "errors": row["errors"],
+            "serial": row["serial_agreement_min"],
+            **{name: _cell(row[name], digits.get(name, 3)) for name in RUN_METRICS},
+        }
+        for row in summary["rows"]
+    ]
+    lines = [f"{summary['runs']} runs: medians [min, max]", ""]
+    lines.append(format_table(rows, ("config", "runs", "errors", "serial", *RUN_METRICS[:6])))
+    lines.append("")
+    lines.append(format_table(rows, ("config", *RUN_METRICS[6:])))
+    turn_rows = [
+        {"config": config, "turn": turn["turn"], **{name: _cell(turn[name], 3) for name in _TURN_METRICS}}
+        for config, turns in summary["per_turn"].items()
+        for turn in turns
+    ]
+    if turn_rows:
+        lines += ["", "per turn, every session's request (medians [min, max] over runs):"]
+        lines.append(format_table(turn_rows, ("config", "turn", *_TURN_METRICS)))
+    ratio_rows = [
+        {"config": config, "ratio": name, "median [min, max] over runs": _cell(spread, 3)}
+        for config, spreads in summary["ratios"].items()
+        for name, spread in spreads.items()
+    ]
+    lines += ["", format_table(ratio_rows, ("config", "ratio", "median [min, max] over runs"))]
+    lines += ["", format_targets(summary["targets"])]
     return "\n".join(lines)
 
 

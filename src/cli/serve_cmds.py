@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     """Add ``serve`` to ``bench_subparsers`` (no top-level commands)."""
     del subparsers
     from hybridkv.bench.serve import CONFIGS, ServerShape, Workload
-    from hybridkv.devkit.tiny_models import FAMILIES
+    from hybridkv.devkit.tiny_models import FAMILIES, SIZES
 
     defaults = Workload()
     shape = ServerShape()
@@ -36,10 +36,16 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     serve.add_argument(
         "--configs",
         default=_DEFAULT_CONFIGS,
-        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
+        help=f"comma-separated, of {', '.join(CONFIGS)}, run in this order (default: %(default)s)",
     )
     serve.add_argument("--family", default="qwen3_next", choices=FAMILIES, help="model family (%(default)s)")
-    serve.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="model size (%(default)s)")
+    serve.add_argument(
+        "--size",
+        default="tiny",
+        choices=SIZES,
+        help="model size: tiny = the test models; bench = hidden 1024, 8 layers, 4 KV heads x 128; long = "
+        "tiny with 32K positions, for prompts of 8K-32K tokens (raise --max-model-len) (%(default)s)",
+    )
     serve.add_argument("--sessions", type=int, default=defaults.num_sessions, help="S (%(default)s)")
     serve.add_argument("--turns", type=int, default=defaults.num_turns, help="T (%(default)s)")
     serve.add_argument("--concurrency", type=int, default=defaults.concurrency, help="C (%(default)s)")
@@ -109,6 +115,21 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     serve.add_argument(
         "--workdir", default=None, help="server logs, stores, audit logs (default: a temp dir)"
     )
+    serve.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the whole bench N times, the --configs order rotated by one each run; each run's report "
+        "goes to OUT with -run<i> before its suffix, and OUT gets the medians [min, max] over the runs, the "
+        "ratios taken per run, and the targets judged at their medians (%(default)s)",
+    )
+    serve.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="REPORT",
+        default=None,
+        help="run nothing: summarize these reports of earlier runs (their --out JSON) as --runs does",
+    )
     serve.add_argument("--out", default="bench-results/serve.json", help="JSON report path (%(default)s)")
     serve.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
     serve.set_defaults(func=handle_serve)
@@ -134,19 +155,31 @@ def _progress_bar(total: int) -> tuple[Callable[[int], None], Callable[[str], No
     return bar.update, bar.set_description, bar.close
 
 
+def _summarize(paths: list[str], out: str) -> int:
+    """``--summarize``: the summary of earlier runs' reports, printed and written to ``out``."""
+    import json
+
+    from hybridkv.bench.report import write_json
+    from hybridkv.bench.serve import format_runs_table, summarize_runs
+
+    try:
+        reports = [json.loads(Path(path).read_text()) for path in paths]
+    except (OSError, ValueError) as error:
+        print(f"hybridkv bench serve: --summarize: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    summary = summarize_runs(reports)
+    print(format_runs_table(summary))
+    print(f"wrote {write_json(out, {**summary, 'reports': list(paths)})}")
+    return EXIT_OK
+
+
 def handle_serve(args: argparse.Namespace) -> int:
-    from hybridkv.bench.report import save_report, write_json
-    from hybridkv.bench.serve import (
-        CONFIGS,
-        EXACT_CONFIGS,
-        ServerShape,
-        Workload,
-        format_serve_table,
-        plot_serve,
-        run_serve_bench,
-    )
+    from hybridkv.bench.report import write_json
+    from hybridkv.bench.serve import CONFIGS, ServerShape, Workload, format_runs_table, summarize_runs
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
+    if args.summarize:
+        return _summarize(args.summarize, args.out)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if not configs or unknown:
@@ -176,6 +209,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--max-model-len", args.max_model_len),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--runs", args.runs),
     ):
         if value < 1:
             print(f"hybridkv bench serve: {flag} must be >= 1, got {value}", file=sys.stderr)
@@ -190,6 +224,51 @@ def handle_serve(args: argparse.Namespace) -> int:
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     model = build_tiny_model(args.family, models_dir, size=args.size)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hybridkv-bench-serve-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.runs == 1:
+        return _one_run(args, configs, workload, shape, model=model, workdir=workdir, out=Path(args.out))[0]
+    from hybridkv.bench.serve import rotated
+
+    out = Path(args.out)
+    reports: list[dict[str, Any]] = []
+    worst: int = EXIT_OK
+    for run in range(args.runs):
+        print(f"\nrun {run + 1} of {args.runs}", file=sys.stderr)
+        rc, report = _one_run(
+            args,
+            rotated(configs, run),
+            workload,
+            shape,
+            model=model,
+            workdir=workdir / f"run-{run + 1}",
+            out=out.with_name(f"{out.stem}-run{run + 1}{out.suffix}"),
+        )
+        if report is None:
+            return rc
+        worst = max(worst, rc)
+        reports.append(report)
+    summary = summarize_runs(reports)
+    print()
+    print(format_runs_table(summary))
+    print(f"wrote {write_json(out, summary)}")
+    return worst
+
+
+def _one_run(
+    args: argparse.Namespace,
+    configs: list[str],
+    workload: Any,
+    shape: Any,
+    *,
+    model: Path,
+    workdir: Path,
+    out: Path,
+) -> tuple[int, dict[str, Any] | None]:
+    """One run of every configuration, in ``configs``' order: prints its tables, writes its report to
+    ``out``; returns the exit status and the report (``None`` when the bench could not run)."""
+    from hybridkv.bench.report import save_report, write_json
+    from hybridkv.bench.serve import EXACT_CONFIGS, format_serve_table, plot_serve, run_serve_bench
+
     workdir.mkdir(parents=True, exist_ok=True)
     per_pass = workload.num_sessions * workload.num_turns + workload.num_evict_prompts + 2
     per_serial = min(args.serial_sessions, workload.num_sessions) * workload.num_turns
@@ -207,16 +286,16 @@ def handle_serve(args: argparse.Namespace) -> int:
             serial_sessions=args.serial_sessions,
             progress=advance,
             on_config=describe,
-            checkpoint=lambda partial: write_json(args.out, {**partial, "partial": True}),
+            checkpoint=lambda partial: write_json(out, {**partial, "partial": True}),
         )
     except RuntimeError as error:
         close()
         print(f"hybridkv bench serve: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USAGE, None
     close()
     report["workdir"] = str(workdir)
     print(format_serve_table(report))
-    save_report(report, args.out, plot_serve, no_plot=args.no_plot)
+    save_report(report, out, plot_serve, no_plot=args.no_plot)
     failed = [
         row["config"]
         for row in report["rows"]
@@ -230,5 +309,5 @@ def handle_serve(args: argparse.Namespace) -> int:
     ]
     if failed:
         print(f"problems under load: {', '.join(failed)} (see {workdir})", file=sys.stderr)
-        return EXIT_PROBLEM
-    return EXIT_OK
+        return EXIT_PROBLEM, report
+    return EXIT_OK, report

@@ -23,6 +23,8 @@ def _csv(text: str) -> list[str]:
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``ttft`` and ``lookup`` to ``bench_subparsers`` (no top-level commands)."""
     del subparsers
+    from hybridkv.devkit.tiny_models import SIZES
+
     ttft = bench_subparsers.add_parser(
         "ttft",
         help="time to first token: cold vs local prefix-cache hit vs external (store) hit, one vLLM engine",
@@ -44,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     ttft.add_argument(
         "--size",
         default="bench",
-        choices=["bench", "tiny"],
-        help="model size: bench = hidden 1024, 8 layers, 4 KV heads x 128; tiny = the test models (%(default)s)",
+        choices=SIZES,
+        help="model size: bench = hidden 1024, 8 layers, 4 KV heads x 128; tiny = the test models; long = tiny "
+        "with 32K positions (%(default)s)",
     )
     ttft.add_argument(
         "--dtype",

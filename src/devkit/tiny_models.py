@@ -31,9 +31,11 @@ Sliding-window families, not in ``FAMILIES`` either (for end-to-end tests):
   ``[sliding, sliding, sliding, full]``, QK-norm); vLLM 0.32 runs it through its Transformers modeling
   backend (``TransformersForCausalLM``).
 
-Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers) and ``size="bench"`` (hidden 1024, 8 layers, 4 KV
+Sizes: ``size="tiny"`` (default; hidden 128, 2-4 layers), ``size="bench"`` (hidden 1024, 8 layers, 4 KV
 heads x 128, long context): big enough that prefill compute dominates a 4000-token request on CPU, for
-``hybridkv bench ttft``. A size only adds overrides, so ``tiny`` folders keep their digests.
+``hybridkv bench ttft``, and ``size="long"`` (the tiny model with 32K positions: prompts of 8K-32K tokens that
+a CPU host prefills in seconds, for ``hybridkv bench serve``). A size only adds overrides, so ``tiny`` folders
+keep their digests.
 """
 
 from __future__ import annotations
@@ -93,7 +95,11 @@ _COMMON: dict[str, Any] = {
 }
 
 
-SIZES: tuple[str, ...] = ("tiny", "bench")
+#: Model sizes of ``build_tiny_model`` (every CLI that takes ``--size`` offers these).
+SIZES: tuple[str, ...] = ("tiny", "bench", "long")
+#: Overrides of ``size="long"``: the tiny model, with positions for prompts of up to 32K tokens (long-context
+#: serving on CPU hosts, where the bench size prefills a 9K-token prompt in tens of seconds).
+_LONG_COMMON: dict[str, Any] = {"max_position_embeddings": 32768}
 
 #: Overrides of ``size="bench"`` shared by every family: hidden 1024, 8 query heads, 4 KV heads x 128.
 _BENCH_COMMON: dict[str, Any] = {
@@ -122,6 +128,9 @@ def size_overrides(family: str, size: str) -> dict[str, Any]:
     """Config overrides a ``size`` adds to a family's tiny config (``{}`` for ``tiny``)."""
     if size == "tiny":
         return {}
+    if size == "long":
+        _check_family(family)
+        return dict(_LONG_COMMON)
     if size != "bench":
         raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
     _check_family(family)

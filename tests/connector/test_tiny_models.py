@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.tiny_models import FAMILIES, build_tiny_model, tiny_config_kwargs
+from hybridkv.devkit.tiny_models import (
+    FAMILIES,
+    SIZES,
+    _digest,
+    build_tiny_model,
+    size_overrides,
+    tiny_config_kwargs,
+)
 
 
 def test_build_is_cached_and_deterministic(tmp_path: Path) -> None:
@@ -56,3 +63,35 @@ def test_families_and_unknown_family() -> None:
     assert tiny_config_kwargs("qwen3_next")[1]["linear_key_head_dim"] == 128  # the CPU GDN kernel needs 128
     with pytest.raises(ValueError, match="mamba2"):
         tiny_config_kwargs("mamba2")
+
+
+def test_sizes_only_add_overrides_and_long_is_tiny_with_32k_positions() -> None:
+    assert SIZES == ("tiny", "bench", "long")
+    for family in FAMILIES:
+        cls, tiny = tiny_config_kwargs(family)
+        assert size_overrides(family, "tiny") == {}
+        long_cls, long = tiny_config_kwargs(family, size="long")
+        assert long_cls == cls and long == tiny | {"max_position_embeddings": 32768}, family
+        assert tiny["max_position_embeddings"] == 4096
+        # Another config is another folder name (the digest covers the kwargs): a long model never reuses a
+        # tiny folder.
+        assert _digest(family, cls, long, 0) != _digest(family, cls, tiny, 0)
+        # Overrides still win over the size's.
+        assert tiny_config_kwargs(family, size="long", max_position_embeddings=8192)[1] == tiny | {
+            "max_position_embeddings": 8192
+        }
+    with pytest.raises(ValueError, match="unknown model size"):
+        size_overrides("llama", "huge")
+    with pytest.raises(ValueError, match="unknown tiny model family"):
+        size_overrides("mamba2", "long")
+
+
+def test_bench_clis_take_every_size() -> None:
+    from hybridkv.cli import build_parser
+
+    parser = build_parser()
+    for size in SIZES:
+        assert parser.parse_args(["bench", "serve", "--size", size]).size == size
+        assert parser.parse_args(["bench", "ttft", "--size", size]).size == size
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--size", "huge"])

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
-from hybridkv.bench.serve import RequestRecord, Workload, conversation_messages, divergence
-from hybridkv.cli import EXIT_USAGE, main
+from hybridkv.bench.serve import (
+    ConfigRun,
+    RequestRecord,
+    ServerShape,
+    Workload,
+    build_report,
+    conversation_messages,
+    divergence,
+    format_runs_table,
+    rotated,
+    summarize_runs,
+)
+from hybridkv.cli import EXIT_OK, EXIT_USAGE, main
 
 
 def test_each_turn_resends_the_conversation_so_far() -> None:
@@ -33,7 +47,7 @@ def test_bad_workload_is_refused_naming_the_value(capsys: pytest.CaptureFixture[
     assert "--serial-sessions" in capsys.readouterr().err
     assert main(["bench", "serve", "--reserved-cpus", "-2"]) == EXIT_USAGE
     assert "--reserved-cpus" in capsys.readouterr().err
-    for flag in ("--max-model-len", "--max-num-batched-tokens"):
+    for flag in ("--max-model-len", "--max-num-batched-tokens", "--runs"):
         assert main(["bench", "serve", flag, "0"]) == EXIT_USAGE
         assert flag in capsys.readouterr().err
 
@@ -75,3 +89,106 @@ def test_divergence_compares_only_identical_conversations_and_reports_the_refere
     assert d.max_reference_gap == 0.4
     assert divergence(reference, reference).agreement == 1.0
     assert divergence(reference, reference).differing == ()
+
+
+def test_configurations_run_in_the_order_given_and_rotate_between_runs() -> None:
+    configs = ["none", "hybridkv-file", "hybridkv-mooncake", "mooncake-store"]
+    assert [rotated(configs, run)[0] for run in range(5)] == [*configs, "none"]
+    assert sorted(rotated(configs, 3)) == sorted(configs)
+    # The report keeps the order they ran in; its rows are in the usual order whatever it was.
+    runs = {c: ConfigRun(c, {"ttft_mean_s": 1.0}, {}, [], [], None) for c in rotated(configs, 2)}
+    report = build_report(runs, Workload(), ServerShape(), Path("unused"))
+    assert report["run_order"] == rotated(configs, 2)
+    assert [row["config"] for row in report["rows"]] == configs
+
+
+def _report(ttft: dict[str, float], rps: dict[str, float], external: float) -> dict[str, Any]:
+    rows = [
+        {
+            "config": config,
+            "errors": 0,
+            "ttft_mean_s": ttft[config],
+            "ttft_p50_s": ttft[config],
+            "ttft_p99_s": 2 * ttft[config],
+            "requests_per_s": rps[config],
+            "external_hit_tokens": 0.0 if config == "none" else external,
+            **({"serial_agreement": 1.0} if config.startswith("hybridkv") else {}),
+        }
+        for config in ttft
+    ]
+    # Two sessions, two turns: the second turn's prefix came from the tier (load job seconds), or not.
+    per_turn = {
+        config: [
+            {"turn": float(t), "queue_s_sum": 0.2, "prefill_s_sum": 2.0 / (t + 1), "prefill_s_count": 2.0}
+            | ({"hybridkv_load_job_seconds": 0.1 * t} if config.startswith("hybridkv") else {})
+            for t in range(2)
+        ]
+        for config in ttft
+    }
+    ttfts = {config: [ttft[config]] * 2 + [ttft[config] / 2] * 2 for config in ttft}
+    return {
+        "rows": rows,
+        "run_order": list(ttft),
+        "local_cache_tokens": 100,
+        "working_set_tokens": 400,
+        "workload": {"num_sessions": 2},
+        "per_turn": per_turn,
+        "ttfts": ttfts,
+    }
+
+
+def test_summary_of_runs_takes_ratios_per_run_then_medians(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = [
+        _report(
+            {"none": 2.0, "hybridkv-file": 1.0, "mooncake-store": 2.0},
+            {"none": 1, "hybridkv-file": 2, "mooncake-store": 1},
+            10,
+        ),
+        _report(
+            {"none": 4.0, "hybridkv-file": 1.0, "mooncake-store": 1.0},
+            {"none": 1, "hybridkv-file": 1, "mooncake-store": 2},
+            30,
+        ),
+        _report(
+            {"none": 1.0, "hybridkv-file": 0.7, "mooncake-store": 1.0},
+            {"none": 1, "hybridkv-file": 3, "mooncake-store": 1},
+            20,
+        ),
+    ]
+    summary = summarize_runs(runs)
+    rows = {row["config"]: row for row in summary["rows"]}
+    assert rows["hybridkv-file"]["external_hit_tokens"] == {"median": 20.0, "min": 10.0, "max": 30.0, "n": 3}
+    assert (
+        rows["hybridkv-file"]["serial_agreement_min"] == 1.0 and rows["none"]["serial_agreement_min"] is None
+    )
+    ratios = summary["ratios"]["hybridkv-file"]
+    # Per run: 1/2, 1/1, 0.7/1 (not the ratio of the medians, 1.0/1.0).
+    assert ratios["ttft_mean_vs_mooncake-store"] == {"median": 0.7, "min": 0.5, "max": 1.0, "n": 3}
+    assert ratios["throughput_vs_mooncake-store"]["median"] == 2.0
+    assert ratios["ttft_p99_vs_none"]["median"] == 0.5
+    targets = {row["target"]: row for row in summary["targets"]}
+    assert targets["hybridkv-file ttft_mean_vs_mooncake-store, median of 3 runs"]["met"] is True
+    assert targets["hybridkv-file ttft_mean_vs_none, median of 3 runs"]["met"] is True
+    assert targets["failed requests and configurations, every run"]["met"] is True
+    # hybridkv-mooncake did not run: no target judges it.
+    assert not any("hybridkv-mooncake" in name for name in targets)
+    # Per turn: the client's TTFT of the turn's requests, vLLM's queue and prefill and hybridkv's load job
+    # per request.
+    second = summary["per_turn"]["hybridkv-file"][1]
+    assert second["turn"] == 2 and second["ttft_mean_s"]["median"] == 0.5
+    assert second["engine_prefill_s"]["median"] == 0.5 and second["load_job_s"]["median"] == 0.05
+    assert summary["per_turn"]["none"][1]["load_job_s"]["median"] == 0.0
+    text = format_runs_table(summary)
+    assert "0.700 [0.500, 1.000]" in text and "20 [10, 30]" in text and "targets:" in text
+
+    paths = []
+    for index, report in enumerate(runs):
+        paths.append(tmp_path / f"run{index}.json")
+        paths[-1].write_text(json.dumps(report))
+    out = tmp_path / "summary.json"
+    assert main(["bench", "serve", "--summarize", *map(str, paths), "--out", str(out)]) == EXIT_OK
+    assert "0.700 [0.500, 1.000]" in capsys.readouterr().out
+    assert json.loads(out.read_text())["ratios"] == json.loads(json.dumps(summary["ratios"]))
+    assert main(["bench", "serve", "--summarize", str(tmp_path / "missing.json")]) == EXIT_USAGE

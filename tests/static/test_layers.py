@@ -76,12 +76,16 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
         "hybridkv.bench.report",
         "hybridkv.devkit.tiny_models",
     },
+    ("hybridkv.cli.serve_cmds", "_one_run"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
+    ("hybridkv.cli.serve_cmds", "_summarize"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
     ("hybridkv.cli.soak_cmds", "handle_soak"): {
         "hybridkv.bench.soak",
         "hybridkv.bench.report",
         "hybridkv.devkit.tiny_models",
     },
     ("hybridkv.cli.store_cmds", "handle_bench"): {"hybridkv.bench.store", "hybridkv.bench.report"},
+    # The model sizes its --size offers (tiny_models imports no vLLM, no torch at module level).
+    ("hybridkv.cli.ttft_cmds", "register"): {"hybridkv.devkit.tiny_models"},
     ("hybridkv.cli.ttft_cmds", "handle_ttft"): {
         "hybridkv.bench.ttft",
         "hybridkv.bench.report",
