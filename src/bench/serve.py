@@ -398,8 +398,6 @@ class ServerShape:
     reserved_cpus: int = 1
     #: the local cache of the serial pass's reference server: large enough for every prefix to stay local
     reference_kv_cache_bytes: int = 256 << 20
-    #: the hybridkv configurations' ``lookup_wait_ms`` (0: the connector's default, never waits)
-    lookup_wait_ms: float = 0.0
 
     @property
     def store_capacity_bytes(self) -> int:
@@ -443,8 +441,7 @@ def server_for(
             store = f"file://{store_dir}?capacity={shape.full_store_capacity}"
         else:
             store = f"file://{store_dir}?capacity={shape.store_capacity}"
-        wait = {"lookup_wait_ms": shape.lookup_wait_ms} if shape.lookup_wait_ms else {}
-        kv = hybridkv_transfer_config(store, namespace=f"bench-{config}", audit_log=str(audit), **wait)
+        kv = hybridkv_transfer_config(store, namespace=f"bench-{config}", audit_log=str(audit))
     elif config == "mooncake-store":
         assert master is not None, "mooncake-store needs the mooncake master"
         mooncake_config = workdir / "mooncake-store.json"

@@ -67,13 +67,6 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="unique long prompts of the eviction probe (%(default)s)",
     )
     serve.add_argument(
-        "--lookup-wait-ms",
-        type=float,
-        default=shape.lookup_wait_ms,
-        help="the hybridkv configurations' lookup_wait_ms: each scheduler step waits up to this, in total, "
-        "for the lookups of requests asked for the first time (%(default)s: never waits)",
-    )
-    serve.add_argument(
         "--kv-cache-mib",
         type=int,
         default=shape.kv_cache_bytes >> 20,
@@ -183,7 +176,6 @@ def _summarize(paths: list[str], out: str) -> int:
 def handle_serve(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import write_json
     from hybridkv.bench.serve import CONFIGS, ServerShape, Workload, format_runs_table, summarize_runs
-    from hybridkv.connector.config import MAX_LOOKUP_WAIT_MS
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
     if args.summarize:
@@ -210,35 +202,24 @@ def handle_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hybridkv bench serve: {error}", file=sys.stderr)
         return EXIT_USAGE
-    problems = [
-        f"{flag} must be >= 0, got {value}"
-        for flag, value in (
-            ("--reserved-cpus", args.reserved_cpus),
-            ("--serial-sessions", args.serial_sessions),
-        )
-        if value < 0
-    ]
-    problems += [
-        f"{flag} must be >= 1, got {value}"
-        for flag, value in (
-            ("--max-model-len", args.max_model_len),
-            ("--max-num-batched-tokens", args.max_num_batched_tokens),
-            ("--runs", args.runs),
-        )
-        if value < 1
-    ]
-    if not 0 <= args.lookup_wait_ms <= MAX_LOOKUP_WAIT_MS:
-        problems.append(f"--lookup-wait-ms must be in [0, {MAX_LOOKUP_WAIT_MS:g}], got {args.lookup_wait_ms}")
-    if problems:
-        print(f"hybridkv bench serve: {problems[0]}", file=sys.stderr)
-        return EXIT_USAGE
+    for flag, value in (("--reserved-cpus", args.reserved_cpus), ("--serial-sessions", args.serial_sessions)):
+        if value < 0:
+            print(f"hybridkv bench serve: {flag} must be >= 0, got {value}", file=sys.stderr)
+            return EXIT_USAGE
+    for flag, value in (
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--runs", args.runs),
+    ):
+        if value < 1:
+            print(f"hybridkv bench serve: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return EXIT_USAGE
     shape = ServerShape(
         kv_cache_bytes=args.kv_cache_mib << 20,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         full_store_capacity=args.full_store_capacity,
         reserved_cpus=args.reserved_cpus,
-        lookup_wait_ms=args.lookup_wait_ms,
     )
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     model = build_tiny_model(args.family, models_dir, size=args.size)

@@ -14,11 +14,6 @@ Keys (all optional):
                     At most four waves' bytes are queued per rank; a save beyond that is dropped and counted.
 ``lookup_budget_ms``  the most store time one lookup may take (lookups run off the scheduler thread); > 0
                     and at most 2**31 - 1 (about 24.8 days).
-``lookup_wait_ms``  (default 0) the most one scheduler step waits, in total, for the lookups of requests
-                    asked for the first time (0 to ``MAX_LOOKUP_WAIT_MS``; never past ``lookup_budget_ms``,
-                    never while a store call hangs or the circuit is open): a lookup that finishes within it
-                    is answered in the step the request arrived in, so its load starts a step earlier;
-                    past it the answer is "ask again" as with 0 (``connector.lookup_answers``).
 ``verify_checksums``  verify value checksums on load (bool).
 ``load_mode``       ``"async"`` (default): a hit waits for its whole load before it is scheduled.
                     ``"layerwise"``: the hit is scheduled at once and its load overlaps the step's forward
@@ -84,16 +79,12 @@ MAX_PUT_WAVE_BYTES = 16 << 30
 #: scheduler: generous enough that a busy host's first (cold) existence check is not read as a dead store.
 DEFAULT_LOOKUP_BUDGET_MS = 200.0
 
-#: ``lookup_wait_ms`` is a wait of the scheduler's own thread: a second per step would stall the engine.
-MAX_LOOKUP_WAIT_MS = 1000.0
-
 KNOWN_KEYS: tuple[str, ...] = (
     "store",
     "namespace",
     "audit_log",
     "put_wave_bytes",
     "lookup_budget_ms",
-    "lookup_wait_ms",
     "verify_checksums",
     "load_mode",
     "cuda_copy",
@@ -188,16 +179,6 @@ def _lookup_budget_ms(budget: object) -> float:
     )
 
 
-def _lookup_wait_ms(wait: object) -> float:
-    """``lookup_wait_ms`` checked (a number in [0, ``MAX_LOOKUP_WAIT_MS``]); raises ``ValueError`` naming it."""
-    if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait <= MAX_LOOKUP_WAIT_MS:
-        return float(wait)  # also refuses NaN and infinity
-    raise ValueError(
-        f"kv_connector_extra_config['lookup_wait_ms']: expected a number >= 0 and at most {MAX_LOOKUP_WAIT_MS:g}, "
-        f"got {wait!r}"
-    )
-
-
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The validated connector configuration (identical on the scheduler and every worker)."""
@@ -213,7 +194,6 @@ class ConnectorConfig:
     weights_version: str = ""
     divergent_local_hits: bool = False
     lookup_process: bool = False
-    lookup_wait_ms: float = 0.0
 
     @property
     def layerwise(self) -> bool:
@@ -268,7 +248,6 @@ class ConnectorConfig:
         )
 
         budget = _lookup_budget_ms(extra.get("lookup_budget_ms", DEFAULT_LOOKUP_BUDGET_MS))
-        lookup_wait_ms = _lookup_wait_ms(extra.get("lookup_wait_ms", 0.0))
 
         verify = _flag(extra, "verify_checksums", default=True)
         divergent_local_hits = _flag(extra, "divergent_local_hits", default=False)
@@ -313,7 +292,6 @@ class ConnectorConfig:
             weights_version=weights_version or "",
             divergent_local_hits=divergent_local_hits,
             lookup_process=lookup_process,
-            lookup_wait_ms=lookup_wait_ms,
         )
 
 

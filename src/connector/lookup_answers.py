@@ -11,11 +11,7 @@ turns vLLM's repeated asks into the lifecycle's transitions:
   is a miss ("over lookup budget"); while the store is unusable (circuit open, a call hung) or the
   namespace gate is closed (a reset), at once;
 - repeated asks with unchanged inputs reuse the answer (no store call, no record); a reset between them
-  has already dropped it (``RequestState.forget_facts``, at the reset) and the request looks up again;
-- ``lookup_wait_ms`` > 0: the first ask of a search may wait for it on the scheduler thread, at most that
-  long summed over one scheduler step (``start_step``), so that a store answering within it serves the
-  request in the step it arrived in; the transitions are the same, only earlier. Off by default: vLLM
-  asks again every step, and the scheduler thread never waits on the store unless told to.
+  has already dropped it (``RequestState.forget_facts``, at the reset) and the request looks up again.
 """
 
 from __future__ import annotations
@@ -45,9 +41,6 @@ log = structlog.get_logger(__name__)
 #: costs only this request (other requests are scheduled meanwhile).
 _MAX_WAIT_BUDGETS = 20
 _MIN_WAIT_S = 5.0
-#: Rounds of one first-ask wait (``lookup_wait_ms``): a search may need a second store call once the first
-#: is in (the prefetch searched from 0, the ask knows its local hit); no more than a few.
-_MAX_WAIT_ROUNDS = 4
 #: Asks of one answered hit that vLLM may leave unallocated before the connector refuses it (``REFUSED``:
 #: the request then computes its prefix). vLLM asks a waiting request again every step; a hit it cannot
 #: allocate for that long may never fit: vLLM 0.32 keeps a request whose async load failed among its
@@ -75,15 +68,6 @@ class LookupAnswers:
         self.gate = gate
         self.stats = stats
         self.budget_s = cfg.lookup_budget_ms / 1000.0
-        # Never past the lookup budget: the scheduler waits on the store no longer than that (a hung store's
-        # lookup is a miss by then).
-        self.step_wait_s = min(cfg.lookup_wait_ms, cfg.lookup_budget_ms) / 1000.0
-        #: what is left of this step's ``lookup_wait_ms`` (``start_step`` refills it)
-        self.step_wait_left_s = self.step_wait_s
-
-    def start_step(self) -> None:
-        """A new scheduler step: its first asks may wait ``lookup_wait_ms`` again, in total."""
-        self.step_wait_left_s = self.step_wait_s
 
     def store_usable(self) -> bool:
         """Lookups may ask the store: circuit closed, no call hung, namespace gate open."""
@@ -159,10 +143,7 @@ class LookupAnswers:
                     lc.refuse(reason)
                     return 0, False
         else:
-            first_ask = r.waiting_since is None or r.search_inputs != inputs or lc.current is not State.LOOKUP
             answer = self._answer(r, inputs)
-            if answer is None and first_ask and self.step_wait_left_s > 0:
-                answer = self._wait_for_answer(r, inputs)
             if answer is None:
                 return None, False
             boundary = answer
@@ -234,35 +215,6 @@ class LookupAnswers:
             )
             return self._unavailable(r, "over lookup budget")
         return None
-
-    def _wait_for_answer(self, r: RequestState, inputs: LookupInputs) -> int | None:
-        """The first ask's wait (``lookup_wait_ms``): block on the lookup runner until ``r``'s search in
-        flight is done, then answer from it; at most what is left of this step's wait, and at most
-        ``_MAX_WAIT_ROUNDS`` store calls of the search. ``None``: still in flight ("ask again")."""
-        if not self.store_usable():
-            return None  # a call hung, the circuit open, a reset: nothing worth waiting for
-        started = time.monotonic()
-        deadline = started + self.step_wait_left_s
-        answer: int | None = None
-        try:
-            for _ in range(_MAX_WAIT_ROUNDS):
-                task = r.task
-                if task is None or r.lc.current is not State.LOOKUP:
-                    break
-                while not task.done:
-                    before = time.monotonic()
-                    left = deadline - before
-                    if left <= 0:
-                        return None
-                    self.lookups.wait_for_progress(left)
-                    if not task.done and time.monotonic() - before < 50e-6:
-                        time.sleep(min(left, 0.0005))  # the runner had nothing in flight: do not spin
-                answer = self._answer(r, inputs)
-                if answer is not None:
-                    return answer
-            return answer
-        finally:
-            self.step_wait_left_s = max(0.0, self.step_wait_left_s - (time.monotonic() - started))
 
     def _expired(self, r: RequestState, task: LookupTask, now: float) -> bool:
         """Whether a search in flight must end as a miss: its store time is over ``lookup_budget_ms``, a

@@ -326,7 +326,6 @@ class SchedulerSide:
         :meth:`SavePlanner.step_job`). Every save job's source blocks are pinned from here until every
         rank reported it.
         """
-        self.answers.start_step()  # the next step's first asks may wait ``lookup_wait_ms`` again
         if so.total_num_scheduled_tokens == 0:
             # Nothing to compute: let lookups in flight run instead of the engine loop's empty steps
             # (``LookupService.wait_for_progress``); a step with work never waits here.

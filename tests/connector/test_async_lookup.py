@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.connector.config import MAX_LOOKUP_WAIT_MS
 from hybridkv.devkit.cluster import HASH
 from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.lifecycle import plan_lookup
@@ -21,13 +19,7 @@ from hybridkv.store import open_store
 pytestmark = pytest.mark.vllm
 
 
-def _scheduler(
-    vllm_objs: dict[str, Any],
-    store: str,
-    budget_ms: float,
-    wait_ms: float = 0.0,
-    more: dict[str, Any] | None = None,
-) -> Any:
+def _scheduler(vllm_objs: dict[str, Any], store: str, budget_ms: float) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -35,9 +27,6 @@ def _scheduler(
     extra = vc.kv_transfer_config.kv_connector_extra_config
     saved = dict(extra)
     extra.update({"store": store, "lookup_budget_ms": budget_ms})
-    if wait_ms:
-        extra["lookup_wait_ms"] = wait_ms
-    extra.update(more or {})
     try:
         return Scheduler(
             vc, _kv_cache_config(), StructuredOutputManager(vc), block_size=32, hash_block_size=HASH
@@ -124,73 +113,6 @@ def test_pending_lookup_waits_alone_and_answers_like_the_full_scan(vllm_objs: di
     full = plan_lookup(scheme, hashes, req.num_tokens, 0)
     existing = set(keys)
     assert full.resolve([k in existing for k in full.keys]).boundary == 64
-
-
-def _stored_hit(sched: Any, plain_url: str, rid: str, first: int) -> Any:
-    """A request whose first 64 tokens (both groups, both ranks) are in the store at ``plain_url``."""
-    scheme = sched.connector.scheduler_side.scheme
-    req = _request(rid, 100, first=first)
-    hashes = list(req.block_hashes)
-    keys = [scheme.key(g, r, hashes[b // HASH - 1]) for g, b in [(0, 32), (0, 64), (1, 64)] for r in (0, 1)]
-    store = open_store(plain_url)
-    try:
-        assert all(s.is_ok for s in store.put(keys, [b"x"] * len(keys)))
-    finally:
-        if not plain_url.startswith("memory://"):
-            store.close()
-    return req
-
-
-@pytest.mark.parametrize("lookup_process", [False, True], ids=["thread", "process"])
-def test_lookup_wait_answers_a_fast_store_in_the_arrival_step(
-    vllm_objs: dict[str, Any], lookup_process: bool, tmp_path: Path
-) -> None:
-    """With ``lookup_wait_ms`` the first ask waits for its lookup (a generous wait, so a loaded host
-    passes too): the hit's load is planned in the step the request arrived in, through the same
-    transitions as without the wait; the lookup thread and the lookup process alike."""
-    if lookup_process:
-        plain = f"file://{tmp_path}/store?capacity=64MiB"
-        url = f"faulty+{plain}&delay_ms=20"
-    else:
-        plain = f"memory://wait-{uuid.uuid4().hex[:6]}"
-        url = f"faulty+{plain}?delay_ms=20"
-    sched = _scheduler(
-        vllm_objs, url, 5000, wait_ms=MAX_LOOKUP_WAIT_MS, more={"lookup_process": lookup_process}
-    )
-    try:
-        side = sched.connector.scheduler_side
-        if lookup_process:
-            assert side.lookups.wait_ready(30), "the lookup process did not open its store"
-        sched.add_request(_stored_hit(sched, plain, "hit", first=20))
-        out = sched.schedule()
-        assert [(ld.req_id, ld.boundary) for ld in out.kv_connector_metadata.loads] == [("hit", 64)]
-        lifecycle = side.lifecycle("hit")
-        assert lifecycle.state == "LOADING", lifecycle.state
-    finally:
-        sched.shutdown()
-
-
-def test_lookup_wait_is_bounded_per_step(vllm_objs: dict[str, Any]) -> None:
-    """A store slower than the wait: the first ask gives up after ``lookup_wait_ms`` and answers "ask
-    again" (the request is answered in a later step, as without the wait); a second request's first ask
-    in the same step finds the step's wait spent and does not wait; the next step may wait again."""
-    name = f"slowwait-{uuid.uuid4().hex[:6]}"
-    sched = _scheduler(vllm_objs, f"faulty+memory://{name}?delay_ms=1500", 5000, wait_ms=50)
-    side = sched.connector.scheduler_side
-    hit = _stored_hit(sched, f"memory://{name}", "hit", first=30)
-    miss = _request("miss", 100, first=9000)
-    sched.add_request(hit)
-    sched.add_request(miss)
-    assert sched.connector.get_num_new_matched_tokens(hit, 0) == (None, False)
-    assert side.answers.step_wait_left_s == 0, "the first ask spent the step's wait on the 1.5 s store"
-    assert sched.connector.get_num_new_matched_tokens(miss, 0) == (None, False)
-    out = sched.schedule()
-    assert out.kv_connector_metadata.loads == [] and not out.num_scheduled_tokens
-    assert side.answers.step_wait_left_s == pytest.approx(0.05), "build_meta refills the step's wait"
-    assert side.lookups.wait_idle(10)
-    out = sched.schedule()
-    assert [(ld.req_id, ld.boundary) for ld in out.kv_connector_metadata.loads] == [("hit", 64)]
-    assert out.num_scheduled_tokens.get("miss", 0) > 0
 
 
 def test_lookups_queued_together_share_store_calls(vllm_objs: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ from hybridkv.connector.config import (
     CUDA_COPY_DIRECTIONS,
     KNOWN_KEYS,
     LOAD_MODES,
-    MAX_LOOKUP_WAIT_MS,
     MAX_PUT_WAVE_BYTES,
     ConnectorConfig,
 )
@@ -111,9 +110,6 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     | st.integers(-5, 2**64)
     | st.sampled_from([MAX_PUT_WAVE_BYTES, MAX_PUT_WAVE_BYTES + 1, 2**62, "16GiB", "17GiB", "1TiB"]),
     "lookup_budget_ms": st.floats(-1, 2 * MAX_DURATION_MS) | st.integers(-5, 2 * MAX_DURATION_MS),
-    "lookup_wait_ms": st.floats(-1, 2 * MAX_LOOKUP_WAIT_MS)
-    | st.integers(-5, 2 * int(MAX_LOOKUP_WAIT_MS))
-    | st.sampled_from([0, MAX_LOOKUP_WAIT_MS, MAX_LOOKUP_WAIT_MS + 1e-9, True]),
     "verify_checksums": st.booleans(),
     "divergent_local_hits": st.booleans(),
     "lookup_process": st.booleans(),
@@ -169,7 +165,6 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert type(cfg.put_wave_bytes) is int and 0 < cfg.put_wave_bytes <= MAX_PUT_WAVE_BYTES
     assert type(cfg.lookup_budget_ms) is float and math.isfinite(cfg.lookup_budget_ms)
     assert 0 < cfg.lookup_budget_ms <= MAX_DURATION_MS
-    assert type(cfg.lookup_wait_ms) is float and 0 <= cfg.lookup_wait_ms <= MAX_LOOKUP_WAIT_MS
     assert type(cfg.verify_checksums) is bool
     assert type(cfg.divergent_local_hits) is bool
     assert type(cfg.lookup_process) is bool
