@@ -45,7 +45,7 @@ import heapq
 import statistics
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from hybridkv.bench.agentic import (
@@ -63,6 +63,7 @@ __all__ = [
     "POLICY_COLUMNS",
     "ClairvoyantModel",
     "LruModel",
+    "Policy",
     "S3FifoModel",
     "model_hit_fraction",
     "run_policy_model",
@@ -262,7 +263,8 @@ class ClairvoyantModel:
             tenant, hashes = request.tenant, request.block_hashes
             for depth, block_hash in enumerate(hashes):
                 entry_to_depth[(tenant, "a", block_hash)] = depth
-                entry_to_depth[(tenant, "s", block_hash)] = depth + 0.5  # a state before its block
+                # a state ends its block: deeper than the block, shallower than the next one
+                entry_to_depth[(tenant, "s", block_hash)] = depth + 0.5
             num_hit_blocks = hit_tokens // block_tokens
             for block_hash in hashes[:num_hit_blocks]:
                 entry_to_uses[(tenant, "a", block_hash)].append(index)
@@ -271,19 +273,32 @@ class ClairvoyantModel:
         return cls(capacity, dict(entry_to_uses), entry_to_depth)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How the replay drives one modelled order."""
+
+    #: the cache, given the trace (only the oracles read it) and the capacity
+    make_cache: Callable[[AgenticTrace, float], CacheModel]
+    #: a hit touches its entries deepest first
+    tail_first: bool = False
+    #: the one-off requests' blocks are stored
+    stores_one_offs: bool = True
+    #: a save that stores a state deeper than the one its request loaded demotes the loaded one (LRU only)
+    demotes_superseded_states: bool = False
+
+
 def _online(make: Callable[[float], CacheModel]) -> Callable[[AgenticTrace, float], CacheModel]:
     return lambda _trace, capacity: make(capacity)
 
 
-#: policy name -> (the cache it models, given the trace and the capacity; whether a hit touches deepest first;
-#: whether one-offs are stored). Only the oracles read the trace.
-POLICIES: dict[str, tuple[Callable[[AgenticTrace, float], CacheModel], bool, bool]] = {
-    "lru": (_online(LruModel), False, True),
-    "lru-tail-first": (_online(LruModel), True, True),
-    "lru-superseded-states": (_online(LruModel), False, True),
-    "s3fifo": (_online(S3FifoModel), False, True),
-    "lru-no-one-offs": (_online(LruModel), False, False),
-    "clairvoyant": (ClairvoyantModel.of_trace, False, True),
+#: policy name -> how the replay drives it
+POLICIES: dict[str, Policy] = {
+    "lru": Policy(_online(LruModel)),
+    "lru-tail-first": Policy(_online(LruModel), tail_first=True),
+    "lru-superseded-states": Policy(_online(LruModel), demotes_superseded_states=True),
+    "s3fifo": Policy(_online(S3FifoModel)),
+    "lru-no-one-offs": Policy(_online(LruModel), stores_one_offs=False),
+    "clairvoyant": Policy(ClairvoyantModel.of_trace),
 }
 
 
@@ -296,8 +311,8 @@ def model_hit_fraction(
     state_value_bytes: int = DEFAULT_STATE_VALUE_BYTES,
 ) -> float:
     """Prompt tokens served from a store evicting by ``policy`` over all prompt tokens of ``trace``."""
-    make_cache, tail_first, store_one_offs = POLICIES[policy]
-    cache = make_cache(trace, capacity_bytes)
+    driven = POLICIES[policy]
+    cache = driven.make_cache(trace, capacity_bytes)
     block_tokens = trace.workload.block_tokens
     served = total = 0
     for index, request in enumerate(trace.requests):
@@ -312,17 +327,17 @@ def model_hit_fraction(
         touched: list[Entry] = [(tenant, "a", h) for h in hashes[:hit]]
         if hit:
             touched.append((tenant, "s", hashes[hit - 1]))
-        for entry in reversed(touched) if tail_first else touched:
+        for entry in reversed(touched) if driven.tail_first else touched:
             cache.access(entry)
         served += hit * block_tokens
-        if request.kind is RequestKind.ONE_OFF and not store_one_offs:
+        if request.kind is RequestKind.ONE_OFF and not driven.stores_one_offs:
             continue
         for h in hashes[hit:]:
             cache.insert((tenant, "a", h), attention_value_bytes)
         if len(hashes) > hit:
             cache.insert((tenant, "s", hashes[-1]), state_value_bytes)
-            if hit and policy == "lru-superseded-states":
-                assert isinstance(cache, LruModel), type(cache)
+            if hit and driven.demotes_superseded_states:
+                assert isinstance(cache, LruModel), f"policy {policy!r}: demotion is LRU's, not {type(cache)}"
                 cache.demote((tenant, "s", hashes[hit - 1]))
     return served / total if total else 0.0
 

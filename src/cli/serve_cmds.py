@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     """Add ``serve`` to ``bench_subparsers`` (no top-level commands)."""
     del subparsers
     from hybridkv.bench.serve import CONFIGS, ServerShape, Workload
-    from hybridkv.devkit.tiny_models import FAMILIES, SIZES
+    from hybridkv.devkit.tiny_models import FAMILIES, SIZES, SIZES_HELP
 
     defaults = Workload()
     shape = ServerShape()
@@ -43,8 +43,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "--size",
         default="tiny",
         choices=SIZES,
-        help="model size: tiny = the test models; bench = hidden 1024, 8 layers, 4 KV heads x 128; long = "
-        "tiny with 32K positions, for prompts of 8K-32K tokens (raise --max-model-len) (%(default)s)",
+        help=f"model size: {SIZES_HELP} (raise --max-model-len for long) (%(default)s)",
     )
     serve.add_argument("--sessions", type=int, default=defaults.num_sessions, help="S (%(default)s)")
     serve.add_argument("--turns", type=int, default=defaults.num_turns, help="T (%(default)s)")
@@ -159,23 +158,27 @@ def _summarize(paths: list[str], out: str) -> int:
     """``--summarize``: the summary of earlier runs' reports, printed and written to ``out``."""
     import json
 
-    from hybridkv.bench.report import write_json
-    from hybridkv.bench.serve import format_runs_table, summarize_runs
-
     try:
         reports = [json.loads(Path(path).read_text()) for path in paths]
     except (OSError, ValueError) as error:
         print(f"hybridkv bench serve: --summarize: {error}", file=sys.stderr)
         return EXIT_USAGE
-    summary = summarize_runs(reports)
-    print(format_runs_table(summary))
-    print(f"wrote {write_json(out, {**summary, 'reports': list(paths)})}")
+    _print_summary(reports, out, {"reports": list(paths)})
     return EXIT_OK
 
 
-def handle_serve(args: argparse.Namespace) -> int:
+def _print_summary(reports: list[dict[str, Any]], out: str | Path, extra: dict[str, Any]) -> None:
+    """The medians over ``reports`` (``summarize_runs``): printed, and written to ``out`` with ``extra``."""
     from hybridkv.bench.report import write_json
-    from hybridkv.bench.serve import CONFIGS, ServerShape, Workload, format_runs_table, summarize_runs
+    from hybridkv.bench.serve import format_runs_table, summarize_runs
+
+    summary = summarize_runs(reports)
+    print(format_runs_table(summary))
+    print(f"wrote {write_json(out, {**summary, **extra})}")
+
+
+def handle_serve(args: argparse.Namespace) -> int:
+    from hybridkv.bench.serve import CONFIGS, ServerShape, Workload
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
     if args.summarize:
@@ -224,7 +227,6 @@ def handle_serve(args: argparse.Namespace) -> int:
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     model = build_tiny_model(args.family, models_dir, size=args.size)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hybridkv-bench-serve-"))
-    workdir.mkdir(parents=True, exist_ok=True)
     if args.runs == 1:
         return _one_run(args, configs, workload, shape, model=model, workdir=workdir, out=Path(args.out))[0]
     from hybridkv.bench.serve import rotated
@@ -247,10 +249,8 @@ def handle_serve(args: argparse.Namespace) -> int:
             return rc
         worst = max(worst, rc)
         reports.append(report)
-    summary = summarize_runs(reports)
     print()
-    print(format_runs_table(summary))
-    print(f"wrote {write_json(out, summary)}")
+    _print_summary(reports, out, {})
     return worst
 
 

@@ -23,7 +23,7 @@ def _csv(text: str) -> list[str]:
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``ttft`` and ``lookup`` to ``bench_subparsers`` (no top-level commands)."""
     del subparsers
-    from hybridkv.devkit.tiny_models import SIZES
+    from hybridkv.devkit.tiny_models import SIZES, SIZES_HELP
 
     ttft = bench_subparsers.add_parser(
         "ttft",
@@ -47,8 +47,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "--size",
         default="bench",
         choices=SIZES,
-        help="model size: bench = hidden 1024, 8 layers, 4 KV heads x 128; tiny = the test models; long = tiny "
-        "with 32K positions (%(default)s)",
+        help=f"model size: {SIZES_HELP} (%(default)s)",
     )
     ttft.add_argument(
         "--dtype",

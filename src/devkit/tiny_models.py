@@ -95,8 +95,12 @@ _COMMON: dict[str, Any] = {
 }
 
 
-#: Model sizes of ``build_tiny_model`` (every CLI that takes ``--size`` offers these).
+#: Model sizes of ``build_tiny_model`` (every CLI that takes ``--size`` offers these, described by ``SIZES_HELP``).
 SIZES: tuple[str, ...] = ("tiny", "bench", "long")
+SIZES_HELP = (
+    "tiny = the test models; bench = hidden 1024, 8 layers, 4 KV heads x 128; long = tiny with 32K positions, "
+    "for prompts of 8K-32K tokens"
+)
 #: Overrides of ``size="long"``: the tiny model, with positions for prompts of up to 32K tokens (long-context
 #: serving on CPU hosts, where the bench size prefills a 9K-token prompt in tens of seconds).
 _LONG_COMMON: dict[str, Any] = {"max_position_embeddings": 32768}

@@ -23,7 +23,7 @@ and whether the key is certainly present. The properties:
 - ``stats()``: when both are known, bytes stay within capacity (plus the values written concurrently).
 - ``retain`` answers like ``exists`` and changes neither what is stored nor what a read returns (a store
   that cannot retain answers ``TRANSFER_FAILED`` for every key).
-- Pins (with ``retention_capacity_bytes``, the capacity of a store that retains): retentions are drawn with
+- Pins (with ``check_pins``, for a capacity-bounded store that retains): retentions are drawn with
   a long TTL, a TTL that runs out within the example, or a release. While every entry retained and not
   released fits in ``RETAIN_FRACTION`` of the capacity, an entry retained for the long TTL is never
   evicted -- not by puts of any batch, not by writers of one key at once (as long as their values and the
@@ -82,7 +82,7 @@ def make_store_machine(
     max_value_size: int = 4096,
     num_writer_threads: int = 3,
     quotas: Mapping[str, int] | None = None,
-    retention_capacity_bytes: int | None = None,
+    check_pins: bool = False,
 ) -> type[RuleBasedStateMachine]:
     """Build a conformance state machine for the stores ``factory`` returns.
 
@@ -95,15 +95,15 @@ def make_store_machine(
         max_value_size: the largest value size in the key pool.
         num_writer_threads: writers of one key at once in the concurrency rule.
         quotas: the bytes per tenant the store was opened with (``None``: it has none).
-        retention_capacity_bytes: the capacity of a store that retains (``hybridkv.store.retention``):
-            checks that pins survive eviction. Not with quotas (a tenant's quota protects only half of it),
-            injected failures or corruption (an unanswered call leaves a pin unknown).
+        check_pins: check that pins survive eviction in a store that retains (``hybridkv.store.retention``)
+            with a capacity (its ``stats().capacity_bytes``). Not with quotas (a tenant's quota protects only
+            half of it), injected failures or corruption (an unanswered call leaves a pin unknown).
     """
-    assert retention_capacity_bytes is None or not quotas, (
-        "retention_capacity_bytes with quotas: a tenant's own eviction protects only half its quota"
+    assert not (check_pins and quotas), (
+        "check_pins with quotas: a tenant's own eviction protects half its quota"
     )
-    assert retention_capacity_bytes is None or not (allows_failures or allows_corruption), (
-        "retention_capacity_bytes with injected faults: a failed call leaves a pin unknown"
+    assert not (check_pins and (allows_failures or allows_corruption)), (
+        "check_pins with injected faults: a failed call leaves a pin unknown"
     )
     tenant_quotas: dict[str, int] = dict(quotas or {})
     pool = key_pool(max_value_size, (*sorted(tenant_quotas), FREE_TENANT) if tenant_quotas else ())
@@ -134,6 +134,8 @@ def make_store_machine(
             # the retained keys that must survive: retained while all retentions fit the protected share,
             # and they have fitted since (once they did not, the store may have let any of them go)
             self.pinned: set[str] = set()
+            # the store's capacity (``check_pins``: read from its stats at the start)
+            self.capacity_bytes = 0
 
         def teardown(self) -> None:
             self.store.close()
@@ -146,6 +148,12 @@ def make_store_machine(
             for (key, _size), status in zip(pool, found, strict=True):
                 if status is not Status.NOT_FOUND:
                     self._check_failure_allowed("exists", key, status)
+            if check_pins:
+                capacity = self.store.stats().capacity_bytes
+                assert self.store.supports_retention and capacity is not None, (
+                    f"check_pins needs a store that retains and has a capacity: {self.store.url}"
+                )
+                self.capacity_bytes = capacity
 
         # -- helpers -------------------------------------------------------------------------------------
 
@@ -283,11 +291,12 @@ def make_store_machine(
             return {key for key in self.pinned if self.key_to_retained_until[key] > now + _LONG_TTL_S / 2}
 
         def _fit_pins(self, extra_bytes: int = 0) -> None:
-            """Forget every pin once the retentions (counted as long as the machine knows of them, expired
-            or not), plus ``extra_bytes`` written at once, may not fit the protected share."""
-            assert retention_capacity_bytes is not None
-            if self._retained_bytes() > RETAIN_FRACTION * retention_capacity_bytes or (
-                self._retained_bytes() + extra_bytes > retention_capacity_bytes
+            """Forget every pin once the retentions the store may count (``_retained_bytes``) may not fit
+            the protected share, or not fit the capacity beside ``extra_bytes`` written at once."""
+            retained = self._retained_bytes()
+            if (
+                retained > RETAIN_FRACTION * self.capacity_bytes
+                or retained + extra_bytes > self.capacity_bytes
             ):
                 self.pinned.clear()
 
@@ -318,7 +327,7 @@ def make_store_machine(
                 elif known:  # released, or not stored (a pin is not kept for a later put)
                     self._unpin(key)
                 # (an unanswered call: its pin is unknown; the machine does not check pins with failures)
-            if retention_capacity_bytes is not None:
+            if check_pins:
                 self._fit_pins()
 
         def _check_presence(self, op: str, batch: list[str], statuses: list[Status]) -> list[bool]:
@@ -356,7 +365,7 @@ def make_store_machine(
             cannot retain says ``TRANSFER_FAILED`` for every key. ``ttl_s`` 0 releases."""
             self._retain(batch, ttl_s)
 
-        @precondition(lambda self: retention_capacity_bytes is not None and bool(self.certain))
+        @precondition(lambda self: check_pins and bool(self.certain))
         @rule(data=st.data(), ttl_s=st.sampled_from([_SHORT_TTL_S, _LONG_TTL_S]))
         def retain_stored(self, data: st.DataObject, ttl_s: float) -> None:
             """Retain entries the machine put (most retains of random keys find nothing to retain)."""
@@ -365,7 +374,7 @@ def make_store_machine(
                 data.draw(st.lists(st.sampled_from(stored), min_size=1, max_size=2, unique=True)), ttl_s
             )
 
-        @precondition(lambda self: retention_capacity_bytes is not None)
+        @precondition(lambda self: check_pins)
         @rule(data=st.data(), pin_first=st.booleans())
         def flood(self, data: st.DataObject, pin_first: bool) -> None:
             """Fresh puts of the pool's largest values, one by one, of keys not retained (removed first, so
@@ -379,14 +388,13 @@ def make_store_machine(
                 self._remove([key])
                 self._put(data, [key], split=False)
                 self._retain([key], _LONG_TTL_S)
-            # The flood's values are not drawn (megabytes of draws overrun Hypothesis' buffer): one byte
-            # pattern per round and key, so that reads still tell them apart.
-            assert retention_capacity_bytes is not None
             batch = [
                 key for key, size in pool if size == max_value_size and key not in self.key_to_retained_until
             ]
-            # Rounds of fresh puts until more than the whole capacity was written.
-            num_rounds = 1 + retention_capacity_bytes // max(1, len(batch) * max_value_size)
+            # Rounds of fresh puts until more than the whole capacity was written. The values are not drawn
+            # (megabytes of draws overrun Hypothesis' buffer): one byte pattern per round and key, so that
+            # reads still tell them apart.
+            num_rounds = 1 + self.capacity_bytes // max(1, len(batch) * max_value_size)
             for round_index in range(num_rounds if batch else 0):
                 self._remove(batch)
                 for key_index, key in enumerate(batch):
@@ -397,7 +405,7 @@ def make_store_machine(
                 self._check_presence("exists", retained, self.store.exists(retained))
             self._check_pins()
 
-        @precondition(lambda self: retention_capacity_bytes is not None)
+        @precondition(lambda self: check_pins)
         @rule()
         def pinned_entries_are_listed_and_read(self) -> None:
             """Every pinned entry is still stored: ``exists``, listing and a read."""
@@ -465,7 +473,7 @@ def make_store_machine(
         @rule(data=st.data(), key=keys)
         def concurrent_writers_of_one_key(self, data: st.DataObject, key: str) -> None:
             values = [value_for(data, key) for _ in range(num_writer_threads)]
-            if retention_capacity_bytes is not None:
+            if check_pins:
                 # Writers at once may each pass the capacity check before any publishes: pins are kept
                 # only while all their values and the retained entries fit the capacity together.
                 self._fit_pins(num_writer_threads * (key_to_size[key] + _FRAME_OVERHEAD))

@@ -71,13 +71,9 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
     # otherwise be copied here and drift). It runs when the parser is built; bench.serve and tiny_models
     # import no vLLM, no torch.
     ("hybridkv.cli.serve_cmds", "register"): {"hybridkv.bench.serve", "hybridkv.devkit.tiny_models"},
-    ("hybridkv.cli.serve_cmds", "handle_serve"): {
-        "hybridkv.bench.serve",
-        "hybridkv.bench.report",
-        "hybridkv.devkit.tiny_models",
-    },
+    ("hybridkv.cli.serve_cmds", "handle_serve"): {"hybridkv.bench.serve", "hybridkv.devkit.tiny_models"},
     ("hybridkv.cli.serve_cmds", "_one_run"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
-    ("hybridkv.cli.serve_cmds", "_summarize"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
+    ("hybridkv.cli.serve_cmds", "_print_summary"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
     ("hybridkv.cli.soak_cmds", "handle_soak"): {
         "hybridkv.bench.soak",
         "hybridkv.bench.report",

@@ -246,5 +246,5 @@ TestRecyclingFileStore = make_store_machine(
     lambda: _recycling_store(64 << 20), allows_eviction=False
 ).TestCase
 TestRecyclingFileStoreUnderCapacity = make_store_machine(
-    lambda: _recycling_store(48 << 10), allows_eviction=True, retention_capacity_bytes=48 << 10
+    lambda: _recycling_store(48 << 10), allows_eviction=True, check_pins=True
 ).TestCase

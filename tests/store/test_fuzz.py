@@ -32,15 +32,15 @@ def _file(params: str = "capacity=64MiB") -> FramedStore:
 TestMemoryStore = make_store_machine(_memory, allows_eviction=False).TestCase
 # The capacity-bounded stores also check that pins (retained entries within the protected share) survive.
 TestMemoryStoreUnderCapacity = make_store_machine(
-    lambda: _memory("?capacity=12KiB"), allows_eviction=True, retention_capacity_bytes=12 << 10
+    lambda: _memory("?capacity=12KiB"), allows_eviction=True, check_pins=True
 ).TestCase
 TestFileStore = make_store_machine(_file, allows_eviction=False).TestCase
 TestFileStoreUnderCapacity = make_store_machine(
-    lambda: _file("capacity=12KiB"), allows_eviction=True, retention_capacity_bytes=12 << 10
+    lambda: _file("capacity=12KiB"), allows_eviction=True, check_pins=True
 ).TestCase
 # Every call on the deadline runner, as on a network file system (a generous deadline: none is missed).
 TestFileStoreUnderDeadline = make_store_machine(
-    lambda: _file("capacity=12KiB&timeout_ms=30000"), allows_eviction=True, retention_capacity_bytes=12 << 10
+    lambda: _file("capacity=12KiB&timeout_ms=30000"), allows_eviction=True, check_pins=True
 ).TestCase
 TestFileStoreCrc32 = make_store_machine(
     lambda: _file("capacity=64MiB&checksum=crc32"), allows_eviction=False
