@@ -14,6 +14,11 @@ it):
 - Retention is bounded: only retained entries within ``RETAIN_FRACTION`` of the capacity (of the quota, for
   a tenant's own eviction) are protected, those expiring last first; the rest are evicted like ordinary
   entries. So retention can never pin a store full, nor a tenant pin another tenant's share away.
+- Retention yields to the quota. A tenant's quota is a hard bound: a put that fits in the quota only by
+  evicting the tenant's retained entries takes them (the one expiring first first) and lands; it is never
+  refused for a retention (the newest data wins, as for a batch larger than the quota). So a tenant's
+  retained entry survives the tenant's puts while its retained bytes fit in ``RETAIN_FRACTION`` of the quota
+  and each entry put fits in the quota beside them; a client that must keep a prefix sizes its quota so.
 - Retention never changes what a read returns, nor whether a key is stored; it is not persistent beyond
   the entry (a removed or evicted entry is not retained when it is stored again).
 - The file store keeps the same contract across processes: a retained file's mtime (its LRU clock) is set

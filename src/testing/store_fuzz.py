@@ -29,6 +29,11 @@ and whether the key is certainly present. The properties:
   evicted -- not by puts of any batch, not by writers of one key at once (as long as their values and the
   pins fit the capacity together) -- it reads back, ``exists`` and is listed until it is removed or
   released; an entry whose TTL ran out, or that was released, is ordinary again (it may go).
+- Pins under quotas (with ``quotas``, on a store that retains): retention yields to the quota. A tenant's
+  pin survives its tenant's puts while the tenant's retained entries fit in ``RETAIN_FRACTION`` of its
+  quota and the entry being put fits in the quota beside them; a put that can make room only by evicting
+  retained entries takes them (the one expiring first first) and is never refused for them. Pins of the
+  tenant without a quota, and the capacity, follow the rule above.
 - With ``quotas`` (``hybridkv.store.quotas``; the pool then holds keys of those tenants and of one without a
   quota): after every put each tenant's bytes are within its quota -- exactly after a put from one thread,
   whatever its batch (a batch of more bytes than the quota keeps only its newest values that fit), plus the
@@ -96,15 +101,18 @@ def make_store_machine(
         num_writer_threads: writers of one key at once in the concurrency rule.
         quotas: the bytes per tenant the store was opened with (``None``: it has none).
         check_pins: check that pins survive eviction in a store that retains (``hybridkv.store.retention``)
-            with a capacity (its ``stats().capacity_bytes``). Not with quotas (a tenant's quota protects only
-            half of it), injected failures or corruption (an unanswered call leaves a pin unknown).
+            with a capacity (its ``stats().capacity_bytes``), and flood it. Not with injected failures or
+            corruption (an unanswered call leaves a pin unknown). With ``quotas`` the pins are checked
+            whether or not this is set (retention yields to the quota: see the module's docstring).
     """
-    assert not (check_pins and quotas), (
-        "check_pins with quotas: a tenant's own eviction protects half its quota"
-    )
     assert not (check_pins and (allows_failures or allows_corruption)), (
         "check_pins with injected faults: a failed call leaves a pin unknown"
     )
+    assert not (quotas and (allows_failures or allows_corruption)), (
+        "quotas with injected faults: a failed call leaves a pin unknown"
+    )
+    # Pins are tracked and checked with check_pins, and always under quotas.
+    tracks_pins = check_pins or bool(quotas)
     tenant_quotas: dict[str, int] = dict(quotas or {})
     pool = key_pool(max_value_size, (*sorted(tenant_quotas), FREE_TENANT) if tenant_quotas else ())
     tenant_to_keys: dict[str, set[str]] = {}
@@ -134,8 +142,8 @@ def make_store_machine(
             # the retained keys that must survive: retained while all retentions fit the protected share,
             # and they have fitted since (once they did not, the store may have let any of them go)
             self.pinned: set[str] = set()
-            # the store's capacity (``check_pins``: read from its stats at the start)
-            self.capacity_bytes = 0
+            # the store's capacity (read from its stats at the start when pins are tracked; none: unbounded)
+            self.capacity_bytes: float = 0
 
         def teardown(self) -> None:
             self.store.close()
@@ -148,12 +156,12 @@ def make_store_machine(
             for (key, _size), status in zip(pool, found, strict=True):
                 if status is not Status.NOT_FOUND:
                     self._check_failure_allowed("exists", key, status)
-            if check_pins:
+            if tracks_pins:
                 capacity = self.store.stats().capacity_bytes
-                assert self.store.supports_retention and capacity is not None, (
+                assert self.store.supports_retention and (capacity is not None or not check_pins), (
                     f"check_pins needs a store that retains and has a capacity: {self.store.url}"
                 )
-                self.capacity_bytes = capacity
+                self.capacity_bytes = float("inf") if capacity is None else capacity
 
         # -- helpers -------------------------------------------------------------------------------------
 
@@ -236,6 +244,7 @@ def make_store_machine(
             offered: list[bytes | list[memoryview | bytearray]] = [
                 [memoryview(v)[: len(v) // 2], bytearray(v[len(v) // 2 :])] if split else v for v in values
             ]
+            self._fit_tenant_pins(batch)
             statuses = self.store.put(batch, offered)
             assert len(statuses) == len(batch), f"put returned {len(statuses)} results for {len(batch)} keys"
             for key in batch:
@@ -275,14 +284,14 @@ def make_store_machine(
             if status is Status.NOT_FOUND:
                 assert allows_eviction or key not in self.certain, f"{key!r} is stored but read NOT_FOUND"
 
-        def _retained_bytes(self) -> int:
+        def _retained_bytes(self, tenant: str | None = None) -> int:
             """What the store may count as retained (an upper bound): every retention not known to be
-            released, expired (with a margin) or gone with its entry."""
+            released, expired (with a margin) or gone with its entry; of ``tenant``'s keys only if given."""
             horizon = time.time() - _SHORT_TTL_S
             return sum(
                 key_to_size[key] + _FRAME_OVERHEAD
                 for key, until in self.key_to_retained_until.items()
-                if until > horizon
+                if until > horizon and (tenant is None or namespace_of(key) == tenant)
             )
 
         def _pinned(self) -> set[str]:
@@ -299,6 +308,22 @@ def make_store_machine(
                 or retained + extra_bytes > self.capacity_bytes
             ):
                 self.pinned.clear()
+
+        def _fit_tenant_pins(self, batch: list[str], num_writers: int = 1) -> None:
+            """Retention yields to the quota: before a put of ``batch``, forget the pins of each tenant of
+            the batch whose retentions (``_retained_bytes``) may not fit the protected share of its quota,
+            or not fit the quota beside one entry of the batch (``num_writers`` of them written at once):
+            that put may take them."""
+            for tenant in {namespace_of(key) for key in batch} & tenant_quotas.keys():
+                assert tenant is not None
+                quota = tenant_quotas[tenant]
+                retained = self._retained_bytes(tenant)
+                largest = max(key_to_size[key] for key in batch if namespace_of(key) == tenant)
+                if (
+                    retained > RETAIN_FRACTION * quota
+                    or retained + num_writers * (largest + _FRAME_OVERHEAD) > quota
+                ):
+                    self.pinned = {key for key in self.pinned if namespace_of(key) != tenant}
 
         def _check_not_pinned(self, op: str, key: str) -> None:
             assert key not in self._pinned(), (
@@ -320,14 +345,14 @@ def make_store_machine(
             for key, status, known in zip(batch, statuses, answered, strict=True):
                 if status is Status.OK and until:
                     self.key_to_retained_until[key] = until
-                    if ttl_s == _LONG_TTL_S:
+                    if ttl_s == _LONG_TTL_S and tracks_pins:
                         self.pinned.add(key)
                     else:
                         self.pinned.discard(key)
                 elif known:  # released, or not stored (a pin is not kept for a later put)
                     self._unpin(key)
                 # (an unanswered call: its pin is unknown; the machine does not check pins with failures)
-            if check_pins:
+            if tracks_pins:
                 self._fit_pins()
 
         def _check_presence(self, op: str, batch: list[str], statuses: list[Status]) -> list[bool]:
@@ -473,10 +498,12 @@ def make_store_machine(
         @rule(data=st.data(), key=keys)
         def concurrent_writers_of_one_key(self, data: st.DataObject, key: str) -> None:
             values = [value_for(data, key) for _ in range(num_writer_threads)]
-            if check_pins:
+            if tracks_pins:
                 # Writers at once may each pass the capacity check before any publishes: pins are kept
-                # only while all their values and the retained entries fit the capacity together.
+                # only while all their values and the retained entries fit the capacity together (and the
+                # quota of their tenant).
                 self._fit_pins(num_writer_threads * (key_to_size[key] + _FRAME_OVERHEAD))
+                self._fit_tenant_pins([key], num_writers=num_writer_threads)
             barrier = threading.Barrier(num_writer_threads)
             thread_statuses: list[Status | None] = [None] * num_writer_threads
 

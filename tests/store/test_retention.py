@@ -117,6 +117,37 @@ def test_a_tenant_at_its_quota_evicts_its_unretained_entries_first(make_store: S
     store.close()
 
 
+def test_retention_yields_to_the_quota(make_store: StoreFactory) -> None:
+    """The conformance machine's shrunk case, at this file's sizes: a tenant retains its one entry, then puts
+    one that fits its quota only without it. The quota is a hard bound: the put lands (it is not refused for
+    the retention), the retained entry goes, the tenant ends within its quota."""
+    quota = VALUE + VALUE // 2
+    store = make_store({"t2": quota})
+    retained, newer = "hkv1/t2/fp/g0/tp0/dcp0/01", "hkv1/t2/fp/g0/tp0/dcp0/02"
+    small = _value(1)[: VALUE * 6 // 10]  # within half the quota, but not beside the newer entry
+    assert store.put([retained], [small]) == [Status.OK]
+    assert store.retain([retained], time.time() + 600) == [Status.OK]
+    assert store.put([newer], [_value(2)]) == [Status.OK]
+    assert _present(store, [retained, newer]) == [False, True]
+    assert store.stats().extra["tenants"]["t2"]["usage_bytes"] <= quota
+    store.close()
+
+
+def test_a_retained_entry_survives_its_tenants_puts_that_fit_beside_it(make_store: StoreFactory) -> None:
+    """The other side of the rule: while the tenant's retained bytes fit half its quota and each put fits
+    the quota beside them, the tenant's puts evict its ordinary entries and the retained one stays."""
+    store = make_store({"t2": 3 * VALUE + 3000})
+    retained = "hkv1/t2/fp/g0/tp0/dcp0/00"
+    assert store.put([retained], [_value(0)]) == [Status.OK]
+    assert store.retain([retained], time.time() + 600) == [Status.OK]
+    for index in range(1, 8):
+        key = f"hkv1/t2/fp/g0/tp0/dcp0/{index:02x}"
+        assert store.put([key], [_value(index)]) == [Status.OK]
+        assert _present(store, [retained, key]) == [True, True], index
+    assert store.stats().extra["tenants"]["t2"]["usage_bytes"] <= 3 * VALUE + 3000
+    store.close()
+
+
 def test_another_process_sharing_the_directory_honours_a_retention(tmp_path: Path) -> None:
     """The file store's retention lives on disk: one store object retains, another (as another engine on
     the host would) floods the directory, and the retained entries are still there."""
