@@ -135,7 +135,10 @@ class DeadlineRunner:
         self.num_abandoned = 0
 
     def run(self, call: Callable[[], T], timeout_s: float) -> T:
-        """Return ``call()``'s result, or raise ``DeadlineExceeded`` after ``timeout_s`` seconds."""
+        """Return ``call()``'s result, re-raise what ``call()`` raised, or raise ``DeadlineExceeded`` after
+        ``timeout_s`` seconds. Only an expired wait is a missed deadline (counted in ``num_abandoned``): a
+        call that itself raises ``TimeoutError`` (on Python 3.11+ the class ``concurrent.futures`` raises
+        at a timeout) has failed, and that ``TimeoutError`` is re-raised like any other exception."""
         future: Future[object] = Future()
         with self._lock:
             if self._num_idle == 0 and self._num_workers < self._max_workers:
@@ -147,11 +150,16 @@ class DeadlineRunner:
             self._num_idle -= 1  # reserve an idle worker (possibly negative: the job waits in the queue)
         self._jobs.put((future, call))
         try:
-            return future.result(timeout=timeout_s)  # type: ignore[return-value]
+            # ``exception()`` raises only for the wait; the call's own exceptions come back as values, so a
+            # call raising TimeoutError is not mistaken for an expired deadline (``result()`` raises both).
+            error = future.exception(timeout=timeout_s)
         except FutureTimeout:
             with self._lock:
                 self.num_abandoned += 1
             raise DeadlineExceeded(f"call did not finish within {timeout_s:.3f} s", future) from None
+        if error is not None:
+            raise error
+        return future.result()  # type: ignore[return-value]
 
     def _work(self) -> None:
         while True:

@@ -19,7 +19,8 @@ Every call runs through a ``CircuitBreaker`` and a ``DeadlineRunner`` (``timeout
 a deadline a hung master would hold a request, and the worker thread loading it, forever): a dead
 master (each call ~4.3 s, then -900) or a hung one (each call blocks until ``MC_RPC_TIMEOUT_MS``) costs at
 most ``timeout_ms`` once; then calls fail fast with ``TRANSFER_FAILED`` without touching Mooncake until
-``breaker_reset_s`` has passed, when one probe call (preceded by the instant ``health_check``) may close it.
+``breaker_reset_s`` has passed, when one probe call (preceded by the instant ``health_check``, both under the
+deadline) may close it; a probe that fails in any way, raising or hanging included, reopens it.
 
 A call abandoned at its deadline keeps running inside Mooncake: a ``get_into`` may still write its
 destinations, a ``put`` still read its values, after ``TIMEOUT`` was returned, until Mooncake's own timeout
@@ -31,6 +32,7 @@ caller that collects it keeps those buffers out of use until the call has return
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -191,16 +193,20 @@ class MooncakeBackend:
         self._closed = False
 
     def _guarded(self, op: str, num_keys: int, call: Callable[[], list[int]]) -> list[int] | list[Status]:
-        """Run ``call`` under the breaker and deadline. Returns raw codes, or final statuses on failure."""
+        """Run ``call`` under the breaker and deadline. Returns raw codes, or final statuses on failure.
+
+        Every way out of an admitted call reports to the breaker, so a half-open probe always gives its slot
+        back: the probe's ``health_check`` runs with the call, inside the one deadline, and a check that
+        hangs answers ``TIMEOUT``, one that reports the master down ``TRANSFER_FAILED``, and one that
+        raises re-raises (as a raising call does), each after ``on_failure``."""
         admission = self._breaker.before_call()
         if admission is Admission.REJECT:
             return [Status.TRANSFER_FAILED] * num_keys
-        # The probe: a dead master shows in health_check instantly (a hung one does not).
-        if admission is Admission.PROBE and self._store.health_check() == 2:
-            self._breaker.on_failure()
-            return [Status.TRANSFER_FAILED] * num_keys
+        guarded: Callable[[], list[int] | None] = call
+        if admission is Admission.PROBE:
+            guarded = functools.partial(self._probe, call)
         try:
-            codes = self._runner.run(call, self.timeout_ms / 1000.0)
+            codes = self._runner.run(guarded, self.timeout_ms / 1000.0)
         except DeadlineExceeded as late:
             register_late_call(late.done)  # the call still owns the caller's buffers until it returns
             self._breaker.on_failure()
@@ -209,6 +215,9 @@ class MooncakeBackend:
         except BaseException:
             self._breaker.on_failure()  # never leave a half-open probe slot taken
             raise
+        if codes is None:  # the probe found the master down
+            self._breaker.on_failure()
+            return [Status.TRANSFER_FAILED] * num_keys
         codes = list(map(int, codes))  # in C: an exists of thousands of keys holds the GIL while converting
         assert len(codes) == num_keys, f"mooncake {op} returned {len(codes)} codes for {num_keys} keys"
         down = sorted(_MASTER_DOWN_CODES.intersection(codes))
@@ -220,6 +229,14 @@ class MooncakeBackend:
         else:
             self._breaker.on_success()
         return codes
+
+    def _probe(self, call: Callable[[], list[int]]) -> list[int] | None:
+        """The half-open probe, on a runner thread: ``None`` if ``health_check`` reports the master down (a
+        dead master shows there at once, a hung one does not: then the deadline ends the probe), else
+        ``call()``."""
+        if self._store.health_check() == 2:
+            return None
+        return call()
 
     def answers_late(self, op: str) -> bool:
         """Always: every call runs under the deadline, and one past it answers ``TIMEOUT`` while it goes on
