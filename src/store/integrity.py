@@ -17,7 +17,9 @@ Secrets: the key file (or the environment variable) holds one secret per line, t
 further line is a previous secret, still accepted when reading. A secret is the line's bytes with surrounding
 whitespace removed, at least ``MIN_SECRET_BYTES`` long (``openssl rand -hex 32`` writes a good one). The URL
 names only where the secret is, never the secret, so the store's ``url``, its stats and its log lines carry
-no secret (the URL is refused, unrepeated, if it holds ``integrity_key=...``); stats show key ids only.
+no secret (the URL is refused, unrepeated, if it holds ``integrity_key=...``); stats show key ids only. An
+error about ``integrity_key_file`` or ``integrity_key_env`` never repeats their value, which may be a secret
+typed where its location belongs (``hybridkv.store.params.SECRET_LOCATION_PARAMS``).
 
 Key ids: each frame records which secret sealed it, an 8-byte id derived from the secret with BLAKE3's key
 derivation (a separate context from the MAC key's: the id, which anyone can read, reveals nothing about the
@@ -255,10 +257,11 @@ def keyring_from_file(path: str, *, warn_if_shared: bool = True) -> Keyring:
 
 def keyring_from_environment(name: str) -> Keyring:
     """The keyring environment variable ``name`` holds (see ``keyring_from_text``). Raises ``ValueError``
-    saying what is wrong: no name, an unset variable, or bad contents."""
+    saying what is wrong: no name, an unset variable, or bad contents. The message never quotes ``name``:
+    it may be a secret typed where the variable's name belongs."""
     if not name:
         raise ValueError("it names no environment variable")
     value = os.environ.get(name)
     if value is None:
-        raise ValueError(f"the environment variable {name} is not set")
+        raise ValueError("the environment variable it names is not set")
     return keyring_from_text(os.fsencode(value))

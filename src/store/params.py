@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 from hybridkv.store.base import StoreError
 
@@ -90,6 +90,25 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes}B"
 
 
+#: Parameters whose value says where a secret is (``hybridkv.store.integrity``: a key file, an environment
+#: variable). A wrong value may be the secret itself, typed where its location belongs, so no error repeats
+#: it: neither as the parameter's value nor inside the URL (``shown_url``).
+SECRET_LOCATION_PARAMS = frozenset({"integrity_key_file", "integrity_key_env"})
+
+
+def shown_url(url: str) -> str:
+    """``url`` as an error message may show it: the value of every ``SECRET_LOCATION_PARAMS`` parameter
+    replaced by ``...`` (a name is compared percent-decoded, as ``split_url`` reads it)."""
+    base, question_mark, query = url.partition("?")
+    if not question_mark:
+        return url
+    pieces = []
+    for piece in query.split("&"):
+        name, equals, _value = piece.partition("=")
+        pieces.append(f"{name}=..." if equals and unquote_plus(name) in SECRET_LOCATION_PARAMS else piece)
+    return f"{base}?{'&'.join(pieces)}"
+
+
 @dataclass
 class ParsedUrl:
     """A store URL split into scheme, location and query parameters (``params`` is consumed by ``Params``)."""
@@ -108,39 +127,41 @@ def _control_character(text: str) -> str | None:
 
 def split_url(url: str) -> ParsedUrl:
     """Split ``url``; duplicate or empty-named query parameters, a fragment, a control character or an
-    unparsable location raise ``StoreError``."""
+    unparsable location raise ``StoreError`` (showing the URL as ``shown_url`` does)."""
+    shown = shown_url(url)
     if "://" not in url:
-        raise StoreError(f"store URL {url!r} has no scheme (expected e.g. file:///dir, memory://name)")
+        raise StoreError(f"store URL {shown!r} has no scheme (expected e.g. file:///dir, memory://name)")
     if not url.isascii():
         try:
             url.encode("utf-8")
         except UnicodeEncodeError as error:
             raise StoreError(
-                f"store URL {url!r} is not valid Unicode text: {error.object[error.start : error.end]!r} at "
+                f"store URL {shown!r} is not valid Unicode text: {error.object[error.start : error.end]!r} at "
                 f"position {error.start} is a lone surrogate"
             ) from None
     control = _control_character(url)
     if control is not None:
         # ``urlsplit`` silently drops tabs and newlines: the URL would name another store than the one typed.
         raise StoreError(
-            f"store URL {url!r} contains the control character {control!r} (percent-encode it, e.g. %0A)"
+            f"store URL {shown!r} contains the control character {control!r} (percent-encode it, e.g. %0A)"
         )
     if "#" in url:
         # A fragment is no part of any store's address: ``file:///data/a#b`` would silently open /data/a.
+        fragment = shown[shown.index("#") :] if "#" in shown else "#..."  # a '#' in a hidden value: hidden
         raise StoreError(
-            f"store URL {url!r} has a fragment {url[url.index('#') :]!r} (a store URL takes none; "
+            f"store URL {shown!r} has a fragment {fragment!r} (a store URL takes none; "
             "percent-encode a '#' in a name or path as %23)"
         )
     try:
         parts = urlsplit(url)
     except ValueError as error:  # e.g. "Invalid IPv6 URL" for an unbalanced '['
-        raise StoreError(f"store URL {url!r} cannot be parsed: {error}") from None
+        raise StoreError(f"store URL {shown!r} cannot be parsed: {error}") from None
     params: dict[str, str] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if not name:
-            raise StoreError(f"store URL {url!r} has a query parameter without a name")
+            raise StoreError(f"store URL {shown!r} has a query parameter without a name")
         if name in params:
-            raise StoreError(f"store URL {url!r} repeats parameter {name!r}")
+            raise StoreError(f"store URL {shown!r} repeats parameter {name!r}")
         params[name] = value
     return ParsedUrl(url=url, scheme=parts.scheme, netloc=parts.netloc, path=parts.path, params=params)
 
@@ -153,7 +174,8 @@ class Params:
     """
 
     def __init__(self, url: str, scheme: str, params: dict[str, str]) -> None:
-        self._url = url
+        #: ``url`` as the errors show it (``shown_url``)
+        self._url = shown_url(url)
         self._scheme = scheme
         self._params = dict(params)
         self._known: list[str] = []
@@ -163,7 +185,13 @@ class Params:
         return self._params.pop(name, None)
 
     def fail(self, name: str, value: str, expected: str) -> StoreError:
-        """The error for parameter ``name=value``, saying what was ``expected``."""
+        """The error for parameter ``name=value``, saying what was ``expected``. The value of a
+        ``SECRET_LOCATION_PARAMS`` parameter is not repeated (shown as ``...``)."""
+        if name in SECRET_LOCATION_PARAMS:
+            return StoreError(
+                f"store URL {self._url!r}: parameter {name}=... is invalid: {expected} (its value is not "
+                "repeated here: it may be a secret typed where its location belongs)"
+            )
         return StoreError(f"store URL {self._url!r}: parameter {name}={value!r} is invalid: {expected}")
 
     def text(self, name: str, default: str) -> str:
