@@ -14,7 +14,10 @@ file (locked shared if it is recyclable), reads it whole into the caller's buffe
 Hung file systems: on a file system ``hybridkv.store.mounts`` does not know as local every data call
 (``exists``, put, get, ``remove``) waits at most ``timeout_ms`` (default ``DEFAULT_HANG_TIMEOUT_MS``;
 ``?timeout_ms=N`` sets it, also on a local file system); past it it answers ``TIMEOUT`` and goes on as a
-late call (see ``hybridkv.store.file_deadline``). On a local file system there is no deadline thread.
+late call (see ``hybridkv.store.file_deadline``). Every other file-system call runs under it too, a shard of
+the directory per step: ``iter_keys``, ``remove_prefix`` and ``stats`` raise ``StoreError`` past it, and
+``tenant_counters`` (read on vLLM's thread) answers the values last read. On a local file system there is no
+deadline thread.
 
 Speed (``hybridkv bench store``, /dev/shm): values move with one ``pwritev``/``readv`` straight from/to the
 caller's buffers. A put writes the payload first, seals the frame (computes its checksum) right after, while
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import threading
 import time
@@ -42,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
-from hybridkv.store.base import Status, StoreLogEvent, StoreStats
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, StoreStats
 from hybridkv.store.file_deadline import DeadlineGuard
 from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file_probe import ReadProbe
@@ -108,6 +112,10 @@ class FileBackend:
         self._quotas_stamp: tuple[int, int, int] | None = None
         #: This process's counters per namespace that has (or had) a quota.
         self._namespace_to_counters: dict[str, TenantCounters] = {}
+        #: What ``tenant_counters`` last read (quotas, estimates per namespace, usage, spare), and whether a
+        #: read is running (at most one: a read hung past the deadline is not joined by more).
+        self._last_estimates: tuple[dict[str, int], dict[str, int], int, int] = ({}, {}, 0, 0)
+        self._estimates_reading = False
 
     def install_read_probe(self, probe: ReadProbe | None) -> None:
         """Time this process's reads into ``probe`` from the next get call on (``None``: stop timing)."""
@@ -467,15 +475,33 @@ class FileBackend:
         return results
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
-        for _path, listed_key in self.layout.iter_keyed_paths():
-            if listed_key.startswith(prefix):
-                yield listed_key
+        """The stored keys starting with ``prefix``, listed a shard at a time; each step (the shard list, one
+        shard's headers) runs under the deadline (``StoreError`` past it: see "Hung file systems")."""
+        layout = self.layout
+        for shard in self._guard.call("iter_keys", layout.object_shards):
+            for _path, listed_key in self._guard.call(
+                "iter_keys", functools.partial(layout.keyed_paths_in, shard)
+            ):
+                if listed_key is not None and listed_key.startswith(prefix):
+                    yield listed_key
 
     def remove_prefix(self, prefix: str) -> int:
         """Remove the keys starting with ``prefix``, plus any file whose header is unreadable: its key is
-        unknown and every read of it would be ``CORRUPT``, so it is garbage under every prefix (not counted)."""
+        unknown and every read of it would be ``CORRUPT``, so it is garbage under every prefix (not counted).
+
+        A shard at a time, each step under the deadline: on a hung file system it raises ``StoreError``
+        within ``timeout_ms`` (a reset's removal fails instead of never returning); the step in flight goes on
+        in the background, and the shards already done stay removed."""
         num_removed = 0
-        for path, key in list(self.layout.iter_keyed_paths(include_unreadable=True)):
+        for shard in self._guard.call("remove_prefix", self.layout.object_shards):
+            num_removed += self._guard.call(
+                "remove_prefix", functools.partial(self._remove_prefix_in, shard, prefix)
+            )
+        return num_removed
+
+    def _remove_prefix_in(self, shard: str, prefix: str) -> int:
+        num_removed = 0
+        for path, key in self.layout.keyed_paths_in(shard, include_unreadable=True):
             if key is None:
                 self._unlink_accounted(path, None)
             elif key.startswith(prefix) and self._unlink_accounted(path, key):
@@ -500,23 +526,29 @@ class FileBackend:
             self.layout.add_tenant_usage({namespace: -size})
 
     def stats(self) -> StoreStats:
+        """The exact bytes and keys (read from the files), the shared estimates and this process's counters.
+        A shard at a time, each step under the deadline (``StoreError`` past it)."""
         layout = self.layout
+        guard = self._guard
+        quotas = guard.call("stats", self._current_quotas)
         num_keys = 0
         num_bytes = 0
-        for path in layout.iter_object_paths():
-            try:
-                num_bytes += path.stat().st_size
-            except FileNotFoundError:
-                continue
-            num_keys += 1
+        namespace_to_bytes = dict.fromkeys(quotas, 0)
+        for shard in guard.call("stats", layout.object_shards):
+            shard_keys, shard_bytes, shard_tenants = guard.call(
+                "stats", functools.partial(self._object_stats_in, shard, quotas)
+            )
+            num_keys += shard_keys
+            num_bytes += shard_bytes
+            for namespace, namespace_bytes in shard_tenants.items():
+                namespace_to_bytes[namespace] += namespace_bytes
         num_spare_bytes = 0
-        for path in layout.iter_spare_paths():
-            try:
-                num_spare_bytes += path.stat().st_size
-            except FileNotFoundError:
-                continue
-        usage_estimate, spare_estimate = layout.update_usage(lambda usage, spare: (usage, spare))
-        tenants = self._tenant_stats()
+        for shard in guard.call("stats", layout.spare_shards):
+            num_spare_bytes += guard.call("stats", functools.partial(_bytes_of_shard, shard))
+        usage_estimate, spare_estimate = guard.call(
+            "stats", lambda: layout.update_usage(lambda usage, spare: (usage, spare))
+        )
+        tenants = self._tenant_stats(quotas, namespace_to_bytes)
         return StoreStats(
             url=self.url,
             num_keys=num_keys,
@@ -536,18 +568,32 @@ class FileBackend:
             },
         )
 
-    def _tenant_stats(self) -> dict[str, dict[str, int]]:
+    def _object_stats_in(self, shard: str, quotas: dict[str, int]) -> tuple[int, int, dict[str, int]]:
+        """(files, bytes, bytes per namespace under ``quotas``) of one object shard; the namespaces are read
+        from the headers, only when there are quotas."""
+        num_keys = 0
+        num_bytes = 0
+        namespace_to_bytes: dict[str, int] = {}
+        for path in self.layout.shard_paths(shard):
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            num_keys += 1
+            num_bytes += size
+            if not quotas:
+                continue
+            found, key = self.layout.key_of(str(path))
+            namespace = None if key is None else namespace_of(key)
+            if found and namespace in quotas:
+                namespace_to_bytes[namespace] = namespace_to_bytes.get(namespace, 0) + size
+        return num_keys, num_bytes, namespace_to_bytes
+
+    def _tenant_stats(
+        self, quotas: dict[str, int], namespace_to_bytes: dict[str, int]
+    ) -> dict[str, dict[str, int]]:
         """Per namespace under a quota: its quota, the bytes it holds (read from the headers: exact) and this
         process's counters."""
-        quotas = self._current_quotas()
-        if not quotas:
-            return {}
-        namespace_to_bytes = dict.fromkeys(quotas, 0)
-        for path, key in self.layout.iter_keyed_paths():
-            namespace = namespace_of(key)
-            if namespace in namespace_to_bytes:
-                with contextlib.suppress(FileNotFoundError):
-                    namespace_to_bytes[namespace] += path.stat().st_size
         tenants: dict[str, dict[str, int]] = {}
         for namespace, quota in sorted(quotas.items()):
             counters = self._snapshot_of(namespace, quota, namespace_to_bytes[namespace])
@@ -568,13 +614,26 @@ class FileBackend:
         per namespace under the directory's quotas its usage *estimate* (the shared one the quota passes
         keep: high, never low) and this process's counters; ``OTHER_TENANTS``: the rest of the store's usage
         estimate (spares excluded) and the capacity evictions of its files. Empty without quotas. A stat and
-        two small locked reads."""
-        quotas = self._current_quotas()
+        two small locked reads.
+
+        The worker reads this on vLLM's thread each stats interval, so the read never waits past the
+        deadline: past it, while an earlier read is still hung (one at a time), or when it fails, the
+        quotas and estimates last read stand, with this process's counters as they are now."""
+        with self._lock:
+            start_read = not self._estimates_reading
+            self._estimates_reading = True
+        if start_read:
+            try:
+                self._guard.call("tenant_counters", self._read_estimates)
+            except (StoreError, OSError) as error:
+                log.warning(
+                    StoreLogEvent.FILE_IO_ERROR, url=self.url, op="tenant_counters", key="", error=str(error)
+                )
+        with self._lock:
+            quotas, estimates, usage_estimate, spare_estimate = self._last_estimates
         if not quotas:
             return {}
         layout = self.layout
-        estimates = layout.update_tenant_usage(lambda usage: usage)
-        usage_estimate, spare_estimate = layout.update_usage(lambda usage, spare: (usage, spare))
         counters = {
             namespace: self._snapshot_of(namespace, quota, estimates.get(namespace, 0))
             for namespace, quota in sorted(quotas.items())
@@ -588,6 +647,21 @@ class FileBackend:
             num_capacity_evicted=num_other_evicted,
         )
         return counters
+
+    def _read_estimates(self) -> None:
+        """Read the quotas and the shared estimates into ``_last_estimates`` (``tenant_counters``)."""
+        try:
+            quotas = dict(self._current_quotas())
+            if quotas:
+                estimates = self.layout.update_tenant_usage(lambda usage: usage)
+                usage_estimate, spare_estimate = self.layout.update_usage(lambda usage, spare: (usage, spare))
+            else:
+                estimates, usage_estimate, spare_estimate = {}, 0, 0
+            with self._lock:
+                self._last_estimates = (quotas, estimates, usage_estimate, spare_estimate)
+        finally:
+            with self._lock:
+                self._estimates_reading = False
 
     def close(self) -> None:
         """Close the descriptors -- unless a call on the deadline runner has not returned (one past its
@@ -605,6 +679,15 @@ class FileBackend:
             return Status.NO_SPACE
         log.warning(StoreLogEvent.FILE_IO_ERROR, url=self.url, op=op, key=key, error=str(error))
         return Status.TRANSFER_FAILED
+
+
+def _bytes_of_shard(shard: str) -> int:
+    """The bytes of the files of one shard (those removed meanwhile not counted)."""
+    num_bytes = 0
+    for path in FileLayout.shard_paths(shard):
+        with contextlib.suppress(FileNotFoundError):
+            num_bytes += path.stat().st_size
+    return num_bytes
 
 
 def _advance(pending: list[memoryview], num_bytes: int) -> None:

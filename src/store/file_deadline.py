@@ -4,13 +4,16 @@ On a network or FUSE file system (NFS, CIFS, 9p, Ceph, sshfs, ...; anything ``hy
 not know as local) a read or write blocks as long as the server or daemon does not answer, with a ``hard``
 NFS mount forever -- and ``$XDG_CACHE_HOME``, where the default store lives, is often on NFS. There
 ``FileBackend`` (``hybridkv.store.file``, which picks the deadline) runs every data call (``exists``, put,
-get, ``remove``) through a :class:`DeadlineGuard`.
+get, ``remove``) through a :class:`DeadlineGuard`, and every other call that touches the file system
+(listing, ``remove_prefix``, ``stats``, the tenant counters the worker reads each step) through
+:meth:`DeadlineGuard.call`, so that no file-system call of an engine thread or a reset waits past it.
 
 Contract: with a deadline, :meth:`DeadlineGuard.run` runs the call on a ``DeadlineRunner`` thread and waits
 at most ``timeout_ms``. A call past it answers ``TIMEOUT`` for all its keys and goes on in the runner's
 thread, exactly like an abandoned Mooncake call: it registers its completion handle
 (``hybridkv.store.base.register_late_call``) and ``answers_late`` is ``True``, so the worker never hands such
-a call KV pages. Without one (a local file system) the call runs on the caller's thread -- no deadline
+a call KV pages. :meth:`DeadlineGuard.call` (no buffers) raises ``StoreError`` past it instead, and the
+call goes on likewise. Without one (a local file system) the call runs on the caller's thread -- no deadline
 thread, zero copies -- and ``answers_late`` is ``False``. Opening the store is never bounded.
 :meth:`DeadlineGuard.shutdown` says whether a call is still running, so that ``close`` leaves it the
 descriptors it may still write.
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import structlog
-from hybridkv.store.base import Status, StoreLogEvent, register_late_call
+from hybridkv.store.base import Status, StoreError, StoreLogEvent, register_late_call
 from hybridkv.store.breaker import DeadlineExceeded, DeadlineRunner
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class DeadlineGuard:
@@ -81,6 +87,39 @@ class DeadlineGuard:
                 fstype=self.fstype,
             )
             return [Status.TIMEOUT] * num_keys
+
+    def call(self, op: str, call: Callable[[], T]) -> T:
+        """``call()``'s result, under the deadline when there is one: past it raise ``StoreError`` naming
+        ``op`` and the deadline, and let the call go on in the runner's thread (counted by ``shutdown``).
+        For the calls that hand the store no buffers (listing, removal by prefix, statistics)."""
+        runner, timeout_ms = self._runner, self.timeout_ms
+        if runner is None or timeout_ms is None:
+            return call()
+
+        def counted() -> T:
+            try:
+                return call()
+            finally:
+                with self._lock:
+                    self._num_runner_calls -= 1
+
+        with self._lock:
+            self._num_runner_calls += 1
+        try:
+            return runner.run(counted, timeout_ms / 1000.0)
+        except DeadlineExceeded:
+            log.warning(
+                StoreLogEvent.FILE_DEADLINE,
+                url=self.url,
+                op=op,
+                num_keys=0,
+                timeout_ms=timeout_ms,
+                fstype=self.fstype,
+            )
+            raise StoreError(
+                f"file store {self.url!r}: {op} did not finish within timeout_ms={timeout_ms} "
+                f"(file system {self.fstype}); it goes on in the background"
+            ) from None
 
     def shutdown(self) -> bool:
         """Stop the runner (no new calls); ``True`` if no call handed to it is still running, so whatever

@@ -277,18 +277,47 @@ class FileLayout:
 
     @staticmethod
     def _iter_sharded(root: Path) -> Iterator[Path]:
+        for shard in FileLayout._shards_of(root):
+            yield from FileLayout.shard_paths(shard)
+
+    def object_shards(self) -> list[str]:
+        """The shard directories under objects/: a listing in steps (one shard each), so that a caller can
+        put a deadline on each step (``hybridkv.store.file_deadline``) however large the store."""
+        return self._shards_of(self._objects)
+
+    def spare_shards(self) -> list[str]:
+        return self._shards_of(self._spare)
+
+    @staticmethod
+    def _shards_of(root: Path) -> list[str]:
         try:
             with os.scandir(root) as shards:
-                shard_paths = [entry.path for entry in shards if entry.is_dir()]
+                return [entry.path for entry in shards if entry.is_dir()]
         except FileNotFoundError:
-            return
-        for shard in shard_paths:
-            try:
-                with os.scandir(shard) as entries:
-                    names = [entry.path for entry in entries if entry.name.endswith(_SUFFIX)]
-            except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def shard_paths(shard: str) -> list[Path]:
+        """The files of one shard (of ``object_shards`` or ``spare_shards``); none if it is gone."""
+        try:
+            with os.scandir(shard) as entries:
+                return [Path(entry.path) for entry in entries if entry.name.endswith(_SUFFIX)]
+        except FileNotFoundError:
+            return []
+
+    def keyed_paths_in(self, shard: str, include_unreadable: bool = False) -> list[tuple[Path, str | None]]:
+        """``iter_keyed_paths`` of one shard of ``object_shards``."""
+        keyed: list[tuple[Path, str | None]] = []
+        for path in self.shard_paths(shard):
+            found, key = self.key_of(str(path))
+            if not found:
                 continue
-            yield from (Path(name) for name in names)
+            if key is None:
+                log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
+                if not include_unreadable:
+                    continue
+            keyed.append((path, key))
+        return keyed
 
     @overload
     def iter_keyed_paths(self) -> Iterator[tuple[Path, str]]: ...

@@ -8,6 +8,7 @@ system case differs only in how the deadline is chosen, which the mount detectio
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hybridkv.store.mounts import (
     mount_of,
     parse_mountinfo,
 )
+from hybridkv.store.quotas import tenant_counters_of, write_quotas
 
 #: A bound on waits that must end (a hang guard, never a timing claim).
 GUARD_S = 30.0
@@ -239,3 +241,96 @@ def test_close_under_a_hung_put_leaves_its_descriptors_to_it(
     store.close()
     hang.release.set()
     assert late[0].result(timeout=GUARD_S) == [Status.OK]
+
+
+# -- the calls that hand the store no buffers: listing, removal by prefix, statistics, tenant counters ----
+
+#: How long a modelled hang lasts before a timer ends it (the calls under test must answer before).
+HANG_S = 10.0
+
+
+def _hang_for_a_while(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> _Hang:
+    """A hang of ``target.name`` that ends by itself after ``HANG_S`` (so that code without a deadline
+    returns, late, and its test fails on an assertion instead of waiting ``GUARD_S``)."""
+    hang = _Hang(monkeypatch, target, name)
+    timer = threading.Timer(HANG_S, hang.release.set)
+    timer.daemon = True
+    timer.start()
+    return hang
+
+
+def _assert_answered_during_the_hang(hang: _Hang, what: str) -> None:
+    assert not hang.release.is_set(), f"{what} waited for the hung file system instead of its deadline"
+
+
+@pytest.fixture
+def quota_store(tmp_path: Path) -> Iterator[FramedStore]:
+    """A store under a 200 ms deadline whose tenant ``t`` (quota 1 MiB) holds two 64 KiB entries."""
+    store = open_store(f"file://{tmp_path}/store?capacity=64MiB&timeout_ms=200")
+    write_quotas(tmp_path / "store", {"t": 1 << 20})
+    values = [np.full(64 << 10, index, dtype=np.uint8) for index in range(2)]
+    assert store.put(["hkv1/t/0", "hkv1/t/1"], values) == [Status.OK] * 2
+    yield store
+    store.close()
+
+
+def test_tenant_counters_under_a_hang_answer_the_last_values_within_the_deadline(
+    quota_store: FramedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker reads the tenant counters on vLLM's thread: on a hung file system the read answers the
+    values last read within the deadline, and answers at once while that read is still hung."""
+    before = tenant_counters_of(quota_store)
+    assert before["t"].usage_bytes >= 2 * (64 << 10)
+    hang = _hang_for_a_while(monkeypatch, FileBackend, "_current_quotas")
+    during = tenant_counters_of(quota_store)
+    again = tenant_counters_of(quota_store)
+    _assert_answered_during_the_hang(hang, "tenant_counters")
+    assert during == before and again == before
+    hang.stop_hanging()
+    hang.release.set()
+    assert quota_store.put(["hkv1/t/2"], [np.ones(64 << 10, dtype=np.uint8)]) == [Status.OK]
+    # The hung read returns on the runner, then reads run again and see the new entry.
+    deadline = time.monotonic() + GUARD_S
+    while tenant_counters_of(quota_store)["t"].usage_bytes == before["t"].usage_bytes:
+        assert time.monotonic() < deadline, "the tenant counters were never read again after the hang"
+        time.sleep(0.01)
+
+
+def test_stats_under_a_hang_fail_within_the_deadline(
+    quota_store: FramedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hang = _hang_for_a_while(monkeypatch, FileBackend, "_current_quotas")
+    with pytest.raises(StoreError, match="stats did not finish within timeout_ms=200"):
+        quota_store.stats()
+    _assert_answered_during_the_hang(hang, "stats")
+    hang.stop_hanging()
+    hang.release.set()
+    assert quota_store.stats().num_keys == 2
+
+
+def test_listing_under_a_hang_fails_within_the_deadline(
+    quota_store: FramedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hang = _hang_for_a_while(monkeypatch, FileLayout, "key_of")
+    with pytest.raises(StoreError, match="iter_keys did not finish within timeout_ms=200"):
+        list(quota_store.iter_keys(""))
+    _assert_answered_during_the_hang(hang, "iter_keys")
+    hang.stop_hanging()
+    hang.release.set()
+    assert sorted(quota_store.iter_keys("")) == ["hkv1/t/0", "hkv1/t/1"]
+
+
+def test_a_reset_removal_under_a_hang_fails_within_the_deadline_and_a_later_one_succeeds(
+    quota_store: FramedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset removes its namespace with ``remove_prefix``: on a hung file system it must fail (the reset
+    fails, and the next one can succeed) instead of never returning (the external tier off until restart)."""
+    hang = _hang_for_a_while(monkeypatch, FileLayout, "key_of")
+    with pytest.raises(StoreError, match="remove_prefix did not finish within timeout_ms=200"):
+        quota_store.remove_prefix("hkv1/t/")
+    _assert_answered_during_the_hang(hang, "remove_prefix")
+    hang.stop_hanging()
+    hang.release.set()
+    assert quota_store.remove_prefix("hkv1/t/") in (0, 1, 2)  # the late step may have removed some
+    assert list(quota_store.iter_keys("")) == []
+    assert quota_store.exists(["hkv1/t/0", "hkv1/t/1"]) == [Status.NOT_FOUND] * 2
