@@ -73,7 +73,7 @@ class RequestSaves:
     saved_upto: dict[int, int] | None = None
     #: tokens restored from this store, so saves skip them
     loaded_boundary: int = 0
-    #: (group_index, key boundary) of full-attention prompt tails already saved
+    #: (group_index, key boundary) of full-attention prompt tails already saved (forgotten by ``restart``)
     tails_saved: set[tuple[int, int]] = field(default_factory=set)
     #: EAGLE: (group_index, key boundary) of tails one margin past a saved state, not computed yet
     deferred_tails: set[tuple[int, int]] = field(default_factory=set)
@@ -81,10 +81,17 @@ class RequestSaves:
     session: RequestSession | None = None
 
     def restart(self) -> None:
-        """A load failed: vLLM recomputes from 0, so nothing came from the store and positional saves
-        restart at the request's next first scheduled position (invalidated entries get re-saved)."""
+        """A load failed: vLLM recomputes from 0 (layer-wise: from the local hit), so nothing came from the
+        store, and what this request saved may be gone: the truncation removes the entries it found bad,
+        prompt tails among them. Positional saves restart at the request's next first scheduled position,
+        and the saved tails are forgotten, so that each is planned again when the recompute hands its Mamba
+        state off again (a tail still stored costs one insert-if-absent put); kept, a removed tail would
+        never be saved again and its state would stay unreachable. ``deferred_tails`` stays: those were
+        never saved, so no truncation removed them, and each is still saved once the recompute reaches it,
+        also one whose state is not handed off again (at or below the retry's loaded boundary)."""
         self.loaded_boundary = 0
         self.saved_upto = None
+        self.tails_saved.clear()
 
 
 @dataclass
