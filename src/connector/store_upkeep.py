@@ -2,26 +2,62 @@
 
 Invalidation removes (``BlockRemoved`` once the removal returned; no ``BlockStored`` for a block while its
 removal is pending), a namespace reset's removal (``AllBlocksCleared`` and the namespace gate reopened
-once it returned; the gate stays closed when it failed) and the manifest. Contract: every call runs on
-the one maintenance thread (``connector/maintenance.py``); a call the full queue refuses is counted
-(``maintenance_dropped``) and logged, never waited for.
+once it returned; the gate stays closed when it failed), the manifest, and the store's evictions
+(``BlockRemoved`` for the published blocks it evicted, ``hybridkv.connector.store_events``): each
+``take_events`` starts a drain of the store's eviction report unless one is queued, so what a step's drain
+found is published with a later step. Contract: every call runs on the one maintenance thread
+(``connector/maintenance.py``); a call the full queue refuses is counted (``maintenance_dropped``) and
+logged, never waited for -- a refused drain is retried at the next step; a refused check of unsure blocks
+publishes nothing for them (the view may miss a block, never name one that is gone).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.maintenance import Maintenance
 from hybridkv.connector.namespace_gate import NamespaceGate
 from hybridkv.connector.stats import StatsBox
-from hybridkv.connector.store_events import StoreBlock, StoreEvents
-from hybridkv.store.base import Store
+from hybridkv.connector.store_events import StoreBlock, StoredBlock, StoreEvents
+from hybridkv.lifecycle.keys import KeyScheme
+from hybridkv.store.base import EvictionReporter, Evictions, Store, StoreLogEvent, find_layer
+from hybridkv.store.frame import key_digest
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
 
 log = structlog.get_logger(__name__)
+
+
+def block_digests(scheme: KeyScheme, group_index: int, block_hash: bytes) -> tuple[bytes, ...]:
+    """The digests of a block's keys under ``scheme``, one per rank (what a store's eviction report names)."""
+    return tuple(
+        key_digest(scheme.key(group_index, rank.tp_rank, block_hash))
+        for rank in scheme.geometry.topology.ranks
+    )
+
+
+def _reporter_of(store: Store) -> EvictionReporter | None:
+    """The layer of ``store`` that reports its evictions (the memory and file backends), or None."""
+    return find_layer(store, EvictionReporter)  # type: ignore[type-abstract]
+
+
+def _take_evictions(reporter: EvictionReporter) -> Evictions:
+    """``reporter.take_evictions()``; one that raised is a lost report (the view then drops what it holds)."""
+    try:
+        return reporter.take_evictions()
+    except Exception as exc:  # noqa: BLE001 -- a report we cannot read must not stop the maintenance thread
+        log.warning(StoreLogEvent.EVICTION_REPORT_FAILED, error=repr(exc))
+        return Evictions(complete=False)
+
+
+def _ignore(_fut: concurrent.futures.Future[Any]) -> None:
+    """A maintenance call whose outcome is already applied (or, if it raised, deliberately left out)."""
 
 
 class StoreUpkeep:
@@ -33,6 +69,9 @@ class StoreUpkeep:
         self._gate = gate
         self._stats = stats
         self._maintenance = Maintenance()
+        #: whether an eviction drain is queued or running (at most one at a time)
+        self._draining = False
+        self._drain_lock = threading.Lock()
 
     def submit(
         self, fn: Callable[[], Any], on_done: Callable[[concurrent.futures.Future[Any]], None]
@@ -86,6 +125,62 @@ class StoreUpkeep:
             self._gate.end_reset(ok=False)
             log.warning(ConnectorLogEvent.RESET_CACHE_DROPPED)
         return fut
+
+    def stored(self, store: Store, scheme: KeyScheme, stored: list[tuple[int, bytes, BlockStored]]) -> None:
+        """Publish the ``BlockStored`` of a wave every rank stored under ``scheme``'s keys. Where ``store``
+        reports its evictions the blocks are followed, and unsure ones (``StoreEvents.stored_followed``) are
+        published only after a drain and an ``exists`` of their keys here found them."""
+        reporter = _reporter_of(store)
+        if reporter is None:
+            self._events.stored(stored)
+            return
+        unsure = self._events.stored_followed(
+            StoredBlock(group_index, block_hash, event, block_digests(scheme, group_index, block_hash))
+            for group_index, block_hash, event in stored
+        )
+        if not unsure:
+            return
+        keys = [
+            scheme.key(item.group_index, rank.tp_rank, item.block_hash)
+            for item in unsure
+            for rank in scheme.geometry.topology.ranks
+        ]
+        num_ranks = len(scheme.geometry.topology.ranks)
+
+        def verify() -> None:
+            # Drain first: an eviction recorded before the exists is matched now, not after the block is
+            # followed (it would then remove a block stored again since).
+            self._events.evicted(_take_evictions(reporter))
+            statuses = store.exists(keys)
+            self._events.verified(
+                (item, all(st.is_ok for st in statuses[i * num_ranks : (i + 1) * num_ranks]))
+                for i, item in enumerate(unsure)
+            )
+
+        self.submit(verify, _ignore)  # an exists that raised: nothing published for them
+
+    def take_events(self, store: Store) -> list[KVCacheEvent]:
+        """Every event queued so far (``StoreEvents.take``); first, where ``store`` reports its evictions,
+        a drain of its report is queued unless one is queued already (its events go with a later call)."""
+        reporter = _reporter_of(store)
+        if reporter is not None:
+            self._drain(reporter)
+        return self._events.take()
+
+    def _drain(self, reporter: EvictionReporter) -> None:
+        with self._drain_lock:
+            if self._draining:
+                return
+            self._draining = True
+
+        def drain() -> None:
+            with self._drain_lock:
+                self._draining = False  # from here on, evictions recorded are for the next drain
+            self._events.evicted(_take_evictions(reporter))
+
+        if self.submit(drain, _ignore) is None:
+            with self._drain_lock:
+                self._draining = False
 
     def wait(self, timeout: float) -> bool:
         """Wait until every call queued so far returned (tests, shutdown)."""

@@ -62,6 +62,11 @@ class StoreLogEvent(enum.StrEnum):
     MOONCAKE_MASTER_DOWN = "store.mooncake.master_down"
     MOONCAKE_ERROR = "store.mooncake.error"
     MOONCAKE_CLOSE_TIMEOUT = "store.mooncake.close_timeout"
+    #: the file store could not append a pass's evictions to the directory's eviction log
+    #: (``hybridkv.store.eviction_log``): other processes' ``take_evictions`` miss them
+    FILE_EVICTION_LOG_FAILED = "store.file.eviction_log_failed"
+    #: a store's eviction report (``EvictionReporter.take_evictions``) raised: taken as a lost report
+    EVICTION_REPORT_FAILED = "store.eviction_report_failed"
 
 
 #: One value: a single buffer or parts concatenated in order.
@@ -156,6 +161,33 @@ def with_extra(stats: StoreStats, extra: dict[str, object], *, url: str | None =
     """``stats`` with ``extra`` merged over its extras (and its ``url`` replaced when given): how a wrapper
     reports its inner store's stats plus its own."""
     return replace(stats, url=stats.url if url is None else url, extra={**stats.extra, **extra})
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """What a store's own eviction removed since the previous report (:class:`EvictionReporter`)."""
+
+    #: the digests (``hybridkv.store.frame.key_digest``) of the evicted keys, oldest first
+    digests: tuple[bytes, ...] = ()
+    #: ``False``: some evictions since the previous report were lost (the reader fell behind the store's
+    #: record of them, or could not read it): any key may be gone
+    complete: bool = True
+
+
+@runtime_checkable
+class EvictionReporter(Protocol):
+    """A backend that reports what its own eviction removed; found through wrapper layers with
+    :func:`find_layer` (the memory and file backends are; Mooncake evicts inside its servers, unseen).
+
+    Contract of ``take_evictions()``: every key the store evicted (capacity and quota eviction, and a put's
+    frames its own batch evicted at once) since this handle was opened or last asked, by any handle sharing
+    the store (the memory store: every handle of its table in this process; the file store: every process
+    sharing the directory, through its eviction log), as key digests -- the file store names its files by
+    digest, so an eviction costs it no header read. An eviction is recorded only after the entry is gone.
+    ``remove`` and ``remove_prefix`` are not evictions and are not reported. A key may be reported that was
+    stored again since (the report says it was evicted, not that it is absent now)."""
+
+    def take_evictions(self) -> Evictions: ...
 
 
 @runtime_checkable

@@ -4,7 +4,10 @@ All stores opened with the same NAME in one process share one table; ``close()``
 An optional ``capacity`` bounds the framed bytes held, evicting least-recently-used entries (a read or an
 ``exists`` counts as a use). ``quotas=NS:SIZE[,NS:SIZE...]`` bounds the bytes of each named tenant
 (namespace), evicting that tenant's own least-recently-used entries (``hybridkv.store.quotas``). Retained
-entries (``retain``, ``hybridkv.store.retention``) go last, within their budget.
+entries (``retain``, ``hybridkv.store.retention``) go last, within their budget. Every eviction is reported
+to every handle of the table (``take_evictions``, ``hybridkv.store.base.EvictionReporter``) through a
+bounded record of the last ``EVICTION_RECORD_LEN`` evicted key digests: a handle that falls further behind
+gets an incomplete report.
 
 Frames of 256 KiB or more live in buffers rounded up to whole pages; when such a frame is removed or evicted
 its buffer is kept as a spare (at most ``_SPARE_BYTES`` per table, within ``capacity``) for a later put of
@@ -25,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-from hybridkv.store.base import Status, StoreError, StoreStats
+from hybridkv.store.base import Evictions, Status, StoreError, StoreStats
+from hybridkv.store.frame import key_digest
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters, namespace_of
 from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
@@ -37,6 +41,8 @@ _STATUS_OF_PRESENT = (Status.NOT_FOUND, Status.OK)
 SPARE_MIN_FRAME = 256 << 10
 #: Upper bound on the spare bytes one table keeps.
 _SPARE_BYTES = 128 << 20
+#: Evicted key digests a table remembers for ``take_evictions`` (16 bytes each, plus the deque's overhead).
+EVICTION_RECORD_LEN = 1 << 16
 _PAGE = 4096
 
 
@@ -93,6 +99,9 @@ class _MemoryTable:
         #: frame size -> spare buffers of exactly that size, for puts to reuse (see the module docstring).
         self.spare: dict[int, list[np.ndarray]] = {}
         self.spare_bytes = 0
+        #: The digests of the last ``EVICTION_RECORD_LEN`` evicted keys, and how many were ever recorded.
+        self.evicted_digests: collections.deque[bytes] = collections.deque(maxlen=EVICTION_RECORD_LEN)
+        self.num_evictions_recorded = 0
 
     # All methods below are called with ``lock`` held.
 
@@ -155,8 +164,15 @@ class _MemoryTable:
         counters = tenant.counters
         while counters.usage_bytes + size > counters.quota_bytes:
             assert tenant.key_order, f"tenant usage {counters.usage_bytes} with no entries, or {size} > quota"
-            self.drop(self.victim(tenant.key_order, counters.quota_bytes * RETAIN_FRACTION))
+            victim = self.victim(tenant.key_order, counters.quota_bytes * RETAIN_FRACTION)
+            self.drop(victim)
+            self.record_eviction(victim)
             counters.num_quota_evicted += 1
+
+    def record_eviction(self, key: str) -> None:
+        """``key`` was evicted (it is gone already): every handle's next ``take_evictions`` reports it."""
+        self.evicted_digests.append(key_digest(key))
+        self.num_evictions_recorded += 1
 
     def retire(self, data: np.ndarray) -> None:
         """Frame ``data`` left the table: keep its buffer as a spare if big, unpinned, and there is room."""
@@ -222,6 +238,9 @@ class MemoryBackend:
         self.url = url
         self.name = name
         self._table = _table_for(name, capacity_bytes, quotas or {})
+        with self._table.lock:
+            #: ``num_evictions_recorded`` when this handle last reported (``take_evictions``)
+            self._evictions_reported = self._table.num_evictions_recorded
 
     @property
     def table(self) -> _MemoryTable:
@@ -287,6 +306,7 @@ class MemoryBackend:
                         if victim_tenant is not None:
                             victim_tenant.counters.num_capacity_evicted += 1
                         table.drop(victim)
+                        table.record_eviction(victim)
                         table.num_evicted += 1
                 table.insert(key, data)
                 if table.capacity_bytes is not None:
@@ -357,6 +377,17 @@ class MemoryBackend:
         with table.lock:
             results.extend(Status.NOT_FOUND if table.drop(key) is None else Status.OK for key in keys)
         return results
+
+    def take_evictions(self) -> Evictions:
+        """The keys the table evicted since this handle was opened or last asked
+        (``hybridkv.store.base.EvictionReporter``); incomplete when more than ``EVICTION_RECORD_LEN`` were."""
+        table = self._table
+        with table.lock:
+            num_new = table.num_evictions_recorded - self._evictions_reported
+            self._evictions_reported = table.num_evictions_recorded
+            recorded = len(table.evicted_digests)
+            digests = tuple(itertools.islice(table.evicted_digests, max(0, recorded - num_new), recorded))
+        return Evictions(digests, complete=num_new <= recorded)
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         with self._table.lock:
