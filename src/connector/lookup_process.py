@@ -16,7 +16,8 @@ What crosses the socket between the two (pickled messages):
   scheme, a cancellation, a finished request (its facts are dropped), ``None`` to stop;
 - to the parent: ``ready`` once its store is open, a search done (its result as plain integers, :func:`~hybridkv.lifecycle.lookup.
   portable_result`, or its error, its round trips, keys and store time), each store call's start and end
-  (``stalled()``), each round's breaker outcome (replayed on the scheduler's lookup breaker).
+  (``stalled()``), each round's breaker outcome (replayed on the scheduler's lookup breaker), ``alive``
+  while its worker computes and sends nothing else (at most every quarter budget).
 
 Contracts (the thread service's, plus):
 
@@ -27,14 +28,27 @@ Contracts (the thread service's, plus):
   never answers from facts itself), per request and facts epoch; a new epoch (``RequestState.drop_facts``:
   a reset, an unavailable store) drops them, and ``forget`` drops a finished request's.
 - A child that exits (killed, crashed) fails its searches in flight with ``error`` (the scheduler answers
-  "miss"), counts a failure on the lookup breaker, and is started again for the next search, at most once
-  per ``RESTART_BACKOFF_S``; meanwhile searches fail at once. The engine never waits for a child.
+  "miss"), counts a failure on the lookup breaker, and is started again at once (or, within the backoff,
+  for the next search), at most once per ``RESTART_BACKOFF_S``; meanwhile searches fail at once. The engine
+  never waits for a child.
+- A child that owes an answer (a search in flight) and sends nothing for longer than the lookup budget
+  (stopped, its worker thread dead, stuck in a call) is silent: ``stalled()`` is true, so new lookups miss
+  at once and those waiting miss at their next ask; each search it leaves unanswered past the budget counts
+  one failure on the lookup breaker; silent for ``WEDGED_BUDGETS`` budgets (at least ``MIN_WEDGED_S``), or
+  not ready ``START_LIMIT_S`` after its start, it is killed (a watchdog thread of the parent's) and then
+  replaced as a child that exits. Silence counts only once the child has opened its store.
+- A child never outlives the thread that started it (on Linux: ``PR_SET_PDEATHSIG``), even a stopped or
+  stuck one: an engine killed with ``SIGKILL`` leaves no lookup process behind. Elsewhere a child ends when
+  its parent's end of the socket closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +56,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +72,15 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_RESTART_BACKOFF_S", "RESTART_BACKOFF_S", "ProcessLookupService", "child_main"]
+__all__ = [
+    "MAX_RESTART_BACKOFF_S",
+    "MIN_WEDGED_S",
+    "RESTART_BACKOFF_S",
+    "START_LIMIT_S",
+    "WEDGED_BUDGETS",
+    "ProcessLookupService",
+    "child_main",
+]
 
 #: The shortest time between two starts of the lookup process (a child that dies at once is not restarted
 #: in a loop); searches submitted meanwhile fail at once (a miss).
@@ -66,6 +89,26 @@ RESTART_BACKOFF_S = 1.0
 MAX_RESTART_BACKOFF_S = 30.0
 #: How long ``close`` waits for the child to exit before killing it.
 _CLOSE_WAIT_S = 1.0
+#: A ready child silent this many lookup budgets (at least ``MIN_WEDGED_S``) while it owes an answer is
+#: killed and replaced. Far above the budget: a store call that is only slow keeps its child (lookups miss
+#: meanwhile); one that never returns, a stopped child or a dead worker thread does not.
+WEDGED_BUDGETS = 20
+MIN_WEDGED_S = 2.0
+#: A child that has not opened its store this long after its start (a store call hung at connect) is
+#: killed and replaced; generous: a cold start imports the package and may connect to a remote store.
+START_LIMIT_S = 60.0
+#: Linux ``prctl`` option: the signal the kernel sends a process when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(eq=False)
+class _Sent:
+    """A search sent to a child and not answered yet."""
+
+    task: LookupTask
+    generation: int  # the child it was sent to
+    sent_s: float  # ``time.monotonic()`` when it was sent
+    counted: bool = False  # left unanswered past the budget: counted on the breaker (once)
 
 
 class ProcessLookupService:
@@ -95,12 +138,22 @@ class ProcessLookupService:
         self._num_submitted = 0  # the scheduler thread's
         self._num_retired = 0  # under ``_idle``
         self._next_seq = 0
-        #: seq -> (task, the child generation it was sent to); written by the sender and the receiver
-        self._in_flight: dict[int, tuple[LookupTask, int]] = {}
+        #: seq -> the search sent; written by the sender and the receiver
+        self._in_flight: dict[int, _Sent] = {}
         self._in_flight_lock = threading.Lock()
         self._call_started_s: float | None = None
+        #: Since when the current child, ready, owes a message: the send of its oldest unanswered search,
+        #: moved on by every message it sends; None while it owes none (or has not opened its store yet).
+        #: Written under ``_in_flight_lock``; read without it (``stalled``).
+        self._owed_since: float | None = None
+        self._ready_generation = 0  # the last child that opened its store
         self._closed = False
         self._ready = threading.Event()  # set once a child has opened its store
+        #: a silent child's answer is this late when it is killed (``WEDGED_BUDGETS``)
+        self.wedged_after_s = max(WEDGED_BUDGETS * budget_s, MIN_WEDGED_S)
+        #: children killed for silence, and why (generation -> reason; the receiver logs it at the exit)
+        self.num_wedged = 0
+        self._kill_reasons: dict[int, str] = {}
         self.num_exists_calls = 0
         self.num_keys_checked = 0
         self.num_searches = 0
@@ -118,6 +171,11 @@ class ProcessLookupService:
         self._sender = threading.Thread(target=self._send_loop, name="hybridkv-lookup-send", daemon=True)
         self._sender.start()
         self._outbox.put(("start",))  # start the child now: engine start-up hides its import time
+        # Its own thread: the sender may be blocked writing to a stopped child whose socket buffer is full.
+        self._wake = threading.Event()  # set when a search is sent or the child became ready, and at close
+        self._watch_interval_s = max(budget_s / 4.0, 0.005)
+        self._watchdog = threading.Thread(target=self._watch_loop, name="hybridkv-lookup-watch", daemon=True)
+        self._watchdog.start()
 
     # -- the scheduler's calls --------------------------------------------------------------------------
 
@@ -128,9 +186,14 @@ class ProcessLookupService:
         self._outbox.put(("search", task))
 
     def stalled(self, now: float | None = None) -> bool:
-        """Whether the child's store call in flight has been running longer than the budget."""
+        """Whether the child's store call in flight has been running longer than the budget, or the child
+        has owed an answer that long without sending anything (silent: stopped, stuck)."""
+        now = time.monotonic() if now is None else now
         started = self._call_started_s
-        return started is not None and (time.monotonic() if now is None else now) - started > self.budget_s
+        owed = self._owed_since
+        return (started is not None and now - started > self.budget_s) or (
+            owed is not None and now - owed > self.budget_s
+        )
 
     def wait_idle(self, timeout_s: float) -> bool:
         target = self._num_submitted
@@ -158,8 +221,12 @@ class ProcessLookupService:
         if self._closed:
             return
         self._closed = True
+        self._wake.set()
         self._outbox.put(None)
         self._sender.join(_CLOSE_WAIT_S + 1.0)
+        child = self._child
+        if child is not None and child.poll() is None:  # the sender is stuck writing to it
+            child.kill()
 
     @property
     def child_pid(self) -> int | None:
@@ -201,6 +268,7 @@ class ProcessLookupService:
                     repr(self.budget_s),
                     str(self._breaker_args[0]),
                     repr(self._breaker_args[1]),
+                    str(os.getpid()),
                 ],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -254,8 +322,12 @@ class ProcessLookupService:
                 self._send(("scheme", scheme_id, search.scheme))
             seq = self._next_seq
             self._next_seq += 1
+            now = time.monotonic()
             with self._in_flight_lock:
-                self._in_flight[seq] = (task, self._generation)
+                self._in_flight[seq] = _Sent(task, self._generation, now)
+                if self._owed_since is None and self._ready_generation == self._generation:
+                    self._owed_since = now
+            self._wake.set()
             facts = {key: present for key, present in search.known.items()}  # a truncation's bad keys
             self._send(
                 (
@@ -312,9 +384,12 @@ class ProcessLookupService:
             self._child_exited(generation, child)
 
     def _on_message(self, message: tuple[Any, ...], generation: int) -> None:
+        now = time.monotonic()
         kind = message[0]
         if kind == "ready":
+            self._ready_generation = generation
             self._ready.set()
+            self._wake.set()  # searches sent before it was ready are owed from now
         elif kind == "call":
             _, started_s, num_keys = message
             self._call_started_s = started_s
@@ -330,10 +405,11 @@ class ProcessLookupService:
             _, seq, error, portable, num_round_trips, num_keys, store_s = message
             with self._in_flight_lock:
                 entry = self._in_flight.pop(seq, None)
+                self._heard(generation, now)
             if entry is None:
                 return
             self._num_failed_starts = 0
-            task = entry[0]
+            task = entry.task
             search = task.search
             search.num_round_trips, search.num_keys = num_round_trips, num_keys
             task.store_s = store_s
@@ -342,29 +418,88 @@ class ProcessLookupService:
                 self.num_searches += 1
                 self.recent_costs.append((num_round_trips, num_keys))
             self._retire(task, error)
+            return
+        with self._in_flight_lock:
+            self._heard(generation, now)
+
+    def _heard(self, generation: int, now: float) -> None:
+        """Under ``_in_flight_lock``: child ``generation`` sent a message at ``now``; the silence clock
+        starts again (or stops: it owes nothing)."""
+        if generation == self._generation:
+            owes = self._ready_generation == generation and any(
+                sent.generation == generation for sent in self._in_flight.values()
+            )
+            self._owed_since = now if owes else None
 
     def _child_exited(self, generation: int, child: subprocess.Popen[bytes]) -> None:
         self._dead_generations.add(generation)
         self._num_failed_starts += 1
         self._call_started_s = None
+        with self._in_flight_lock:
+            self._owed_since = None
         try:
             code: int | None = child.wait(_CLOSE_WAIT_S)  # reaped here: its socket closes as it exits
         except subprocess.TimeoutExpired:  # its end closed, yet it runs: it exits on its own or at close
             code = None
         with self._in_flight_lock:
-            lost = [seq for seq, (_task, gen) in self._in_flight.items() if gen == generation]
-            tasks = [self._in_flight.pop(seq)[0] for seq in lost]
+            lost = [seq for seq, sent in self._in_flight.items() if sent.generation == generation]
+            tasks = [self._in_flight.pop(seq).task for seq in lost]
         if self._closed:
             return
         self.breaker.on_failure()
         log.warning(
             ConnectorLogEvent.LOOKUP_PROCESS_EXITED,
             exit_code=code,
+            killed=self._kill_reasons.pop(generation, None),
             num_lookups_failed=len(tasks),
             restarting=True,
         )
         for task in tasks:
             self._retire(task, f"lookup process exited (code {code})")
+        self._outbox.put(("start",))  # replace it now (backoff permitting), not at the next search
+
+    # -- watchdog thread --------------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        while not self._closed:
+            # Asleep while no search is in flight; woken by the sender as one is sent.
+            self._wake.wait(self._watch_interval_s if self._in_flight else None)
+            self._wake.clear()
+            if not self._closed:
+                self._watch(time.monotonic())
+
+    def _watch(self, now: float) -> None:
+        """Count the searches a silent child leaves unanswered past the budget; kill a wedged child."""
+        child, generation = self._child, self._generation
+        if child is None or generation in self._dead_generations:
+            return
+        if self._ready_generation != generation:
+            if self._in_flight and now - self._started_s > START_LIMIT_S:
+                self._kill(child, generation, f"did not open its store in {START_LIMIT_S:.0f} s")
+            return
+        owed = self._owed_since
+        if owed is None or now - owed <= self.budget_s:
+            return
+        with self._in_flight_lock:
+            late = [
+                sent
+                for sent in self._in_flight.values()
+                if sent.generation == generation and not sent.counted and now - sent.sent_s > self.budget_s
+            ]
+            for sent in late:
+                sent.counted = True
+        for _ in late:
+            self.breaker.on_failure()
+        if now - owed > self.wedged_after_s:
+            self._kill(child, generation, f"answered nothing for {now - owed:.1f} s")
+
+    def _kill(self, child: subprocess.Popen[bytes], generation: int, reason: str) -> None:
+        """Kill a wedged child; its receiver sees the exit (fails its searches, starts another)."""
+        if generation in self._kill_reasons:
+            return
+        self._kill_reasons[generation] = reason
+        self.num_wedged += 1
+        child.kill()  # SIGKILL: a stopped child dies too
 
 
 def _hand_off() -> None:
@@ -397,6 +532,8 @@ class _LookupChild:
     def __init__(self, conn: Connection, store: Store, budget_s: float, breaker: tuple[int, float]) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
+        self._alive_every_s = budget_s / 4.0
+        self._alive_sent_s = time.monotonic()
         self.store = store
         self.schemes: dict[int, KeyScheme] = {}
         #: request_id -> (facts epoch, key -> present)
@@ -411,11 +548,19 @@ class _LookupChild:
             budget_s=budget_s,
             on_finish=self._on_finish,
             on_store_call=lambda started_s, num_keys: self.send(("call", started_s, num_keys)),
+            on_progress=self._progress,
         )
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock, contextlib.suppress(OSError):  # the parent gone: ``serve`` ends too
             self.conn.send(message)
+
+    def _progress(self) -> None:
+        """The worker computes: tell the parent it is alive (it owes an answer and hears nothing else)."""
+        now = time.monotonic()
+        if now - self._alive_sent_s >= self._alive_every_s:
+            self._alive_sent_s = now
+            self.send(("alive",))
 
     def _on_finish(self, task: LookupTask) -> None:
         with self._tasks_lock:
@@ -473,10 +618,24 @@ class _LookupChild:
                 self.search(message)
 
 
+def _die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel kill this process when the thread that started it ends (Linux), even if it is
+    stopped or stuck in a call then; False if that parent is already gone (it ended before this call)."""
+    if sys.platform.startswith("linux"):
+        # The thread that started it is the parent's sender, which stops the child itself before ending.
+        # Should the call fail, the socket stays the only tie: a child that is not wedged ends at its EOF.
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Reparented already: the parent died between the start and the prctl, so no signal will come.
+    return os.getppid() == parent_pid
+
+
 def child_main(
-    fd: int, store_url: str, budget_s: float, breaker_failures: int, breaker_reset_s: float
+    fd: int, store_url: str, budget_s: float, breaker_failures: int, breaker_reset_s: float, parent_pid: int
 ) -> int:
-    """The lookup process: searches from the parent over socket ``fd``, answers back."""
+    """The lookup process: searches from the parent (process ``parent_pid``) over socket ``fd``, answers
+    back; ends with its parent."""
+    if not _die_with_parent(parent_pid):
+        return 0
     from hybridkv.store import open_store  # here: the parent never opens the child's client
 
     child = _LookupChild(Connection(fd), open_store(store_url), budget_s, (breaker_failures, breaker_reset_s))
@@ -491,5 +650,12 @@ def child_main(
 
 if __name__ == "__main__":
     sys.exit(
-        child_main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+        child_main(
+            int(sys.argv[1]),
+            sys.argv[2],
+            float(sys.argv[3]),
+            int(sys.argv[4]),
+            float(sys.argv[5]),
+            int(sys.argv[6]),
+        )
     )

@@ -121,13 +121,17 @@ class LookupService:
         budget_s: float,
         on_finish: Callable[[LookupTask], None] | None = None,
         on_store_call: Callable[[float | None, int], None] | None = None,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         """``on_finish(task)``: called on the worker right after a task is done (a lookup process answers
         its parent from there). ``on_store_call(started_s, num_keys)``: before each ``exists``
-        (``time.monotonic()`` start) and after it (``None``)."""
+        (``time.monotonic()`` start) and after it (``None``). ``on_progress()``: on the worker, at every
+        hand-off of the GIL in its CPU work (at least every ``SLICE_S`` of it): a lookup process tells its
+        parent from there that it is alive while it computes and sends nothing else."""
         self.store = store
         self._on_finish = on_finish
         self._on_store_call = on_store_call
+        self._on_progress = on_progress
         self.breaker = breaker
         self.budget_s = budget_s
         # The scheduler thread only ever puts here: ``SimpleQueue.put`` never blocks and never gives up
@@ -201,6 +205,8 @@ class LookupService:
         if time.perf_counter() - self._slice_started_s >= SLICE_S:
             time.sleep(GIL_HANDOFF_S)
             self._slice_started_s = time.perf_counter()
+            if self._on_progress is not None:
+                self._on_progress()
 
     def _finish(self, task: LookupTask, error: str | None = None) -> None:
         task.error = error

@@ -1,10 +1,14 @@
 """``ProcessLookupService`` (``lookup_process: true``): the same answers as the thread service from a child
-process over its own client of the store; a child killed mid-call is a miss and a restart, never a stall."""
+process over its own client of the store; a child killed mid-call is a miss and a restart, never a stall;
+a child that answers nothing is noticed, counted on the breaker, killed and replaced; no child outlives
+its parent."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -239,3 +243,124 @@ def test_a_mooncake_lookup_client_mounts_no_segment() -> None:
         "mooncake://127.0.0.1:5000?timeout_ms=500&segment=0"
     )
     assert lookup_client_url("file:///tmp/s?capacity=1GiB") == "file:///tmp/s?capacity=1GiB"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux: ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _hit_again(process: ProcessLookupService, scheme: KeyScheme, hashes: tuple[bytes, ...]) -> LookupTask:
+    """Search ``hashes`` until one answers (a replaced child may still be starting, or backing off)."""
+    for attempt in range(20):
+        task = _answer(
+            process,
+            LookupTask(
+                f"again{attempt}", LookupSearch(scheme, hashes, 16 * UNIT + 1, 0), (16 * UNIT + 1, 0, None)
+            ),
+        )
+        if task.error is None:
+            return task
+        time.sleep(RESTART_BACKOFF_S)
+    raise AssertionError(f"no search answered after the child was replaced: {task.error}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_silent_lookup_process_is_stalled_counted_killed_and_replaced(tmp_path: Path) -> None:
+    """A stopped child (it answers nothing, yet does not exit): past the budget the service is ``stalled``
+    (the scheduler misses new lookups at once), each unanswered search counts a failure on the breaker, and
+    past ``wedged_after_s`` the child is killed, its searches end as errors and a new child answers."""
+    url = f"file://{tmp_path / 'store'}?capacity=64MiB"
+    scheme = _scheme()
+    hashes = tuple(family_hashes(7, 16))
+    _store_prefix(url, scheme, hashes, 16, states=[16])
+    breaker = _breaker()
+    process = ProcessLookupService(
+        url, breaker=breaker, budget_s=0.1, breaker_failures=3, breaker_reset_s=1.0
+    )
+    pid = None
+    try:
+        assert process.wait_ready(60.0)
+        first = _hit_again(process, scheme, hashes)
+        assert first.search.result is not None and first.search.result.boundary == 16 * UNIT
+        pid = process.child_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        tasks = [
+            LookupTask(f"s{i}", LookupSearch(scheme, hashes, 16 * UNIT + 1, 0), (16 * UNIT + 1, 0, None))
+            for i in range(3)
+        ]
+        for task in tasks:
+            process.submit(task)
+        deadline = time.monotonic() + 30.0  # generous: the budget is 0.1 s
+        while not process.stalled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process.stalled(), "a stopped child that owes three answers never showed as stalled"
+        assert not any(task.done for task in tasks)
+        # Killed past ``wedged_after_s`` (2 s here): its searches end as errors, each counted once on the
+        # breaker (unanswered past the budget) and the exit once more.
+        assert process.wait_idle(30.0), "the stopped child's searches never ended"
+        assert all(task.error is not None and "lookup process exited" in task.error for task in tasks)
+        assert process.num_wedged == 1
+        assert breaker.num_failures == 4 and breaker.num_opens == 1, breaker.snapshot()
+        assert not _running(pid), "the stopped child still runs"
+        assert not process.stalled()
+        # Replaced: a new child answers with the hit.
+        again = _hit_again(process, scheme, hashes)
+        assert again.search.result is not None and again.search.result.boundary == 16 * UNIT
+        assert process.num_process_starts == 2 and process.child_pid not in (None, pid)
+    finally:
+        process.close()
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+#: A stand-in for an engine: starts the lookup process as the connector does, prints its pid, waits.
+_ENGINE = """
+import sys, time
+from hybridkv.connector.lookup_process import ProcessLookupService
+from hybridkv.store.breaker import CircuitBreaker
+
+lookups = ProcessLookupService(
+    sys.argv[1],
+    breaker=CircuitBreaker(num_failures_to_open=3, reset_s=1.0),
+    budget_s=0.2,
+    breaker_failures=3,
+    breaker_reset_s=1.0,
+)
+assert lookups.wait_ready(60.0), "the lookup process never opened its store"
+print(lookups.child_pid, flush=True)
+time.sleep(600.0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("wedged", [False, True], ids=["idle", "stopped"])
+def test_an_engine_killed_with_sigkill_leaves_no_lookup_process(tmp_path: Path, wedged: bool) -> None:
+    """``stopped``: a child that cannot even see its parent's end of the socket close (stopped, or stuck in
+    a call) must end with its parent too."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, f"file://{tmp_path / 'store'}"], stdout=subprocess.PIPE, text=True
+    )
+    child_pid = None
+    try:
+        assert engine.stdout is not None
+        child_pid = int(engine.stdout.readline())
+        assert _running(child_pid)
+        if wedged:
+            os.kill(child_pid, signal.SIGSTOP)
+        engine.kill()  # SIGKILL: nothing of the engine's runs to stop its child
+        engine.wait()
+        deadline = time.monotonic() + 30.0  # generous: the kernel kills it at once
+        while _running(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running(child_pid), f"lookup process {child_pid} outlived its engine"
+    finally:
+        engine.kill()
+        engine.wait()
+        if child_pid is not None and _running(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
