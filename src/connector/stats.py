@@ -319,6 +319,18 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:hybridkv_layerwise_unwaited_steps",
         "Steps with a loaded layer that never waited for its pages (recomputed).",
     ),
+    "layerwise_wait_seconds": (
+        "vllm:hybridkv_layerwise_wait_seconds",
+        "Seconds engine steps waited for their layer-wise loads (the whole batch waits).",
+    ),
+    "layerwise_breaker_opens": (
+        "vllm:hybridkv_layerwise_breaker_opens",
+        "Times a layer-wise load missed its deadline and layer-wise hits were paused for a cool-down.",
+    ),
+    "layerwise_hits_withheld": (
+        "vllm:hybridkv_layerwise_hits_withheld",
+        "Hits answered as misses while layer-wise hits were paused (the request computes its prefix).",
+    ),
 }
 
 
