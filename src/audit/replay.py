@@ -3,7 +3,14 @@
 ``replay_records`` / ``audit_file`` check a log against ``TRANSITIONS``: illegal or discontinuous
 transitions, lifecycles that never reach a terminal state, retry loops, retries that hit past the
 truncation's cap; plus truncation and per-group hit / miss / verified counts, and the records the writing
-sink dropped (its ``audit_records_dropped`` markers). ``rotated_set`` / ``audit_files`` read a rotated set
+sink dropped (its ``audit_records_dropped`` markers).
+
+Engine records (``machine: "engine"``) replay against ``ENGINE_TRANSITIONS``: the namespace gate, reset
+epochs and the fingerprint in force. Every ``load_started`` is then checked against the engine: its answer's
+epoch and fingerprint must be the engine's latest (``stale_load``: a load that used a fingerprint from before
+the reset that preceded it), and the gate must be open (``gate_closed``). A log without engine records (older
+connectors) is checked as before. One engine per log: a later ``engine_started`` starts a new engine (a
+restart appending to the same file). ``rotated_set`` / ``audit_files`` read a rotated set
 (``path.N ... path.1, path``, dated and ``.gz`` siblings too) back as one history.
 """
 
@@ -24,12 +31,16 @@ from typing import Any, NamedTuple
 
 from hybridkv.audit.sinks import DROPPED_EVENT
 from hybridkv.lifecycle.table import (
+    ENGINE_INDEX,
+    ENGINE_RECORD,
     LOAD_INITIAL,
     LOAD_TERMINAL,
     MAX_LOAD_RETRIES,
     SAVE_INITIAL,
     SAVE_TERMINAL,
     TRIGGERS,
+    EngineState,
+    EngineTrigger,
     ReplayCount,
     State,
     Trigger,
@@ -65,6 +76,11 @@ class ViolationKind(enum.StrEnum):
     LOOP = "loop"
     #: a lookup after a truncation hit past the recorded retry cap
     OVER_CAP = "over_cap"
+    #: a load whose answer's epoch or fingerprint is not the engine's latest (from before a reset), or
+    #: that names neither while the log has engine records
+    STALE_LOAD = "stale_load"
+    #: a load started while the engine's namespace gate was closed (a reset running, or failed)
+    GATE_CLOSED = "gate_closed"
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,10 @@ class AuditReport:
     #: Records the writing sink dropped (its queue was full), from its ``audit_records_dropped`` markers.
     num_dropped: int = 0
     trigger_counts: dict[str, int] = field(default_factory=dict)
+    #: engine records (``machine: "engine"``), resets among them, and the engine's state at the end
+    num_engine_records: int = 0
+    num_resets: int = 0
+    engine_state: str | None = None
     #: group index -> {"hit": n, "miss": n, "verified": n, "truncated": n}
     group_counts: dict[int, dict[str, int]] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
@@ -136,6 +156,9 @@ class AuditReport:
             "num_truncations": self.num_truncations,
             "num_retries": self.num_retries,
             "num_dropped": self.num_dropped,
+            "num_engine_records": self.num_engine_records,
+            "num_resets": self.num_resets,
+            "engine_state": self.engine_state,
             "trigger_counts": dict(sorted(self.trigger_counts.items())),
             "group_counts": {str(g): counts for g, counts in sorted(self.group_counts.items())},
             "violation_counts": self.violation_counts(),
@@ -160,6 +183,28 @@ class _Line(NamedTuple):
     wave: int | None
 
 
+class _EngineLine(NamedTuple):
+    """One well-formed engine record of an audit log."""
+
+    src: str
+    dst: str
+    trigger: str
+    epoch: int
+    fingerprint: str
+
+
+@dataclass
+class _Engine:
+    """What the engine's records said last: its state, reset epoch and fingerprint."""
+
+    state: str
+    epoch: int
+    fingerprint: str
+
+
+_ENGINE_STATE_NAMES = frozenset(s.name for s in EngineState)
+_ENGINE_TRIGGER_NAMES = frozenset(t.value for t in EngineTrigger)
+
 #: Reports a violation of the line being replayed: ``flag(kind, message)``.
 _Flag = Callable[[ViolationKind, str], None]
 
@@ -169,11 +214,17 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
     index = transition_index()
     report = AuditReport()
     lifecycles: dict[tuple[str, Any], _Lifecycle] = {}
+    engine: _Engine | None = None
 
     for line_number, raw in enumerate(lines, start=1):
         report.num_lines += 1
         parsed = _parse_line(report, line_number, raw)
         if parsed is None:
+            continue
+        if isinstance(parsed, _EngineLine):
+            engine = _replay_engine(
+                engine, parsed, report, functools.partial(_flag, report, line_number, None)
+            )
             continue
         record, request_id, src, dst, trigger, wave = parsed
         flag = functools.partial(_flag, report, line_number, request_id)
@@ -210,6 +261,8 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
         counts = row.replay if row is not None else frozenset()
         _check_retries(lifecycle, trigger, counts, report, flag)
         _count_groups(lifecycle, trigger, counts, record, report=report, flag=flag)
+        if trigger == Trigger.START_LOAD and engine is not None:
+            _check_load_against_engine(record, engine, flag)
 
     for (request_id, _wave), lifecycle in lifecycles.items():
         if lifecycle.terminal:
@@ -223,10 +276,71 @@ def replay_records(lines: Iterable[str]) -> AuditReport:
                     f"{lifecycle.side} lifecycle ended in {lifecycle.state}",
                 )
             )
+    report.engine_state = None if engine is None else engine.state
     return report
 
 
-def _flag(report: AuditReport, line_number: int, request_id: str, kind: ViolationKind, message: str) -> None:
+def _replay_engine(engine: _Engine | None, line: _EngineLine, report: AuditReport, flag: _Flag) -> _Engine:
+    """Check one engine record against ``ENGINE_TRANSITIONS`` and the engine's previous record; returns
+    the engine as this record leaves it. The first record of a log (or an ``engine_started``: a restart)
+    starts the engine wherever it says (a rotated log may begin mid-run)."""
+    report.num_engine_records += 1
+    report.trigger_counts[line.trigger] = report.trigger_counts.get(line.trigger, 0) + 1
+    if line.trigger == EngineTrigger.BEGIN_RESET:
+        report.num_resets += 1
+    spec = (
+        ENGINE_INDEX.get((line.trigger, EngineState[line.src]))
+        if line.trigger in _ENGINE_TRIGGER_NAMES and line.src in _ENGINE_STATE_NAMES
+        else None
+    )
+    if spec is None or spec.dest.name != line.dst:
+        allowed = spec.dest.name if spec else "nowhere"
+        flag(ViolationKind.ILLEGAL, f"engine {line.trigger}: {line.src} -> {line.dst} (table: {allowed})")
+    if engine is not None and line.trigger != EngineTrigger.START:
+        if line.src != engine.state:
+            flag(
+                ViolationKind.DISCONTINUITY,
+                f"engine {line.trigger} from {line.src}, but the engine is in {engine.state}",
+            )
+        expected_epoch = engine.epoch + (1 if line.trigger == EngineTrigger.BEGIN_RESET else 0)
+        if line.epoch != expected_epoch:
+            flag(
+                ViolationKind.ILLEGAL,
+                f"engine {line.trigger} in epoch {line.epoch}, expected {expected_epoch}",
+            )
+        if line.fingerprint != engine.fingerprint and line.trigger != EngineTrigger.ROTATE_WEIGHTS:
+            flag(
+                ViolationKind.ILLEGAL,
+                f"engine {line.trigger} changed the fingerprint {engine.fingerprint} -> {line.fingerprint} "
+                "outside a reset's rotate_weights",
+            )
+    return _Engine(line.dst, line.epoch, line.fingerprint)
+
+
+def _check_load_against_engine(record: dict[str, Any], engine: _Engine, flag: _Flag) -> None:
+    """A ``load_started`` must use the engine's latest epoch and fingerprint, with the gate open."""
+    if engine.state != EngineState.OPEN.name:
+        flag(ViolationKind.GATE_CLOSED, f"load started while the engine is {engine.state}")
+    detail = record.get("detail")
+    epoch = detail.get("epoch") if isinstance(detail, dict) else None
+    fingerprint = detail.get("fingerprint") if isinstance(detail, dict) else None
+    if not isinstance(epoch, int) or not isinstance(fingerprint, str):
+        flag(
+            ViolationKind.STALE_LOAD,
+            "load_started names no epoch and fingerprint (the log has engine records)",
+        )
+        return
+    if epoch != engine.epoch or fingerprint != engine.fingerprint:
+        flag(
+            ViolationKind.STALE_LOAD,
+            f"load used fingerprint {fingerprint} of epoch {epoch}; the engine is in epoch {engine.epoch} "
+            f"with fingerprint {engine.fingerprint} (a reset came between the answer and the load)",
+        )
+
+
+def _flag(
+    report: AuditReport, line_number: int, request_id: str | None, kind: ViolationKind, message: str
+) -> None:
     report.violations.append(Violation(kind, line_number, request_id, message))
 
 
@@ -236,9 +350,9 @@ def _group_bump(report: AuditReport, group: Any, what: str) -> None:
         counts[what] += 1
 
 
-def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | None:
-    """The transition record on line ``line_number``, or None: a blank line, a drop marker (counted), or a
-    malformed line (reported)."""
+def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | _EngineLine | None:
+    """The transition record on line ``line_number`` (a request's or save wave's, or the engine's), or
+    None: a blank line, a drop marker (counted), or a malformed line (reported)."""
     if not raw.strip():
         return None
     bad_byte = None if raw.isascii() else _NOT_UTF8.search(raw)
@@ -264,6 +378,8 @@ def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | None
     if record.get("event") == DROPPED_EVENT and isinstance(record.get("num_dropped"), int):
         report.num_dropped += record["num_dropped"]
         return None
+    if record.get("machine") == ENGINE_RECORD:
+        return _parse_engine_line(report, line_number, record)
     request_id, src, dst, trigger = (record.get(k) for k in ("request_id", "src", "dst", "trigger"))
     wave = record.get("wave")
     if not all(isinstance(v, str) for v in (request_id, src, dst, trigger)) or not (
@@ -281,6 +397,30 @@ def _parse_line(report: AuditReport, line_number: int, raw: str) -> _Line | None
     assert isinstance(request_id, str) and isinstance(src, str) and isinstance(dst, str)
     assert isinstance(trigger, str)
     return _Line(record, request_id, src, dst, trigger, wave)
+
+
+def _parse_engine_line(report: AuditReport, line_number: int, record: dict[str, Any]) -> _EngineLine | None:
+    """An engine record's fields, or None (reported ``malformed``)."""
+    src, dst, trigger, epoch, fingerprint = (
+        record.get(k) for k in ("src", "dst", "trigger", "epoch", "fingerprint")
+    )
+    if (
+        not all(isinstance(v, str) for v in (src, dst, trigger, fingerprint))
+        or not isinstance(epoch, int)
+        or isinstance(epoch, bool)
+    ):
+        report.violations.append(
+            Violation(
+                ViolationKind.MALFORMED,
+                line_number,
+                None,
+                "an engine record needs string src, dst, trigger, fingerprint and an int epoch",
+            )
+        )
+        return None
+    assert isinstance(src, str) and isinstance(dst, str) and isinstance(trigger, str)
+    assert isinstance(fingerprint, str)
+    return _EngineLine(src, dst, trigger, epoch, fingerprint)
 
 
 def _check_retries(

@@ -25,6 +25,8 @@ __all__ = ["TABLE_COLUMNS", "TARGET_US_PER_TRANSITION", "plot_report", "run_life
 #: Targets from the issue: without a sink / with the JSON sink.
 TARGET_US_PER_TRANSITION = {"none": 20.0, "json": 60.0}
 _TRIGGERS = ("start_lookup", "lookup_hit", "start_load", "load_verified", "evict")
+#: the ``detail`` a trigger's record must carry (``TRIGGERS``): a load names its answer's epoch and fingerprint
+_DETAIL: dict[str, dict[str, Any]] = {"start_load": {"epoch": 0, "fingerprint": "0" * 12}}
 
 
 def _bench_scheme() -> KeyScheme:
@@ -66,7 +68,7 @@ def run_lifecycle_bench(
             def transitions_only(machine: LifecycleMachine = machine) -> None:
                 lifecycle = RequestLifecycle(machine, "bench")
                 for trigger in _TRIGGERS:
-                    machine.fire(lifecycle, trigger)
+                    machine.fire(lifecycle, trigger, **_DETAIL.get(trigger, {}))
 
             def full_lifecycle(machine: LifecycleMachine = machine) -> None:
                 lifecycle = machine.new_request("bench")

@@ -24,9 +24,11 @@ def register(
     audit = subparsers.add_parser(
         "audit",
         help="replay an audit log against the lifecycle table",
-        description="Replay every request's records against the transition table. A FILE is read together "
+        description="Replay every request's records against the transition table, and the engine's (namespace "
+        "gate, reset epochs, fingerprint) against the engine's table; every load must use the engine's latest "
+        "epoch and fingerprint, with the gate open. A FILE is read together "
         "with its rotated siblings (FILE.N ... FILE.1, FILE-<date>, .gz included), oldest first, as one "
-        "history. Exit 0: clean, 1: violations (illegal transitions, unterminated lifecycles, loops), "
+        "history. Exit 0: clean, 1: violations (illegal transitions, unterminated lifecycles, loops, stale loads), "
         "2: unreadable file or malformed lines (not UTF-8, not a JSON object, fields of the wrong type: "
         "stderr names the first). With --export vllm-trace the records are written as vLLM's "
         "KV-connector lifecycle trace (schema vllm-kv-connector-v1) instead.",
@@ -55,7 +57,8 @@ def register(
     diagram = subparsers.add_parser(
         "diagram",
         help="render the lifecycle table to docs/diagrams/",
-        description="Write lifecycle.mmd (Mermaid) and lifecycle.dot, plus lifecycle.svg when `dot` exists.",
+        description="Write lifecycle.mmd (Mermaid) and lifecycle.dot, engine.mmd and engine.dot, plus an .svg of "
+        "each .dot when `dot` exists.",
     )
     diagram.add_argument("--out", default="docs/diagrams", help="output folder (default: docs/diagrams)")
     diagram.add_argument(
@@ -163,6 +166,11 @@ def _print_report(report: AuditReport, paths: list[Path], max_violations: int) -
         f"{report.num_truncations} truncations, {report.num_retries} retries, "
         f"{len(report.violations)} violations"
     )
+    if report.num_engine_records:
+        print(
+            f"engine: {report.num_engine_records} records, {report.num_resets} resets, "
+            f"ends {report.engine_state}; every load checked against the engine's epoch and fingerprint"
+        )
     if report.num_dropped:
         print(f"the audit sink dropped {report.num_dropped} records (its queue was full)")
     if report.group_counts:
@@ -232,14 +240,14 @@ def _export_trace(paths: list[Path], out: str, *, log_prefix: bool) -> int:
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from hybridkv.audit.diagram import render_dot, render_mermaid, write_diagrams
+    from hybridkv.audit.diagram import DIAGRAMS, write_diagrams
 
     out = Path(args.out)
     if args.check:
         stale = [
             name
-            for name, text in (("lifecycle.mmd", render_mermaid()), ("lifecycle.dot", render_dot()))
-            if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text
+            for name, render in DIAGRAMS.items()
+            if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != render()
         ]
         for name in stale:
             print(f"stale: {out / name} (run `hybridkv diagram`)", file=sys.stderr)

@@ -27,12 +27,20 @@ Keys (all optional):
                     ``index_copy_`` per layer tensor (no Triton). The kernel needs Triton and contiguous
                     pages (others take the ``dma`` path). Ignored for host caches. Why: see
                     docs/performance.md, "One copy kernel instead of packing plus DMA".
-``weights_version`` a name for the weights this engine runs (1-64 characters of ``A-Za-z0-9._-``, or
-                    ``null``: the checkpoint's identity alone). It joins the key fingerprint, and a reset
-                    (``reset_prefix_cache(reset_connector=True)``, the step after an in-engine weight
-                    update) moves the keys to ``<weights_version>+reset<n>``: replicas declaring one
-                    version and updated in lockstep keep sharing. Without it a reset moves this engine to
-                    keys of its own until restart, so no engine on other weights reads its KV.
+``weights_version`` a name for the weights this engine starts with (1-64 characters of ``A-Za-z0-9._-``,
+                    or ``null``: the checkpoint's identity alone). It joins the key fingerprint until the
+                    first connector reset. A reset (``reset_prefix_cache(reset_connector=True)``, and
+                    vLLM's other callers: ``pause_generation(clear_cache=True)``, ``sleep``, ...) may
+                    follow a weight update or not, so after it the keys name the weights by
+                    ``weights_version_file`` only; without one they are private to this engine (a fresh
+                    nonce per reset) until restart. Never a count of resets.
+``weights_version_file``  path of a file holding the name of the weights this engine holds now (one line,
+                    the rules of ``weights_version``), or ``null``. Read at every connector reset (never at
+                    start: a restarted engine holds its checkpoint's weights, whatever the file says): its
+                    name becomes the weights tag, the same on every engine whose file names the same
+                    weights; an unchanged name keeps the keys. Missing, unreadable, not a valid name, or
+                    not read within 1 s: the keys go private to this engine.
+                    Write it after this engine's weights changed and before the reset that follows.
 ``divergent_local_hits``  (bool, default false) let vLLM keep a full-attention local hit whose recurrent
                     (Mamba / linear-attention) state at that depth is not local, and complete it from the
                     store: the request then loads only the tokens past the local full-attention hit and the
@@ -89,6 +97,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "load_mode",
     "cuda_copy",
     "weights_version",
+    "weights_version_file",
     "divergent_local_hits",
     "lookup_process",
 )
@@ -169,6 +178,27 @@ def _audit_log_path(audit_log: object) -> str | None:
     return str(path)
 
 
+def _weights_version_file(value: object) -> str | None:
+    """``weights_version_file`` checked: the expanded path, or None; raises ``ValueError`` naming the key.
+    The file itself need not exist yet (it is read at resets); its directory must."""
+    if value is None:
+        return None
+    key = "kv_connector_extra_config['weights_version_file']"
+    if not isinstance(value, (str, os.PathLike)) or not str(value) or "\0" in str(value):
+        raise ValueError(f"{key}: expected a path or null, got {value!r}")
+    try:
+        path = Path(value).expanduser()
+        os.fsencode(path)
+        parent_is_dir, is_dir = path.parent.is_dir(), path.is_dir()
+    except (RuntimeError, OSError, ValueError, TypeError) as error:
+        raise ValueError(f"{key}: bad path {value!r}: {error}") from None
+    if not parent_is_dir:
+        raise ValueError(f"{key}: directory of {value!r} does not exist")
+    if is_dir:
+        raise ValueError(f"{key}: {value!r} is a directory, not a file")
+    return str(path)
+
+
 def _lookup_budget_ms(budget: object) -> float:
     """``lookup_budget_ms`` checked (a number in (0, ``MAX_DURATION_MS``]); raises ``ValueError`` naming it."""
     if isinstance(budget, (int, float)) and not isinstance(budget, bool) and 0 < budget <= MAX_DURATION_MS:
@@ -192,6 +222,7 @@ class ConnectorConfig:
     load_mode: str = "async"
     cuda_copy: str = "auto"
     weights_version: str = ""
+    weights_version_file: str | None = None
     divergent_local_hits: bool = False
     lookup_process: bool = False
 
@@ -280,6 +311,8 @@ class ConnectorConfig:
                 f"[A-Za-z0-9._-] starting with a letter or digit, got {weights_version!r}"
             )
 
+        weights_version_file = _weights_version_file(extra.get("weights_version_file"))
+
         return cls(
             store=store,
             namespace=namespace,
@@ -290,6 +323,7 @@ class ConnectorConfig:
             load_mode=load_mode,
             cuda_copy=cuda_copy,
             weights_version=weights_version or "",
+            weights_version_file=weights_version_file,
             divergent_local_hits=divergent_local_hits,
             lookup_process=lookup_process,
         )

@@ -22,6 +22,11 @@ It is path-insensitive: the same files in two folders are the same model, two mo
 name are not. Stat calls and a few small reads: cheap at start. Not covered (each either changes vLLM's
 block hashes, hence the keys, or is documented in docs/keys.md): ``cache_salt``, LoRA adapters (their name
 enters vLLM's block hashes), and weights changed inside a running engine (use ``reset_cache``).
+
+After a connector reset the checkpoint no longer names the weights (the reset may follow an in-engine
+update, or not): :func:`weights_after_reset` decides the weights tag the keys carry from then on. A tag shared
+between engines names the weights they hold (the operator's ``weights_version_file``), never a local count;
+when the engine cannot know its weights, the tag is private to it (a fresh nonce).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.lifecycle.keys import KEY_VERSION, KeyScheme
+from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE, KeyScheme
 from hybridkv.store import Status, Store
 
 if TYPE_CHECKING:
@@ -55,6 +62,13 @@ UNRESOLVED_DETAIL = (
     "weights: not a local folder or file and not in the local Hugging Face cache; new weights under the "
     "same model id and revision are not told apart"
 )
+#: The longest a reset waits to read ``weights_version_file`` (a hung mount names no weights: private keys).
+WEIGHTS_FILE_TIMEOUT_S = 1.0
+#: The most bytes of ``weights_version_file`` read (a name is at most 64 characters).
+_WEIGHTS_FILE_MAX_BYTES = 4096
+#: ``weights_source`` of a tag: the checkpoint alone, the ``weights_version`` key, the operator's file, or
+#: private to this engine (its weights after a reset are unknown).
+WEIGHTS_SOURCES = ("checkpoint", "declared", "file", "private")
 _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 #: The manifest is one fixed-size value (JSON padded with spaces), so a reader knows its length.
 MANIFEST_BYTES = 4096
@@ -273,3 +287,73 @@ def read_manifest(store: Store, key: str) -> dict[str, Any] | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     return record
+
+
+@dataclass(frozen=True)
+class WeightsTag:
+    """The weights tag the keys carry after a reset, and why."""
+
+    #: the tag (``KeyScheme.weights_tag``)
+    tag: str
+    #: one of ``WEIGHTS_SOURCES``
+    source: str
+    #: why (the audit's ``weights_rotated`` record and the log line carry it)
+    reason: str
+
+
+def read_weights_version(path: str, *, timeout_s: float = WEIGHTS_FILE_TIMEOUT_S) -> tuple[str | None, str]:
+    """``(name, why)``: the weights name in the file at ``path`` (its first line, stripped), or None and why
+    not (missing, unreadable, not a valid name, or not read within ``timeout_s``: the read runs on a thread
+    of its own, so a hung mount costs the caller ``timeout_s`` at most)."""
+    result: list[tuple[str | None, str]] = []
+
+    def read() -> None:
+        try:
+            with open(path, "rb") as file:
+                data = file.read(_WEIGHTS_FILE_MAX_BYTES)
+        except OSError as error:
+            result.append((None, f"weights_version_file unreadable: {error.strerror or error}"))
+            return
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            result.append((None, "weights_version_file is not UTF-8"))
+            return
+        lines = text.strip().splitlines()
+        name = lines[0].strip() if lines else ""
+        if not NAMESPACE_RE.fullmatch(name):
+            result.append((None, f"weights_version_file holds no valid name ({name[:80]!r})"))
+            return
+        result.append((name, "weights_version_file"))
+
+    thread = threading.Thread(target=read, name="hybridkv-weights-version", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        return None, f"weights_version_file not read within {timeout_s:g} s"
+    return result[0]
+
+
+def weights_after_reset(current_tag: str, version_file: str | None) -> WeightsTag:
+    """The weights tag of an engine's keys after a connector reset.
+
+    vLLM resets the connector on weight updates and on much else (``pause_generation(clear_cache=True)``,
+    ``sleep``, ``release_kv_cache_memory``, even after its own reset failed), so a reset says nothing about
+    which weights the engine holds. With ``version_file`` the operator names them: that name is the tag
+    (``current_tag`` unchanged: the keys stay). Without one, or when it cannot be read: a fresh nonce, keys
+    private to this engine until its restart. Never a count of resets: two engines with one tag hold the
+    weights the tag names."""
+    if version_file is not None:
+        name, why = read_weights_version(version_file)
+        if name is not None:
+            reason = "unchanged" if name == current_tag else "named by weights_version_file"
+            return WeightsTag(name, "file", reason)
+    else:
+        why = "no weights_version_file: the weights after a reset are unknown"
+    return WeightsTag(f"private-{uuid.uuid4().hex[:16]}", "private", why)
+
+
+def start_scheme(scheme: KeyScheme, weights_version: str) -> KeyScheme:
+    """The key scheme an engine starts with: the checkpoint's, tagged ``weights_version`` when declared.
+    Both halves use it, so the scheduler's and every worker's geometry log lines show the same fingerprint."""
+    return scheme.with_weights_tag(weights_version) if weights_version else scheme

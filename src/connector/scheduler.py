@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import uuid
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -57,6 +56,7 @@ import structlog
 from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.connector.capabilities import connector_roles
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.identity import start_scheme, weights_after_reset
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookup_answers import LookupAnswers
 from hybridkv.connector.lookup_process import ProcessLookupService
@@ -112,10 +112,7 @@ class SchedulerSide:
         self.geo: ConnectorGeometry = resolve_geometry(
             vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=True
         )
-        if cfg.weights_version:
-            self.geo = dataclasses.replace(
-                self.geo, scheme=self.geo.scheme.with_weights_tag(cfg.weights_version)
-            )
+        self.geo = dataclasses.replace(self.geo, scheme=start_scheme(self.geo.scheme, cfg.weights_version))
         self.store = open_connector_store(cfg)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
         self.machine = LifecycleMachine(self.scheme, sink=self.audit)
@@ -142,8 +139,11 @@ class SchedulerSide:
             self.lookups = LookupService(
                 self.store, breaker=self.lookup_breaker, budget_s=cfg.lookup_budget_ms / 1000.0
             )
-        #: resets and the gate they close (lookups miss, nothing is saved, while a removal runs)
-        self.gate = NamespaceGate()
+        #: resets and the gate they close (lookups miss, nothing is saved, while a removal runs): the
+        #: engine's lifecycle, audited (``engine_started`` now)
+        self.gate = NamespaceGate(
+            self.machine, weights_source="declared" if cfg.weights_version else "checkpoint"
+        )
         self.answers = LookupAnswers(
             cfg, self.machine, self.lookups, self.lookup_breaker, self.gate, self.stats
         )
@@ -152,9 +152,6 @@ class SchedulerSide:
         #: session hints: what a session's requests store or load stays retained (``connector/sessions.py``)
         self.sessions = SessionRetention(self.store, self.upkeep.submit, self.stats)
         self.reset_wait_s = RESET_WAIT_S
-        #: weights tags this engine rotated to (one per reset; see ``_rotate_weights_tag``)
-        self._num_weight_tags = 0
-        self._engine_nonce = uuid.uuid4().hex[:16]
         # Off the scheduler thread: engine start never waits on the store.
         self.upkeep.submit(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
         self.can_save, self.can_load, loads_off = connector_roles(vllm_config)
@@ -509,8 +506,7 @@ class SchedulerSide:
         maintenance queue is full): vLLM's ``reset_prefix_cache`` then reports failure, and lookups keep
         missing until a later reset succeeds.
         """
-        self.gate.begin_reset()
-        self.machine.begin_epoch()
+        self.gate.begin_reset()  # and a new reset epoch
         prefix = self.scheme.prefix
         for r in self._reqs.values():
             r.forget_facts("namespace reset")  # what lookups learnt about the store predates it
@@ -530,23 +526,26 @@ class SchedulerSide:
         return fut.exception() is None
 
     def _rotate_weights_tag(self) -> None:
-        """Give this engine's keys a fingerprint no engine running other weights reads.
+        """Give this engine's keys the fingerprint of the weights it holds after this reset.
 
-        A reset is how an in-engine weight update is made visible (``docs/keys.md``): from now on the
-        KV this engine computes may come from weights other than the checkpoint's, so its keys carry a
-        weights tag of their own: ``<weights_version>+reset<n>`` when the operator declares the weights
-        (replicas updated in lockstep share it), else ``private-<engine nonce>+reset<n>``, which nothing
-        but this engine until its restart ever reads."""
-        self._num_weight_tags += 1
-        base = self.cfg.weights_version or f"private-{self._engine_nonce}"
-        scheme = self.scheme.with_weights_tag(f"{base}+reset{self._num_weight_tags}")
+        A reset may follow an in-engine weight update, or not (vLLM resets the connector on pauses,
+        sleeps and failed local resets too), so a count of resets names nothing: the tag is the name the
+        operator's ``weights_version_file`` gives the weights now (unchanged: the keys stay), else a fresh
+        nonce that nothing but this engine ever reads (``identity.weights_after_reset``). The change is
+        the engine's ``weights_rotated`` audit record (the gate is closed meanwhile)."""
+        previous = self.scheme.fingerprint
+        weights = weights_after_reset(self.scheme.weights_tag, self.cfg.weights_version_file)
+        scheme = self.scheme.with_weights_tag(weights.tag)
         self.geo = dataclasses.replace(self.geo, scheme=scheme)
-        self.machine.scheme = scheme
+        self.gate.rotate_weights(scheme, weights_source=weights.source, reason=weights.reason)
         self.saves.rebind_scheme(self.geo)
         log.info(
             ConnectorLogEvent.WEIGHTS_TAG_ROTATED,
             weights_tag=scheme.weights_tag,
+            weights_source=weights.source,
+            reason=weights.reason,
             fingerprint=scheme.fingerprint,
+            previous_fingerprint=previous,
         )
 
     def shutdown(self) -> None:

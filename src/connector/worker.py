@@ -38,6 +38,7 @@ import structlog
 import torch
 from hybridkv.connector.config import LOAD_MODES, ConnectorConfig
 from hybridkv.connector.datapath import BlockMover, StagingContext
+from hybridkv.connector.identity import start_scheme
 from hybridkv.connector.layerwise import LayerwiseLoads
 from hybridkv.connector.load_pipeline import LoadPipeline
 from hybridkv.connector.load_probe import LoadProbe
@@ -80,6 +81,9 @@ class WorkerSide:
         geo: ConnectorGeometry = resolve_geometry(
             vllm_config, kv_cache_config, cfg.namespace, check_vllm_sizes=False
         )
+        # Tagged as the scheduler's start scheme, so the geometry log line shows the fingerprint the keys
+        # use (a reset's later tag reaches the workers in each step's ``meta.scheme``).
+        geo = dataclasses.replace(geo, scheme=start_scheme(geo.scheme, cfg.weights_version))
         self._ctx = WorkerContext(cfg=cfg, geo=geo, store=open_connector_store(cfg), stats=StatsBox())
         self._suspended = False  # sleep mode: the KV cache memory is released
         self._outbox = Outbox()

@@ -13,10 +13,16 @@ Contracts:
   and the states the trigger leads to; a refused guard raises ``GuardRejected``.
 - ``finalize_event`` is the single audit hook: exactly one record per transition that happened.
 - Not thread-safe: drive it from the scheduler thread (the connector's scheduler half).
+- ``EngineLifecycle`` runs the engine's table (``ENGINE_TRANSITIONS``: the namespace gate, reset epochs,
+  the weights tag) on a ``transitions.Machine`` of its own, under a lock (a reset's removal ends on the
+  maintenance thread), and writes its records to the same sink as the requests' (the
+  ``LifecycleMachine``'s, read at each record). Every engine record carries ``machine: "engine"``, the
+  reset epoch and the fingerprint in force after the transition.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +35,11 @@ from hybridkv.lifecycle.table import (
     DETAIL_FIELD_SETS,
     DETAIL_FIELDS,
     DETAIL_REQUIRED,
+    ENGINE_DETAIL_FIELDS,
+    ENGINE_INDEX,
+    ENGINE_INITIAL,
+    ENGINE_RECORD,
+    ENGINE_TRANSITIONS,
     INDEX,
     LOAD_INITIAL,
     MAX_LOAD_RETRIES,
@@ -36,6 +47,8 @@ from hybridkv.lifecycle.table import (
     STATE_OF_NAME,
     TRANSITIONS,
     TRIGGER_TO_DESTS,
+    EngineState,
+    EngineTrigger,
     State,
 )
 from transitions import EventData, Machine
@@ -44,6 +57,7 @@ if TYPE_CHECKING:
     from hybridkv.lifecycle.sink import AuditSink
 
 __all__ = [
+    "EngineLifecycle",
     "GuardRejected",
     "IllegalTransition",
     "LifecycleMachine",
@@ -225,7 +239,16 @@ class RequestLifecycle(_Model):
     - request finished / aborted / preempted: ``evict``.
     """
 
-    __slots__ = ("candidates", "epoch", "lookup", "max_boundary", "num_retries", "resolution", "session")
+    __slots__ = (
+        "candidates",
+        "epoch",
+        "fingerprint",
+        "lookup",
+        "max_boundary",
+        "num_retries",
+        "resolution",
+        "session",
+    )
 
     def __init__(
         self, machine: LifecycleMachine, request_id: str, session: Mapping[str, Any] | None = None
@@ -242,6 +265,8 @@ class RequestLifecycle(_Model):
         self.max_boundary: int | None = None
         #: The reset epoch the current lookup started in (its facts and answer belong to it).
         self.epoch = machine.epoch
+        #: The fingerprint the current lookup searched (its answer names entries under it).
+        self.fingerprint = machine.scheme.fingerprint
 
     # Guards named in TRANSITIONS.
     def has_retry_budget(self, _event: EventData) -> bool:
@@ -287,6 +312,7 @@ class RequestLifecycle(_Model):
             self._machine.fire(self, "start_lookup", **(self.session or {}))
         self.num_computed_tokens = num_computed_tokens
         self.epoch = self._machine.epoch
+        self.fingerprint = self._machine.scheme.fingerprint
         return True
 
     def start_lookup(
@@ -362,14 +388,16 @@ class RequestLifecycle(_Model):
             self.group_detail = None
             self._machine.fire(self, "start_lookup")
             self.epoch = self._machine.epoch
+            self.fingerprint = self._machine.scheme.fingerprint
         self.boundary = 0
         self._machine.fire(self, "lookup_miss", reason=reason)
 
     def start_load(self) -> bool:
         """vLLM allocated the external tokens: the async load is in flight on every rank. False (no
         transition) when the guard ``answer_current`` refused: the hit was answered before a namespace
-        reset, so the caller must refuse it instead."""
-        return self._machine.try_fire(self, "start_load")
+        reset, so the caller must refuse it instead. The ``load_started`` record carries the epoch and the
+        fingerprint the answer was found in (what ``hybridkv audit`` checks against the engine's records)."""
+        return self._machine.try_fire(self, "start_load", epoch=self.epoch, fingerprint=self.fingerprint)
 
     def decline(self, reason: str | None = None) -> None:
         """vLLM did not take the hit's external tokens (e.g. its local hit won): ``MISS``; a later ask
@@ -476,3 +504,122 @@ class SaveWave(_Model):
 
     def drop(self, reason: str = "backpressure") -> None:
         self._machine.fire(self, "drop", reason=reason)
+
+
+class EngineLifecycle:
+    """The engine's state (``ENGINE_TRANSITIONS``): the namespace gate, reset epochs and the weights tag.
+
+    Created ``STARTING`` and started at once (``engine_started``, with ``weights_source``: ``"checkpoint"``
+    or ``"declared"``). Thread-safe: every trigger runs under one lock; the reset epoch is the
+    ``LifecycleMachine``'s (``begin_epoch``), the fingerprint its ``scheme``'s.
+    """
+
+    def __init__(self, lifecycle: LifecycleMachine, *, weights_source: str) -> None:
+        self._lifecycle = lifecycle
+        self._lock = threading.Lock()
+        self.state = ENGINE_INITIAL.name
+        #: reset removals not returned yet (resets may overlap: the gate opens when the last returns)
+        self.num_pending = 0
+        self.detail: dict[str, Any] | None = None
+        self._num_transitions = 0
+        self._machine = Machine(
+            model=None,
+            states=[s.name for s in EngineState],
+            transitions=[t.as_transitions_dict() for t in ENGINE_TRANSITIONS],
+            initial=ENGINE_INITIAL.name,
+            auto_transitions=False,
+            send_event=True,
+            queued=True,
+            finalize_event=self._finalize,
+        )
+        with self._lock:
+            self._fire(EngineTrigger.START, weights_source=weights_source)
+
+    @property
+    def current(self) -> EngineState:
+        with self._lock:
+            return EngineState[self.state]
+
+    # Guards named in ENGINE_TRANSITIONS.
+    def removals_pending(self, _event: EventData) -> bool:
+        return self.num_pending > 0
+
+    def no_removal_pending(self, _event: EventData) -> bool:
+        return self.num_pending == 0
+
+    def begin_reset(self) -> int:
+        """A reset starts: a new epoch (answers learnt before it are stale) and the gate closes. Returns
+        the new epoch."""
+        with self._lock:
+            epoch = self._lifecycle.begin_epoch()
+            self.num_pending += 1
+            self._fire(EngineTrigger.BEGIN_RESET, num_pending=self.num_pending)
+            return epoch
+
+    def rotate_weights(self, scheme: KeyScheme, *, weights_source: str, reason: str) -> None:
+        """The keys from now on use ``scheme`` (a reset's weights tag; the same fingerprint when the
+        weights are known unchanged). Only while a reset runs."""
+        with self._lock:
+            previous = self._lifecycle.scheme.fingerprint
+            self._lifecycle.scheme = scheme
+            self._fire(
+                EngineTrigger.ROTATE_WEIGHTS,
+                weights_source=weights_source,
+                previous_fingerprint=previous,
+                reason=reason,
+            )
+
+    def end_reset(self, *, ok: bool) -> None:
+        """A reset's removal returned (``ok``) or raised / could not be queued. The gate opens (or fails)
+        when the last pending removal returned, by the last one's outcome."""
+        with self._lock:
+            assert self.num_pending > 0, "EngineLifecycle.end_reset without a reset in progress"
+            self.num_pending -= 1
+            if self.num_pending:
+                self._fire(EngineTrigger.REMOVAL_RETURNED, ok=ok, num_pending=self.num_pending)
+            else:
+                self._fire(EngineTrigger.REOPEN if ok else EngineTrigger.FAIL)
+
+    def _fire(self, trigger: EngineTrigger, **detail: Any) -> None:
+        """Run ``trigger`` (the caller holds the lock); raise when the table does not allow it."""
+        src = self.state
+        spec = ENGINE_INDEX.get((trigger, EngineState[src]))
+        if spec is None:
+            raise IllegalTransition("<engine>", trigger, src, ())
+        assert detail.keys() == ENGINE_DETAIL_FIELDS[trigger], (
+            f"engine {trigger!r} carries detail fields {sorted(detail)}, ENGINE_TRIGGERS declares "
+            f"{sorted(ENGINE_DETAIL_FIELDS[trigger])}"
+        )
+        self.detail = detail or None
+        before = self._num_transitions  # a queued machine's trigger() is True either way: count instead
+        self._machine.events[trigger].trigger(self)
+        if self._num_transitions == before:
+            raise GuardRejected("<engine>", trigger, src, spec.dest.name, spec.conditions)
+
+    def _finalize(self, event_data: EventData) -> None:
+        # The engine's single audit choke point: one record per engine transition that happened.
+        if not event_data.result:
+            return
+        self._num_transitions += 1
+        sink = self._lifecycle.sink
+        if sink is None:
+            return
+        transition = event_data.transition
+        assert transition is not None, "a successful trigger always has a transition"
+        trigger = event_data.event.name
+        spec = ENGINE_INDEX[(trigger, EngineState[transition.source])]
+        scheme = self._lifecycle.scheme
+        sink.emit(
+            spec.event,
+            machine=ENGINE_RECORD,
+            request_id=None,
+            wave=None,
+            src=transition.source,
+            dst=transition.dest,
+            trigger=trigger,
+            epoch=self._lifecycle.epoch,
+            fingerprint=scheme.fingerprint,
+            weights_tag=scheme.weights_tag,
+            detail=self.detail,
+            monotonic=time.monotonic(),
+        )

@@ -20,6 +20,15 @@ Save side (one per request and save wave)::
 
     QUEUED -> PUTTING -> STORED | FAILED        QUEUED | PUTTING -> DROPPED (backpressure: no rank wrote)
 
+The engine (one per connector scheduler half): the namespace gate, reset epochs and the weights tag the keys
+carry (``ENGINE_TRANSITIONS``, run by ``hybridkv.lifecycle.machine.EngineLifecycle``)::
+
+    STARTING -> OPEN -> RESETTING (-> RESETTING: weights_rotated, a reset's removal returned, another reset)
+                              RESETTING -> OPEN | FAILED        FAILED -> RESETTING (a later reset)
+
+The fingerprint changes only in ``RESETTING`` (``rotate_weights``), and every engine record carries the reset
+epoch and the fingerprint in force after it, so the replay can tell which fingerprint a load used.
+
 Contracts:
 
 - ``TRANSITIONS`` is the only place transitions are declared; ``TRIGGERS`` holds one row per trigger (its
@@ -40,6 +49,12 @@ __all__ = [
     "DETAIL_FIELDS",
     "DETAIL_FIELD_SETS",
     "DETAIL_REQUIRED",
+    "ENGINE_DETAIL_FIELDS",
+    "ENGINE_INDEX",
+    "ENGINE_INITIAL",
+    "ENGINE_RECORD",
+    "ENGINE_TRANSITIONS",
+    "ENGINE_TRIGGERS",
     "INDEX",
     "LOAD_INITIAL",
     "LOAD_TERMINAL",
@@ -50,11 +65,16 @@ __all__ = [
     "TRANSITIONS",
     "TRIGGERS",
     "TRIGGER_TO_DESTS",
+    "EngineState",
+    "EngineTransitionSpec",
+    "EngineTrigger",
+    "EngineTriggerRow",
     "ReplayCount",
     "State",
     "TransitionSpec",
     "Trigger",
     "TriggerRow",
+    "engine_transition_index",
     "transition_index",
 ]
 
@@ -199,7 +219,7 @@ TRIGGERS: Mapping[Trigger, TriggerRow] = {row.trigger: row for row in (
     TriggerRow(_T.LOOKUP_HIT,    trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
     TriggerRow(_T.LOOKUP_MISS,   ("reason",), detail_optional=True, trace=("blocks_matched", *_CONSUMER), replay=_LOAD),
     TriggerRow(_T.REVOKE,        ("reason", "epoch")),
-    TriggerRow(_T.START_LOAD,    trace=("transfer_started", *_CONSUMER)),
+    TriggerRow(_T.START_LOAD,    ("epoch", "fingerprint"), trace=("transfer_started", *_CONSUMER)),
     TriggerRow(_T.DECLINE,       ("reason",), detail_optional=True),
     TriggerRow(_T.REFUSE,        ("reason",), replay=frozenset({ReplayCount.ENDS_LOADS})),
     TriggerRow(_T.LOAD_VERIFIED, trace=("transfer_completed", *_CONSUMER), replay=frozenset({ReplayCount.GROUP_VERIFIED})),
@@ -249,3 +269,111 @@ for _spec in TRANSITIONS:
     TRIGGER_TO_DESTS.setdefault(_spec.trigger, ())
     if _spec.dest.name not in TRIGGER_TO_DESTS[_spec.trigger]:
         TRIGGER_TO_DESTS[_spec.trigger] += (_spec.dest.name,)
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+
+
+class EngineState(enum.Enum):
+    """The engine's states: whether what this engine's namespace holds may be served (the namespace gate)."""
+
+    #: before the scheduler half finished starting (no record has this as its ``dst``)
+    STARTING = "STARTING"
+    #: lookups may ask the store and saves run, under the fingerprint of the latest record
+    OPEN = "OPEN"
+    #: a reset's removal runs: lookups miss, nothing is saved, the weights tag may rotate
+    RESETTING = "RESETTING"
+    #: the last removal raised (entries from before the reset may remain): closed until a reset succeeds
+    FAILED = "FAILED"
+
+
+class EngineTrigger(enum.StrEnum):
+    """Every trigger of the engine's table (a ``str``: audit records carry the value)."""
+
+    START = "start"
+    BEGIN_RESET = "begin_reset"
+    ROTATE_WEIGHTS = "rotate_weights"
+    REMOVAL_RETURNED = "removal_returned"
+    REOPEN = "reopen"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class EngineTransitionSpec:
+    """One row of the engine's table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
+
+    trigger: EngineTrigger
+    sources: tuple[EngineState, ...]
+    dest: EngineState
+    #: the audit record's ``event`` (past tense)
+    event: str
+    #: names of predicate methods on the engine model (all must be true)
+    conditions: tuple[str, ...] = ()
+
+    def as_transitions_dict(self) -> dict[str, Any]:
+        return {
+            "trigger": self.trigger,
+            "source": [s.name for s in self.sources],
+            "dest": self.dest.name,
+            "conditions": list(self.conditions),
+        }
+
+
+@dataclass(frozen=True)
+class EngineTriggerRow:
+    """An engine trigger's audit ``detail`` fields (every record of it carries exactly these)."""
+
+    trigger: EngineTrigger
+    detail: tuple[str, ...] = ()
+
+
+_E = EngineState
+_ET = EngineTrigger
+ENGINE_INITIAL = EngineState.STARTING
+#: ``machine`` of every engine record (request and save records carry no ``machine`` field).
+ENGINE_RECORD = "engine"
+# fmt: off
+ENGINE_TRANSITIONS: tuple[EngineTransitionSpec, ...] = (
+    EngineTransitionSpec(_ET.START,            (_E.STARTING,),                     _E.OPEN,      "engine_started"),
+    EngineTransitionSpec(_ET.BEGIN_RESET,      (_E.OPEN, _E.FAILED, _E.RESETTING), _E.RESETTING, "reset_started"),
+    EngineTransitionSpec(_ET.ROTATE_WEIGHTS,   (_E.RESETTING,),                    _E.RESETTING, "weights_rotated"),
+    EngineTransitionSpec(_ET.REMOVAL_RETURNED, (_E.RESETTING,),                    _E.RESETTING, "removal_returned",
+                         ("removals_pending",)),
+    EngineTransitionSpec(_ET.REOPEN,           (_E.RESETTING,),                    _E.OPEN,      "gate_opened",
+                         ("no_removal_pending",)),
+    EngineTransitionSpec(_ET.FAIL,             (_E.RESETTING,),                    _E.FAILED,    "gate_failed",
+                         ("no_removal_pending",)),
+)
+#: One row per engine trigger: its ``detail`` fields.
+ENGINE_TRIGGERS: Mapping[EngineTrigger, EngineTriggerRow] = {row.trigger: row for row in (
+    EngineTriggerRow(_ET.START,            ("weights_source",)),
+    EngineTriggerRow(_ET.BEGIN_RESET,      ("num_pending",)),
+    EngineTriggerRow(_ET.ROTATE_WEIGHTS,   ("weights_source", "previous_fingerprint", "reason")),
+    EngineTriggerRow(_ET.REMOVAL_RETURNED, ("ok", "num_pending")),
+    EngineTriggerRow(_ET.REOPEN,           ()),
+    EngineTriggerRow(_ET.FAIL,             ()),
+)}
+# fmt: on
+assert set(ENGINE_TRIGGERS) == set(EngineTrigger) == {spec.trigger for spec in ENGINE_TRANSITIONS}, (
+    "ENGINE_TRIGGERS, EngineTrigger and ENGINE_TRANSITIONS name different triggers"
+)
+#: engine trigger -> the fields of its audit record's ``detail``
+ENGINE_DETAIL_FIELDS: Mapping[str, frozenset[str]] = {
+    t.value: frozenset(row.detail) for t, row in ENGINE_TRIGGERS.items()
+}
+
+
+def engine_transition_index() -> dict[tuple[str, EngineState], EngineTransitionSpec]:
+    """``(trigger, source) -> row`` of the engine's table; never two rows for one pair."""
+    index: dict[tuple[str, EngineState], EngineTransitionSpec] = {}
+    for spec in ENGINE_TRANSITIONS:
+        for source in spec.sources:
+            assert (spec.trigger, source) not in index, (
+                f"ENGINE_TRANSITIONS has two rows for trigger {spec.trigger!r} from {source.name}"
+            )
+            index[(spec.trigger, source)] = spec
+    return index
+
+
+#: ``engine_transition_index()``, built once.
+ENGINE_INDEX = engine_transition_index()

@@ -116,6 +116,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "load_mode": st.sampled_from([*LOAD_MODES, "Async", "LAYERWISE", "sync"]),
     "cuda_copy": st.sampled_from([*CUDA_COPY_DIRECTIONS, "Auto", "cuda"]),
     "weights_version": _NAME | st.sampled_from(["v1\n", "v1/step", ""]),
+    "weights_version_file": _AUDIT_LOG,  # a path whose directory exists, like the audit log's
 }
 assert set(_PLAUSIBLE) == set(KNOWN_KEYS), "a key ConnectorConfig knows has no plausible values here"
 #: keys whose values are refused only beside another key's: the message blames the first, and the pair
@@ -172,6 +173,11 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert cfg.load_mode in LOAD_MODES and cfg.cuda_copy in CUDA_COPY_DIRECTIONS
     assert isinstance(cfg.weights_version, str)
     assert cfg.weights_version == "" or NAMESPACE_RE.fullmatch(cfg.weights_version)
+    if cfg.weights_version_file is not None:
+        path = Path(cfg.weights_version_file)
+        assert "\0" not in cfg.weights_version_file
+        os.fsencode(cfg.weights_version_file)
+        assert path.parent.is_dir() and not path.is_dir(), cfg.weights_version_file
 
 
 def _check_refused(message: str, extra: dict[Any, Any], model: str) -> None:

@@ -2,8 +2,8 @@
 
 - A hit answered before a namespace reset is never loaded after it (the reset epoch: ``hit_revoked``, and
   the ``answer_current`` guard on ``start_load``).
-- A reset moves this engine's keys to a fingerprint no engine on other weights reads; replicas declaring
-  one ``weights_version`` and reset in lockstep keep sharing.
+- A reset moves this engine's keys to a fingerprint no engine on other weights reads; replicas whose
+  ``weights_version_file`` names the same weights keep sharing.
 - A refusal is a state (``REFUSED``, audited), not a flag: no later lookup of the incarnation hits.
 - Layer-wise loads: no other request shares a block a load fills before the load is verified.
 - A finished request's lookup stops; a request that reads no cached prefix costs no lookup.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,16 +153,26 @@ def test_a_reset_moves_the_keys_away_from_engines_on_other_weights(objs: dict[st
 
 
 @both_lookup_modes
-def test_replicas_declaring_one_weights_version_share_across_lockstep_resets(objs: dict[str, Any]) -> None:
+def test_replicas_whose_weights_files_name_one_version_share_across_resets(
+    objs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each replica's ``weights_version_file`` names the weights it holds (read at every reset): replicas
+    updated to the same weights share, whatever their count of resets (``test_weights_tag.py``)."""
     objs["extra"]["weights_version"] = "rl-step-7"
+    path_a, path_b = tmp_path / "a.weights", tmp_path / "b.weights"
+    objs["extra"]["weights_version_file"] = str(path_a)
     _sched_a, side_a, _ = _audited(objs["vc"])
+    objs["extra"]["weights_version_file"] = str(path_b)
     _sched_b, side_b, _ = _audited(objs["vc"])
     assert side_a.scheme.fingerprint == side_b.scheme.fingerprint
+    path_a.write_text("rl-step-8\n")
     assert side_a.reset_cache() and side_a.wait_maintenance(10)
     assert side_a.scheme.fingerprint != side_b.scheme.fingerprint, "an updated replica shares with one not"
+    path_b.write_text("rl-step-8\n")
     assert side_b.reset_cache() and side_b.wait_maintenance(10)
+    assert side_b.reset_cache() and side_b.wait_maintenance(10)  # a second reset (a pause): same weights
     assert side_a.scheme.fingerprint == side_b.scheme.fingerprint
-    assert side_a.scheme.weights_tag == "rl-step-7+reset1"
+    assert side_a.scheme.weights_tag == "rl-step-8"
 
 
 @both_lookup_modes

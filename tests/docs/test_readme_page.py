@@ -28,6 +28,8 @@ def test_readme_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_p
             assert actual is None and shown == "none", cell
         elif key == "weights_version":
             assert actual == "" and shown == "none", cell
+        elif key == "weights_version_file":
+            assert actual is None and shown == "none", cell
         elif key == "put_wave_bytes":
             assert parse_size(key, shown) == actual, cell
         elif key in ("verify_checksums", "divergent_local_hits", "lookup_process"):
