@@ -8,17 +8,20 @@ exit codes (one set for every command, :class:`hybridkv.cli.exit_codes.ExitCode`
 - 1: the command ran and found a problem (an audit violation, a failed check)
 - 2: bad usage or bad input (unknown flag, malformed store URL, missing file)
 - 130: interrupted (Ctrl-C)
+- 141: stdout's reader went away (``hybridkv audit FILE | head``): the command stops quietly, as ``cat``
+  stopped by SIGPIPE does, without a traceback
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from hybridkv import __version__
-from hybridkv.cli.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from hybridkv.cli.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "add_report_arguments", "build_parser", "main"]
 
@@ -92,6 +95,21 @@ def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names; its exit code (see the module docstring). Whatever command it is, a
+    reader of stdout that went away ends it quietly with 141."""
+    try:
+        code = _run(argv)
+        # Flushed here, not at interpreter exit: a closed pipe seen there prints "Exception ignored".
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from hybridkv.cli._logging import configure_process_logging
@@ -101,10 +119,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    return int(func(args))
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the gone reader would otherwise fail again
+    when the interpreter flushes it at exit."""
     try:
-        return int(func(args))
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file descriptor (a test's capture): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,9 @@ class ExitCode(IntEnum):
     USAGE = 2
     #: interrupted by Ctrl-C (128 + SIGINT, as shells report it)
     INTERRUPTED = 130
+    #: the reader of stdout went away (``hybridkv audit ... | head``): 128 + SIGPIPE, as shells report a
+    #: command that a closed pipe stopped, quietly (no traceback)
+    BROKEN_PIPE = 141
 
 
 # The names the command modules use.
@@ -23,3 +26,4 @@ EXIT_OK = ExitCode.OK
 EXIT_PROBLEM = ExitCode.PROBLEM
 EXIT_USAGE = ExitCode.USAGE
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED
+EXIT_BROKEN_PIPE = ExitCode.BROKEN_PIPE

@@ -128,8 +128,10 @@ def handle_master(args: argparse.Namespace) -> int:
 
 
 def handle_node(args: argparse.Namespace) -> int:
-    """``mooncake node``: print the URL hint, serve a storage node; its exit status (2 for bad input)."""
+    """``mooncake node``: check every flag (2 for bad input, nothing printed on stdout), print the URL hint,
+    serve a storage node; its exit status."""
     try:
+        mooncake_deploy.check_node(args.master, args.host)
         segment_bytes, local_buffer_bytes = mooncake_deploy.segment_sizes(args.segment, args.local_buffer)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)

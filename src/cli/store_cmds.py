@@ -17,21 +17,41 @@ from hybridkv.tables import format_table
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``store ls|stats|clear`` to ``subparsers`` and ``store`` to ``bench_subparsers``."""
-    store = subparsers.add_parser("store", help="inspect or clear a store by URL")
+    """Add ``store ls|stats|clear|quota`` to ``subparsers`` and ``store`` to ``bench_subparsers``."""
+    store = subparsers.add_parser(
+        "store",
+        help="inspect or clear a store by URL",
+        description="Every action refuses a URL that names no existing store (it never creates one). A "
+        "file:// URL without capacity shows the capacity the store's engines recorded.",
+    )
     store.set_defaults(func=lambda _args: _usage(store))
     store_subparsers = store.add_subparsers(dest="store_command", metavar="ACTION")
+    actions: dict[str, argparse.ArgumentParser] = {}
     for name, handler, help_text in (
         ("ls", handle_ls, "list keys (optionally under a prefix)"),
         ("stats", handle_stats, "show keys, bytes, capacity and backend details"),
-        ("clear", handle_clear, "remove every key (or every key under --prefix)"),
+        (
+            "clear",
+            handle_clear,
+            "remove the keys of one namespace (--namespace) or under --prefix; the whole store needs --yes",
+        ),
     ):
-        action = store_subparsers.add_parser(name, help=help_text)
+        action = store_subparsers.add_parser(name, help=help_text, description=help_text)
         action.add_argument("url", metavar="URL", help="store URL, e.g. file:///dev/shm/hybridkv")
-        if name != "stats":
-            action.add_argument("--prefix", default="", help="only keys starting with this")
         action.add_argument("--json", action="store_true", help="print JSON instead of text")
         action.set_defaults(func=handler)
+        actions[name] = action
+    actions["ls"].add_argument("--prefix", default="", help="only keys starting with this")
+    clear = actions["clear"]
+    scope = clear.add_mutually_exclusive_group()
+    scope.add_argument("--prefix", default="", help="only keys starting with this")
+    scope.add_argument(
+        "--namespace", metavar="NS", help="only the keys of namespace NS (every deployment keyed by it)"
+    )
+    clear.add_argument("--dry-run", action="store_true", help="count the keys that would go; remove nothing")
+    clear.add_argument(
+        "--yes", action="store_true", help="confirm clearing the whole store (no --namespace or --prefix)"
+    )
     quota = store_subparsers.add_parser(
         "quota",
         help="show, set or clear the byte quotas per namespace (tenant) of a file store",
@@ -130,9 +150,12 @@ def handle_stats(args: argparse.Namespace) -> int:
 
 
 def handle_clear(args: argparse.Namespace) -> int:
-    """``store clear URL [--prefix P] [--json]``: remove the keys, say how many; 2 for a bad store."""
+    """``store clear URL [--namespace NS | --prefix P] [--dry-run] [--yes] [--json]``: remove the keys (with
+    ``--dry-run`` count them), say how many; 2 for a bad store, and for the whole store without ``--yes``
+    (nothing removed; no prompt: scripts and CI have no terminal to answer it)."""
     try:
-        cleared = store_admin.clear_store(args.url, args.prefix)
+        prefix = args.prefix if args.namespace is None else store_admin.namespace_prefix(args.namespace)
+        cleared = store_admin.clear_store(args.url, prefix, dry_run=args.dry_run, everything=args.yes)
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -70,7 +70,14 @@ from typing import Any
 
 from hybridkv.lifecycle.keys import NAMESPACE_RE
 from hybridkv.store.base import StoreError
-from hybridkv.store.params import MAX_BYTE_SIZE, MAX_DURATION_MS, byte_size, format_size
+from hybridkv.store.params import (
+    MAX_BYTE_SIZE,
+    MAX_DURATION_MS,
+    byte_size,
+    did_you_mean,
+    format_size,
+    shown_url,
+)
 from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url, store_kind
 
 DEFAULT_CAPACITY = "8GiB"
@@ -246,6 +253,7 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config: unknown key(s) {unknown} (value(s) "
                 f"{[extra[k] for k in unknown]!r}); known keys: {list(KNOWN_KEYS)}"
+                + did_you_mean([key for key in unknown if isinstance(key, str)], KNOWN_KEYS)
             )
 
         store = extra.get("store")
@@ -255,7 +263,7 @@ class ConnectorConfig:
         if not isinstance(store, str) or not store.startswith(tuple(schemes)):
             raise ValueError(
                 f"kv_connector_extra_config['store']: expected a URL starting with one of {schemes}, "
-                f"got {store!r}"
+                f"got {shown_url(store) if isinstance(store, str) else store!r}"
             )
         try:
             check_store_url(store)  # every part, opening nothing: the store opens later, on each role

@@ -3,7 +3,7 @@
 - master: ``mooncake_master`` with RPC and metrics bound to one address (no 0.0.0.0 where Mooncake lets us
   choose), the read lease and client TTL set, no HTTP metadata server (P2PHANDSHAKE): :func:`master_argv`,
   :func:`run_master`.
-- node: a storage node mounting a DRAM segment in the pool: :func:`run_node`.
+- node: a storage node mounting a DRAM segment in the pool: :func:`check_node`, then :func:`run_node`.
 - up: both on this host, stopped together on SIGTERM / SIGINT: :class:`LocalDeployment`.
 
 Every form gives engines a ``mooncake://`` URL (:func:`url_hints`) with :data:`ENGINE_HOST` to replace by
@@ -25,15 +25,18 @@ from hybridkv.store import StoreError
 from hybridkv.store.mooncake_node import (
     MIN_SEGMENT_BYTES,
     READY_PREFIX,
+    _check_host,
     master_command,
     node_command,
     serve_storage_node,
 )
 from hybridkv.store.params import format_size, parse_size
+from hybridkv.store.url import check_store_url
 
 __all__ = [
     "ENGINE_HOST",
     "LocalDeployment",
+    "check_node",
     "engine_url_hint",
     "master_argv",
     "run_master",
@@ -89,6 +92,18 @@ def url_hints(master: str, metrics: str | None) -> list[str]:
 def run_master(argv: list[str]) -> int:
     """Run the master in the foreground; its exit status."""
     return subprocess.call(argv)
+
+
+def check_node(master: str, host: str) -> None:
+    """``StoreError`` naming ``--master`` (not HOST:PORT) or ``--host`` (empty, a wildcard such as 0.0.0.0,
+    an IPv6 literal) of a storage node: checked before the caller prints anything, so that no URL hint is
+    printed for a node that will not start."""
+    try:
+        check_store_url(f"mooncake://{master}")
+    except StoreError:
+        raise StoreError(f"bad --master {master!r}: expected the master's HOST:PORT") from None
+    # The storage node's own rule (it checks again when it mounts): the address Mooncake advertises.
+    _check_host("--host", host)
 
 
 def run_node(master: str, host: str, *, segment_bytes: int, local_buffer_bytes: int) -> int:

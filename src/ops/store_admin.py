@@ -3,9 +3,13 @@ quotas per tenant.
 
 Contracts:
 
-- Every function opens the store at ``url`` and closes it before returning; a bad URL or a backend failure
-  raises :class:`hybridkv.store.StoreError` (the CLI reports it as bad input).
-- :func:`list_store` and :func:`store_stats` only read; :func:`clear_store` removes keys and nothing else;
+- Every function opens the store at ``url`` as an operator (``open_store(url, operator=True)``) and closes
+  it before returning: a URL that names no existing store (a mistyped ``file://`` path) raises
+  :class:`hybridkv.store.StoreError` and creates nothing; a ``file://`` URL without ``capacity`` opens with
+  the capacity its engines recorded (``hybridkv.store.file_capacity``). A bad URL or a backend failure
+  raises ``StoreError`` too (the CLI reports it as bad input).
+- :func:`list_store` and :func:`store_stats` only read; :func:`clear_store` removes keys and nothing else,
+  and only what it was asked to (every key of the store only with ``everything``);
   :func:`store_quotas` changes only the quotas of a file store's directory.
 - The ``render_*`` functions write the report dicts as the text the commands print (no trailing newline).
 """
@@ -17,18 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.connector.identity import parse_manifest_key, read_manifest
-from hybridkv.lifecycle.keys import parse_block_key
+from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE, parse_block_key
 from hybridkv.store import Store, StoreError, open_store
-from hybridkv.store.params import format_size, split_url
+from hybridkv.store.file_capacity import CAPACITY_FILE, recorded_capacity
+from hybridkv.store.params import format_size, shown_url, split_url
 from hybridkv.store.quotas import check_quotas, read_quotas, write_quotas
-from hybridkv.store.url import FAULTY_PREFIX, absent_store, store_kind
+from hybridkv.store.url import FAULTY_PREFIX, store_kind
 from hybridkv.tables import format_table
 
 __all__ = [
     "DEPLOYMENT_COLUMNS",
+    "ClearRefused",
     "clear_store",
     "deployments",
     "list_store",
+    "namespace_prefix",
     "render_clear",
     "render_listing",
     "render_quotas",
@@ -57,7 +64,7 @@ DEPLOYMENT_COLUMNS = [
 def list_store(url: str, prefix: str = "") -> dict[str, Any]:
     """``url``, ``prefix``, the sorted ``keys`` under ``prefix`` and the ``deployments`` among them
     (:func:`deployments`)."""
-    with open_store(url) as store:
+    with open_store(url, operator=True) as store:
         keys = sorted(store.iter_keys(prefix))
         rows = deployments(store, keys)
     return {"url": url, "prefix": prefix, "deployments": rows, "keys": keys}
@@ -105,10 +112,28 @@ def _cell(value: object) -> object:
 
 
 def store_stats(url: str) -> dict[str, Any]:
-    """The backend's ``StoreStats`` as a dict (``extra`` holding the backend's own fields)."""
-    with open_store(url) as store:
-        stats = store.stats()
-    return dataclasses.asdict(stats)
+    """The backend's ``StoreStats`` as a dict (``extra`` holding the backend's own fields); for a file store,
+    ``extra["capacity_source"]`` says where ``capacity_bytes`` comes from: the URL, the engines' record, or
+    the default (a URL without ``capacity`` on a store no engine opened yet)."""
+    with open_store(url, operator=True) as store:
+        stats = dataclasses.asdict(store.stats())
+    source = _capacity_source(url)
+    if source is not None:
+        stats["extra"]["capacity_source"] = source
+    return stats
+
+
+def _capacity_source(url: str) -> str | None:
+    """Where an operator's open of the file store ``url`` took its capacity from; None for other stores."""
+    inner = url.removeprefix(FAULTY_PREFIX)
+    if store_kind(url).scheme != "file":
+        return None
+    parsed = split_url(inner)
+    if "capacity" in parsed.params:
+        return "the URL"
+    if recorded_capacity(Path(parsed.path)) is not None:
+        return f"recorded by the engines that opened the store ({CAPACITY_FILE})"
+    return "the default (no engine has opened this store yet)"
 
 
 def render_stats(stats: dict[str, Any]) -> str:
@@ -118,16 +143,56 @@ def render_stats(stats: dict[str, Any]) -> str:
     return format_table(rows, ["field", "value"])
 
 
-def clear_store(url: str, prefix: str = "") -> dict[str, Any]:
-    """Remove every key under ``prefix`` (every key for ``""``): ``url``, ``prefix`` and ``num_removed``."""
-    with open_store(url) as store:
+class ClearRefused(StoreError):
+    """:func:`clear_store` was asked to clear a whole store without ``everything``; nothing was removed.
+    The message says what would go and how to confirm."""
+
+
+def namespace_prefix(namespace: str) -> str:
+    """The key prefix of every entry (blocks and manifests) of deployments keyed by ``namespace``;
+    ``StoreError`` for a name that is no namespace."""
+    if not NAMESPACE_RE.fullmatch(namespace):
+        raise StoreError(
+            f"bad namespace {namespace!r}: expected 1-64 characters of [A-Za-z0-9._-] starting with a letter "
+            "or digit (the connector's namespace)"
+        )
+    return f"{KEY_VERSION}/{namespace}/"
+
+
+def clear_store(
+    url: str, prefix: str = "", *, dry_run: bool = False, everything: bool = False
+) -> dict[str, Any]:
+    """Remove every key under ``prefix``: ``url``, ``prefix``, ``dry_run`` and ``num_removed`` (with
+    ``dry_run``, the keys that would be removed, counted; nothing is removed).
+
+    An empty ``prefix`` is the whole store: without ``everything`` (the operator's confirmation) it raises
+    :class:`ClearRefused` naming how many keys it holds (where the store can list them), and removes
+    nothing. A dry run needs no confirmation; it lists the keys, so a store that cannot list them (Mooncake)
+    raises ``StoreError``."""
+    with open_store(url, operator=True) as store:
+        if dry_run:
+            num_keys = sum(1 for _ in store.iter_keys(prefix))
+            return {"url": url, "prefix": prefix, "dry_run": True, "num_removed": num_keys}
+        if not prefix and not everything:
+            try:
+                held = f"its {sum(1 for _ in store.iter_keys(''))} keys"
+            except StoreError:
+                held = "every key it holds"  # a store that cannot list its keys (Mooncake)
+            raise ClearRefused(
+                f"refusing to clear the whole store {shown_url(url)!r}: that removes {held}, every "
+                "deployment's and every tenant's, from every engine sharing it. Pass --yes to confirm, "
+                "--namespace NS to clear one namespace, or --dry-run to count first"
+            )
         num_removed = store.remove_prefix(prefix)
-    return {"url": url, "prefix": prefix, "num_removed": num_removed}
+    return {"url": url, "prefix": prefix, "dry_run": False, "num_removed": num_removed}
 
 
 def render_clear(cleared: dict[str, Any]) -> str:
     """A :func:`clear_store` report as text."""
-    return f"removed {cleared['num_removed']} keys"
+    where = f" under {cleared['prefix']!r}" if cleared["prefix"] else ""
+    if cleared["dry_run"]:
+        return f"would remove {cleared['num_removed']} keys{where} (dry run: nothing removed)"
+    return f"removed {cleared['num_removed']} keys{where}"
 
 
 #: The columns of ``hybridkv store quota``'s table.
@@ -145,34 +210,33 @@ def store_quotas(
     scheme = store_kind(url).scheme
     if scheme == "memory":
         raise StoreError(
-            f"store URL {url!r}: a memory store is process-local; its quotas are part of its URL "
+            f"store URL {shown_url(url)!r}: a memory store is process-local; its quotas are part of its URL "
             "(memory://NAME?quotas=NS:SIZE,...)"
         )
     if scheme != "file":
         raise StoreError(
-            f"store URL {url!r}: {scheme} stores evict in their own service, which knows no tenants; "
-            "quotas are enforced by file:// and memory:// stores only"
+            f"store URL {shown_url(url)!r}: {scheme} stores evict in their own service, which knows no "
+            "tenants; quotas are enforced by file:// and memory:// stores only"
         )
-    absent = absent_store(url)
-    if absent is not None:
-        raise StoreError(f"store URL {url!r}: {absent}")
-    with open_store(url) as store:
+    with open_store(url, operator=True) as store:
         capacity = store.stats().capacity_bytes
         directory = Path(split_url(url.removeprefix(FAULTY_PREFIX)).path)
         try:
             quotas = read_quotas(directory)
         except ValueError as error:
-            raise StoreError(f"store URL {url!r}: {error}") from None
+            raise StoreError(f"store URL {shown_url(url)!r}: {error}") from None
         if quotas_to_set or namespaces_to_clear:
             for namespace in namespaces_to_clear or []:
                 if namespace not in quotas:
-                    raise StoreError(f"store URL {url!r}: namespace {namespace!r} has no quota to clear")
+                    raise StoreError(
+                        f"store URL {shown_url(url)!r}: namespace {namespace!r} has no quota to clear"
+                    )
                 del quotas[namespace]
             quotas.update(quotas_to_set or {})
             try:
                 check_quotas(quotas, capacity_bytes=capacity)
             except ValueError as error:
-                raise StoreError(f"store URL {url!r}: {error}") from None
+                raise StoreError(f"store URL {shown_url(url)!r}: {error}") from None
             write_quotas(directory, quotas)
         tenants = store.stats().extra.get("tenants", {})
     return {"url": url, "tenants": tenants}

@@ -8,7 +8,8 @@ Contracts:
   the state a lookup breaker configured like the connector's would be in after those probes, and the
   backend's own breaker when it has one (Mooncake).
 - Entries are counted per namespace / fingerprint / group, with the ranks seen, from the keys
-  (``hkv1/<namespace>/<fingerprint>/g<group>/tp<r>/dcp<r>/<hash>``); other keys are only counted.
+  (``hkv1/<namespace>/<fingerprint>/g<group>/tp<r>/dcp<r>/<hash>``); the deployments' manifests (hybridkv's
+  own bookkeeping, ``hybridkv.connector.identity``) and other tools' keys are only counted, apart.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
     ``health``: ``reachable``, ``error`` (None when reachable), ``breaker_state`` (None when the store could
     not be opened) and, once opened, the probe figures (``exists_probes``, ``exists_deadline_ms``,
     ``exists_p50_ms``, ``exists_max_ms``) and ``store_breaker_state`` where the backend reports one.
-    ``usage``: the backend's ``StoreStats`` as a dict plus ``num_other_keys``, or None when unreachable.
+    ``usage``: the backend's ``StoreStats`` as a dict plus ``num_manifests`` (hybridkv's deployment
+    manifests) and ``num_other_keys`` (keys hybridkv did not write), or None when unreachable.
     ``key_counts``: one row per (namespace, fingerprint, group), sorted, with ``entries`` and ``ranks``.
     A store that is absent or cannot be opened is reported in ``health``; a backend error while listing or
     reading stats of a reachable store propagates."""
+    from hybridkv.connector.identity import parse_manifest_key
     from hybridkv.store import StoreError, open_store
     from hybridkv.store.url import absent_store
 
@@ -53,7 +56,7 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
             "key_counts": [],
         }
     try:
-        store = open_store(url)
+        store = open_store(url, operator=True)
     except StoreError as error:
         return {
             "health": {"reachable": False, "error": str(error), "breaker_state": None},
@@ -65,6 +68,7 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
         usage: dict[str, Any] | None = None
         counts: dict[tuple[str, str, int], dict[str, Any]] = {}
         num_other_keys = 0
+        num_manifests = 0
         if health["reachable"]:
             stats = store.stats()
             usage = dataclasses.asdict(stats)
@@ -74,13 +78,17 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
             for key in store.iter_keys(""):
                 parsed = parse_block_key(key)
                 if parsed is None:
-                    num_other_keys += 1
+                    if parse_manifest_key(key) is not None:
+                        num_manifests += 1
+                    else:
+                        num_other_keys += 1
                     continue
                 where = (parsed.namespace, parsed.fingerprint, parsed.group_index)
                 row = counts.setdefault(where, {"entries": 0, "ranks": set()})
                 row["entries"] += 1
                 row["ranks"].add(f"tp{parsed.tp_rank}/dcp{parsed.dcp_rank}")
             if usage is not None:
+                usage["num_manifests"] = num_manifests
                 usage["num_other_keys"] = num_other_keys
     key_counts = [
         {

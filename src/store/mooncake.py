@@ -358,16 +358,24 @@ class MooncakeBackend:
         return code
 
     def stats(self) -> StoreStats:
+        """This client's settings and breaker, and the master's ``health_check`` answer, asked under the
+        deadline: a hung master shows as ``"no answer within N ms"`` there (counted as an abandoned call)
+        instead of holding the caller. Not a call of the breaker's: it neither opens nor closes it."""
         extra: dict[str, object] = {
             "master": self.master_address,
             "hostname": self.hostname,
             "preferred_segment": self.preferred_segment,
             "timeout_ms": self.timeout_ms,
-            "num_abandoned_calls": self._runner.num_abandoned,
         }
         extra.update(self._breaker.snapshot())
         if not self._closed:
-            extra["health_check"] = int(self._store.health_check())
+            try:
+                extra["health_check"] = int(
+                    self._runner.run(self._store.health_check, self.timeout_ms / 1000.0)
+                )
+            except DeadlineExceeded:
+                extra["health_check"] = f"no answer within {self.timeout_ms} ms"
+        extra["num_abandoned_calls"] = self._runner.num_abandoned
         return StoreStats(url=self.url, extra=extra)
 
     def close(self) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TypeVar
@@ -287,10 +288,23 @@ class Params:
         )
 
     def finish(self) -> None:
-        """Raise ``StoreError`` if any parameter was not consumed."""
+        """Raise ``StoreError`` if any parameter was not consumed, naming it, the known ones, and the known
+        one a near-miss was probably meant to be ("did you mean 'capacity'?")."""
         if self._params:
             unknown = ", ".join(sorted(self._params))
-            known = ", ".join(sorted(set(self._known))) or "none"
+            known = sorted(set(self._known))
             raise StoreError(
-                f"store URL {self._url!r}: unknown parameter(s) {unknown} for {self._scheme}:// (known: {known})"
+                f"store URL {self._url!r}: unknown parameter(s) {unknown} for {self._scheme}:// "
+                f"(known: {', '.join(known) or 'none'}){did_you_mean(sorted(self._params), known)}"
             )
+
+
+def did_you_mean(unknown: list[str], known: Sequence[str]) -> str:
+    """``; did you mean 'capacity'?`` for the known names closest to the ``unknown`` ones (one per unknown
+    name with a close match, ``difflib``'s), or ``""`` when none is close: the tail of an error message."""
+    guesses = [
+        f"{name!r} for {wrong!r}" if len(unknown) > 1 else repr(name)
+        for wrong in unknown
+        for name in difflib.get_close_matches(wrong, known, n=1)
+    ]
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""

@@ -5,7 +5,7 @@ URL                                                    parameters (all optional)
 =====================================================  =======================================================
 ``memory://NAME``                                      ``capacity`` (LRU bound; default unbounded),
                                                        ``quotas`` (``NS:SIZE,...``: bytes per namespace)
-``file:///ABS/DIR``                                    ``capacity`` (default 4GiB), ``timeout_ms`` (deadline
+``file:///ABS/DIR``                                    ``capacity`` (default 8GiB), ``timeout_ms`` (deadline
                                                        of each call; default 30000 where DIR is on a network
                                                        or FUSE file system, none on a local one; > 0)
 ``mooncake://HOST:PORT``                               ``metadata`` (``P2PHANDSHAKE``), ``local_hostname``
@@ -35,6 +35,13 @@ probability outside [0, 1], a missing directory or host, a fragment, a missing, 
 raises one ``StoreError`` that names the offending part. ``check_store_url(url)`` runs every one of those
 checks and opens nothing (no directory, no connection; it does read the key): the connector's configuration
 calls it at engine start.
+
+Engines and operators: ``open_store(url)`` is an engine's (or a benchmark's) open: it creates a store that
+does not exist yet and records in it what its engines run with (a file store's capacity,
+``hybridkv.store.file_capacity``). ``open_store(url, operator=True)`` is an operator command's: it refuses a
+URL that names no existing store (a mistyped path is an error, never an empty new store), records nothing,
+and reads what the URL leaves out from that record (a file URL without ``capacity`` opens with the
+capacity the engines recorded), so what it shows is what the engines run with.
 """
 
 from __future__ import annotations
@@ -50,14 +57,17 @@ from urllib.parse import urlencode
 from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
+from hybridkv.store.file_capacity import record_capacity, recorded_capacity
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.integrity import Keyring, keyring_from_environment, keyring_from_file
 from hybridkv.store.memory import MemoryBackend
-from hybridkv.store.params import MAX_DURATION_MS, Params, ParsedUrl, split_url
+from hybridkv.store.params import MAX_DURATION_MS, Params, ParsedUrl, shown_url, split_url
 from hybridkv.store.quotas import check_quotas, parse_quotas
 
-DEFAULT_FILE_CAPACITY = 4 << 30
+#: A file URL's capacity when it names none: the capacity of the connector's default store too
+#: (``hybridkv.connector.config.DEFAULT_CAPACITY``), so that one default holds everywhere.
+DEFAULT_FILE_CAPACITY = 8 << 30
 #: A ``mooncake://`` master address: HOST:PORT with an ASCII port.
 _MOONCAKE_PORT = re.compile(r"[0-9]{1,5}")
 #: The prefix that wraps any store URL in the chaos view (``FaultyBackend``).
@@ -91,6 +101,12 @@ class StoreKind:
     #: The parameters a client that only asks what exists (a lookup process) sets, over the URL's own:
     #: Mooncake's mounts no segment (it would hold data, and other clients would place puts in it).
     lookup_client_params: Mapping[str, str] = field(default_factory=dict)
+    #: What an engine's open records in the store it opened (a file store's capacity); an operator's open
+    #: (``open_store(url, operator=True)``) records nothing.
+    record: Callable[[Backend], None] = lambda _backend: None
+    #: The parameters an operator's open reads from the store where its URL names them not: what the
+    #: engines recorded (``record``).
+    recorded_params: Callable[[ParsedUrl], Mapping[str, str]] = lambda _parsed: {}
 
 
 def store_kind(url: str) -> StoreKind:
@@ -100,8 +116,8 @@ def store_kind(url: str) -> StoreKind:
     kind = STORE_KINDS.get(scheme)
     if kind is None:
         raise StoreError(
-            f"store URL {url!r}: unknown scheme {scheme!r} (known: {', '.join(STORE_KINDS)}, each also as "
-            f"{FAULTY_PREFIX}<url>)"
+            f"store URL {shown_url(url)!r}: unknown scheme {scheme!r} (known: {', '.join(STORE_KINDS)}, each "
+            f"also as {FAULTY_PREFIX}<url>)"
         )
     return kind
 
@@ -118,13 +134,24 @@ def lookup_client_url(url: str) -> str:
     return f"{base}?{'&'.join(pairs)}"
 
 
-def open_store(url: str) -> FramedStore:
-    """Open the store ``url`` names (see the module docstring). Raises ``StoreError`` on any bad part."""
+def open_store(url: str, *, operator: bool = False) -> FramedStore:
+    """Open the store ``url`` names (see the module docstring). Raises ``StoreError`` on any bad part.
+
+    Without ``operator`` (an engine): a store that does not exist is created, and what its engines run with
+    is recorded in it (``StoreKind.record``). With ``operator`` (a command that inspects or administers a
+    store): a URL that names no existing store raises ``StoreError`` saying so, nothing is recorded, and
+    parameters the URL leaves out are read from the record (``StoreKind.recorded_params``)."""
     if not isinstance(url, str) or not url:
         raise StoreError(f"store URL must be a non-empty string, got {url!r}")
     keyring = store_keyring(url)
-    backend, checksum = open_backend(url)
-    return FramedStore(backend, checksum=checksum, keyring=keyring)
+    opener, checksum = _backend_opener(url, operator=operator)  # every part checked, nothing opened yet
+    if operator:
+        absent = absent_store(url)
+        if absent is not None:
+            raise StoreError(
+                f"store URL {shown_url(url)!r}: {absent} (a mistyped path? this command creates no store)"
+            )
+    return FramedStore(opener(), checksum=checksum, keyring=keyring)
 
 
 def check_store_url(url: str) -> None:
@@ -135,25 +162,38 @@ def check_store_url(url: str) -> None:
     _backend_opener(url)
 
 
-def open_backend(url: str) -> tuple[Backend, ChecksumAlgo]:
-    """The frame-moving backend for ``url`` and the checksum its frames use (``open_store`` minus framing)."""
-    opener, checksum = _backend_opener(url)
+def open_backend(url: str, *, operator: bool = False) -> tuple[Backend, ChecksumAlgo]:
+    """The frame-moving backend for ``url`` and the checksum its frames use (``open_store`` minus framing;
+    ``operator`` as there, without the check that the store exists)."""
+    opener, checksum = _backend_opener(url, operator=operator)
     return opener(), checksum
 
 
-def _backend_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
-    """``url`` checked: what opens its backend, and the checksum its frames use."""
+def _backend_opener(url: str, *, operator: bool = False) -> tuple[Callable[[], Backend], ChecksumAlgo]:
+    """``url`` checked: what opens its backend (and, unless ``operator``, records in the store what its
+    engines run with), and the checksum its frames use."""
     if url.startswith(FAULTY_PREFIX):
-        return _faulty_opener(url)
+        return _faulty_opener(url, operator=operator)
     parsed = split_url(url)
     kind = store_kind(url)
     _refuse_secrets(parsed)  # first: before any other error message repeats the URL, and the secret in it
+    if operator:
+        parsed.params = {**kind.recorded_params(parsed), **parsed.params}
     params = Params(url, parsed.scheme, parsed.params)
     # Read and checked here (``check_store_url`` reports a bad key at engine start); ``open_store`` reads it
     # again through ``store_keyring`` for the keyring it uses, and that read logs a shared key file.
     keyring = _integrity_param(params, warn_if_shared=False)
     checksum = _checksum_param(params, keyed=keyring is not None)
-    return kind.opener(parsed, params), checksum
+    opener = kind.opener(parsed, params)
+    if operator:
+        return opener, checksum
+
+    def open_and_record() -> Backend:
+        backend = opener()
+        kind.record(backend)
+        return backend
+
+    return open_and_record, checksum
 
 
 def _checksum_param(params: Params, *, keyed: bool) -> ChecksumAlgo:
@@ -230,12 +270,13 @@ def store_keyring(url: str) -> Keyring | None:
     return _integrity_param(Params(url, parsed.scheme, parsed.params), warn_if_shared=True)
 
 
-def _faulty_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
+def _faulty_opener(url: str, *, operator: bool) -> tuple[Callable[[], Backend], ChecksumAlgo]:
     inner_url_with_params = url[len(FAULTY_PREFIX) :]
     if "://" not in inner_url_with_params:
         raise StoreError(
-            f"store URL {url!r}: {FAULTY_PREFIX} wraps another store URL ({FAULTY_PREFIX}memory://NAME, "
-            f"{FAULTY_PREFIX}file:///DIR, ...), got {inner_url_with_params!r}"
+            f"store URL {shown_url(url)!r}: {FAULTY_PREFIX} wraps another store URL "
+            f"({FAULTY_PREFIX}memory://NAME, {FAULTY_PREFIX}file:///DIR, ...), "
+            f"got {shown_url(inner_url_with_params)!r}"
         )
     parsed = split_url(inner_url_with_params)
     faulty_values = {name: parsed.params.pop(name) for name in FAULTY_PARAMS if name in parsed.params}
@@ -245,7 +286,7 @@ def _faulty_opener(url: str) -> tuple[Callable[[], Backend], ChecksumAlgo]:
     # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the inner store opens.
     faulty = FaultyBackend.factory(params)
     params.finish()
-    open_inner, checksum = _backend_opener(inner_url)
+    open_inner, checksum = _backend_opener(inner_url, operator=operator)
     return lambda: faulty(url, open_inner()), checksum
 
 
@@ -256,6 +297,16 @@ def _absent_file_store(parsed: ParsedUrl) -> str | None:
     return None
 
 
+def _record_file_capacity(backend: Backend) -> None:
+    assert isinstance(backend, FileBackend), f"a file:// URL opened {type(backend).__name__}"
+    record_capacity(backend.directory, backend.capacity_bytes)
+
+
+def _recorded_file_params(parsed: ParsedUrl) -> dict[str, str]:
+    capacity = recorded_capacity(Path(parsed.path))
+    return {} if capacity is None else {"capacity": str(capacity)}
+
+
 def absent_store(url: str) -> str | None:
     """Why ``url`` (through any ``faulty+`` view) names no existing store, or None (see ``StoreKind.absent``)."""
     inner = url.removeprefix(FAULTY_PREFIX)
@@ -264,9 +315,11 @@ def absent_store(url: str) -> str | None:
 
 def _open_memory(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     if not parsed.netloc:
-        raise StoreError(f"store URL {parsed.url!r}: memory:// needs a name (memory://NAME)")
+        raise StoreError(f"store URL {shown_url(parsed.url)!r}: memory:// needs a name (memory://NAME)")
     if parsed.path not in ("", "/"):
-        raise StoreError(f"store URL {parsed.url!r}: memory:// takes a name, not a path ({parsed.path!r})")
+        raise StoreError(
+            f"store URL {shown_url(parsed.url)!r}: memory:// takes a name, not a path ({parsed.path!r})"
+        )
     capacity = params.size("capacity", -1)
     quotas = _quotas_param(params, capacity_bytes=None if capacity < 0 else capacity)
     params.finish()
@@ -295,14 +348,14 @@ def _quotas_param(params: Params, *, capacity_bytes: int | None) -> dict[str, in
 def _open_file(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     if parsed.netloc not in ("", "localhost"):
         raise StoreError(
-            f"store URL {parsed.url!r}: file URLs need an absolute directory (file:///DIR), "
+            f"store URL {shown_url(parsed.url)!r}: file URLs need an absolute directory (file:///DIR), "
             f"got host {parsed.netloc!r}"
         )
     if not parsed.path or parsed.path == "/":
-        raise StoreError(f"store URL {parsed.url!r}: missing directory (file:///DIR)")
+        raise StoreError(f"store URL {shown_url(parsed.url)!r}: missing directory (file:///DIR)")
     capacity = params.size("capacity", DEFAULT_FILE_CAPACITY)
     if capacity <= 0:
-        raise StoreError(f"store URL {parsed.url!r}: parameter capacity must be > 0")
+        raise StoreError(f"store URL {shown_url(parsed.url)!r}: parameter capacity must be > 0")
     # None: the backend picks (a deadline where the directory's file system may hang, none on a local one).
     timeout_ms = params.optional_integer("timeout_ms", minimum=-(1 << 63), maximum=MAX_DURATION_MS)
     if timeout_ms is not None and timeout_ms <= 0:
@@ -357,7 +410,7 @@ def _mooncake_timeout_ms(params: Params) -> int:
 def _open_mooncake(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
     host, _, port_text = parsed.netloc.rpartition(":")
     if not host or not _MOONCAKE_PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
-        raise StoreError(f"store URL {parsed.url!r}: mooncake:// needs the master as HOST:PORT")
+        raise StoreError(f"store URL {shown_url(parsed.url)!r}: mooncake:// needs the master as HOST:PORT")
     from hybridkv.store.mooncake import MooncakeBackend  # here: other schemes never load the Mooncake adapter
 
     # Every parameter is read (and checked) before ``finish`` refuses unknown ones and the client connects.
@@ -385,7 +438,7 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
 STORE_KINDS: Mapping[str, StoreKind] = {kind.scheme: kind for kind in (
     StoreKind("memory",   _open_memory,   StoreTier.HOST,     process_local=True,  params=("capacity",)),
     StoreKind("file",     _open_file,     StoreTier.DISK,     process_local=False, params=("capacity", "timeout_ms"),
-              absent=_absent_file_store),
+              absent=_absent_file_store, record=_record_file_capacity, recorded_params=_recorded_file_params),
     StoreKind("mooncake", _open_mooncake, StoreTier.EXTERNAL, process_local=False,
               params=("metadata", "local_hostname", "segment", "local_buffer", "protocol", "device",
                       "timeout_ms", "breaker_failures", "breaker_reset_s", "preferred_segment"),
