@@ -31,7 +31,8 @@ estimate (``hybridkv.store.file_layout``), ``stats()`` reads the exact bytes fro
 
 Where quotas are set: ``memory://NAME?quotas=NS:SIZE[,NS:SIZE...]`` (the table is process-local, so its
 URL is the one place); a file store's quotas belong to its directory (every process sharing it enforces
-the same ones) and are set with ``hybridkv store quota URL --set NS=SIZE`` (:func:`write_quotas`).
+the same ones) and are set with ``hybridkv store quota URL --set NS=SIZE`` (:func:`write_quotas`); they apply
+to the data already there from the next put of any process on.
 Mooncake evicts in its master, which knows no tenants: quotas are refused there.
 """
 

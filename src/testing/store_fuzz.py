@@ -41,6 +41,13 @@ and whether the key is certainly present. The properties:
   out while its tenant is over its quota; a value at least as large as its tenant's quota is refused with
   ``NO_SPACE``; a put may evict only entries of its own tenant -- every other key certainly stored stays
   readable (with no capacity bound the machine checks it on every read, ``exists`` and listing).
+- Quotas set mid-run (with ``set_quotas``): the store starts without quotas and a rule sets them on the live
+  data (a file store's ``hybridkv store quota --set``). Before, a tenant is like any other; after it, the first
+  put (of any tenant) may evict any tenant's entries and every put -- the first included -- leaves each
+  tenant within its quota, however much it held when the quota came.
+- Several handles (with ``peer``: a second handle on the same storage, as a second process on a file
+  store's directory): puts alternate between the handles and the writers of one key use both, so the
+  quota checks above hold across processes that share the tenants' accounting.
 
 Every key has a fixed value size (derived from the key), so a size mismatch is never the model's doing.
 """
@@ -88,6 +95,8 @@ def make_store_machine(
     num_writer_threads: int = 3,
     quotas: Mapping[str, int] | None = None,
     check_pins: bool = False,
+    set_quotas: Callable[[Store, Mapping[str, int]], None] | None = None,
+    peer: Callable[[Store], Store] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """Build a conformance state machine for the stores ``factory`` returns.
 
@@ -104,6 +113,10 @@ def make_store_machine(
             with a capacity (its ``stats().capacity_bytes``), and flood it. Not with injected failures or
             corruption (an unanswered call leaves a pin unknown). With ``quotas`` the pins are checked
             whether or not this is set (retention yields to the quota: see the module's docstring).
+        set_quotas: with ``quotas``, the stores start without them (``factory`` sets none) and a rule calls
+            ``set_quotas(store, quotas)`` once, mid-run.
+        peer: opens another handle on the storage of the store it is given (closed with it); puts alternate
+            between the two.
     """
     assert not (check_pins and (allows_failures or allows_corruption)), (
         "check_pins with injected faults: a failed call leaves a pin unknown"
@@ -133,6 +146,11 @@ def make_store_machine(
         def __init__(self) -> None:
             super().__init__()
             self.store: Store = factory()
+            # the handles puts go through, in turn (the store, and the peer's handle on it)
+            self.handles: list[Store] = [self.store] + ([peer(self.store)] if peer is not None else [])
+            self.num_puts = 0
+            # whether the tenants' quotas are in force (set at open, or by set_quotas_mid_run)
+            self.quotas_set = set_quotas is None
             # key -> every byte string that a read of the key may legally return
             self.possible: dict[str, set[bytes]] = {}
             # keys a put returned OK for and nothing removed since (meaningful without eviction)
@@ -146,7 +164,13 @@ def make_store_machine(
             self.capacity_bytes: float = 0
 
         def teardown(self) -> None:
-            self.store.close()
+            for handle in reversed(self.handles):
+                handle.close()
+
+        def _next_handle(self) -> Store:
+            handle = self.handles[self.num_puts % len(self.handles)]
+            self.num_puts += 1
+            return handle
 
         @initialize()
         def store_starts_empty(self) -> None:
@@ -176,7 +200,7 @@ def make_store_machine(
 
         def _check_quota_answer(self, key: str, status: Status) -> None:
             tenant = namespace_of(key)
-            if tenant not in tenant_quotas or status in _FAILURES:
+            if tenant not in tenant_quotas or status in _FAILURES or not self.quotas_set:
                 return
             size, quota = key_to_size[key], tenant_quotas[tenant]
             if size >= quota:
@@ -245,7 +269,7 @@ def make_store_machine(
                 [memoryview(v)[: len(v) // 2], bytearray(v[len(v) // 2 :])] if split else v for v in values
             ]
             self._fit_tenant_pins(batch)
-            statuses = self.store.put(batch, offered)
+            statuses = self._next_handle().put(batch, offered)
             assert len(statuses) == len(batch), f"put returned {len(statuses)} results for {len(batch)} keys"
             for key in batch:
                 self._after_put(key)
@@ -419,7 +443,7 @@ def make_store_machine(
             # Rounds of fresh puts until more than the whole capacity was written. The values are not drawn
             # (megabytes of draws overrun Hypothesis' buffer): one byte pattern per round and key, so that
             # reads still tell them apart.
-            num_rounds = 1 + self.capacity_bytes // max(1, len(batch) * max_value_size)
+            num_rounds = int(1 + self.capacity_bytes // max(1, len(batch) * max_value_size))
             for round_index in range(num_rounds if batch else 0):
                 self._remove(batch)
                 for key_index, key in enumerate(batch):
@@ -450,6 +474,19 @@ def make_store_machine(
                 pinned, self.store.get_into(pinned, destinations), destinations, strict=True
             ):
                 self._check_read(key, status, bytes(destination))
+
+        @precondition(lambda self: not self.quotas_set)
+        @rule()
+        def set_quotas_mid_run(self) -> None:
+            """The quotas come on the live data: the next put may evict any tenant's entries (down to its
+            quota), except pins within the protected share of their tenant's quota."""
+            assert set_quotas is not None
+            set_quotas(self.store, tenant_quotas)
+            self.quotas_set = True
+            for tenant, quota in tenant_quotas.items():
+                self.certain -= tenant_to_keys.get(tenant, set())
+                if self._retained_bytes(tenant) > RETAIN_FRACTION * quota:
+                    self.pinned = {key for key in self.pinned if namespace_of(key) != tenant}
 
         @rule(batch=st.lists(keys, min_size=1, max_size=3, unique=True))
         def remove(self, batch: list[str]) -> None:
@@ -507,9 +544,11 @@ def make_store_machine(
             barrier = threading.Barrier(num_writer_threads)
             thread_statuses: list[Status | None] = [None] * num_writer_threads
 
+            writers = [self._next_handle() for _ in range(num_writer_threads)]
+
             def write(index: int) -> None:
                 barrier.wait()
-                [thread_statuses[index]] = self.store.put([key], [values[index]])
+                [thread_statuses[index]] = writers[index].put([key], [values[index]])
 
             threads = [threading.Thread(target=write, args=(i,)) for i in range(num_writer_threads)]
             for thread in threads:
@@ -546,7 +585,7 @@ def make_store_machine(
         def _check_tenants_within_quota(self, *, concurrent: bool) -> None:
             """After every put (only a put can grow a tenant): each tenant within its quota -- exactly after
             a put from one thread (``concurrent=False``), within the values written at once otherwise."""
-            if not tenant_quotas:
+            if not tenant_quotas or not self.quotas_set:
                 return
             tenants = self.store.stats().extra.get("tenants")
             assert isinstance(tenants, dict) and set(tenants) == set(tenant_quotas), (

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from hybridkv.store import open_store
+from hybridkv.store.base import Store, find_layer
+from hybridkv.store.file import FileBackend
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.quotas import write_quotas
 from hybridkv.testing.store_fuzz import make_store_machine
@@ -133,6 +135,55 @@ FileStoreWithQuotasUnderCapacity = make_store_machine(
     _file_with_quotas_under_capacity, allows_eviction=True, quotas=_QUOTAS
 )
 TestFileStoreWithQuotasUnderCapacity = FileStoreWithQuotasUnderCapacity.TestCase
+
+
+def _directory_of(store: Store) -> Path:
+    backend = find_layer(store, FileBackend)
+    assert backend is not None, f"{store.url} is not a file store"
+    return backend.directory
+
+
+def _second_handle(store: Store) -> Store:
+    """Another handle on the store's directory: what a second engine process opens."""
+    return open_store(store.url)
+
+
+# Two handles on one directory (two processes) and the quotas set mid-run on whatever the tenants hold
+# (``hybridkv store quota --set``): every put, from either handle, leaves each tenant within its quota.
+FileStoreWithQuotasSetLiveOnTwoHandles = make_store_machine(
+    _file,
+    allows_eviction=False,
+    quotas=_QUOTAS,
+    set_quotas=lambda store, quotas: write_quotas(_directory_of(store), quotas),
+    peer=_second_handle,
+)
+TestFileStoreWithQuotasSetLiveOnTwoHandles = FileStoreWithQuotasSetLiveOnTwoHandles.TestCase
+
+
+def test_quota_machine_replays_a_quota_set_on_live_data_from_two_handles() -> None:
+    """The case the review demonstrated, replayed on the machine (CI draws a fixed set of examples): the
+    tenants hold more than their quotas (t1 about twice) when the quotas are set, and the next put -- of a
+    tenant without a quota, from the second handle -- must leave both within them; then t2 churns its
+    largest entry through both handles."""
+    machine = FileStoreWithQuotasSetLiveOnTwoHandles()
+    try:
+        machine.store_starts_empty()
+        live = [f"hkv1/{tenant}/{index}-{size}" for tenant in _QUOTAS for index, size in enumerate(_SIZES)]
+        machine._put_values(live, [b"v" * int(key.rsplit("-", 1)[1]) for key in live], split=False)
+        machine.set_quotas_mid_run()
+        machine._put_values(["hkv1/free/1-1"], [b"f"], split=False)  # checks every tenant's bytes
+        largest = "hkv1/t2/4-4096"
+        for round_index in range(4):
+            machine._remove([largest])
+            machine._put_values([largest], [bytes([round_index]) * 4096], split=False)
+        machine.exists(live)
+        machine.get_into(live[-4:], split=False)
+    finally:
+        machine.teardown()
+
+
+#: The value sizes of the machine's key pool (``hybridkv.testing.store_fuzz.key_pool`` with 4096 bytes).
+_SIZES = (0, 1, 33, 1000, 4096)
 
 
 @pytest.mark.parametrize(

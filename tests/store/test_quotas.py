@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hybridkv.cli import main
 from hybridkv.store import StoreError, open_store
-from hybridkv.store.base import Status
+from hybridkv.store.base import Status, find_layer
+from hybridkv.store.file import FileBackend
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.quotas import (
     OTHER_TENANTS,
@@ -314,3 +317,70 @@ def test_tenant_counters_of_a_store_without_quotas_is_empty(tmp_path: Path) -> N
     assert tenant_counters_of(_memory({})) == {}
     assert tenant_counters_of(open_store(f"file://{tmp_path}/s?capacity=1MiB")) == {}
     assert tenant_counters_of(object()) == {}
+
+
+# -- accounting that must not drift low (issue 34, item 7) -------------------------------------------------
+
+
+def test_a_quota_set_on_a_tenant_that_holds_data_applies_at_the_next_put(tmp_path: Path) -> None:
+    """A tenant holding about four times its quota when the quota is set is within it after the next put, of any
+    tenant: the tenants' estimates are rebuilt from the files once the quotas change, not started at 0."""
+    directory = tmp_path / "store"
+    store = open_store(f"file://{directory}?capacity=64MiB")
+    live = _keys("flood", 8)
+    assert store.put(live, [_value(i) for i in range(8)]) == [Status.OK] * 8
+    write_quotas(directory, {"flood": QUOTAS["flood"]})
+    assert _tenants(store)["flood"]["usage_bytes"] > 3 * QUOTAS["flood"]
+    other = _keys("agent", 1)
+    assert store.put(other, [_value(20)]) == [Status.OK]
+    flood = _tenants(store)["flood"]
+    assert flood["usage_bytes"] <= QUOTAS["flood"], (
+        f"tenant holds {flood['usage_bytes']} bytes after a put, quota {QUOTAS['flood']}"
+    )
+    assert flood["num_quota_evicted"] >= 6
+    more = _keys("flood", 4, start=10)
+    for index, key in enumerate(more):  # its own puts keep it there
+        store.put([key], [_value(30 + index)])
+        assert _tenants(store)["flood"]["usage_bytes"] <= QUOTAS["flood"]
+    store.close()
+
+
+def test_a_tenant_pass_keeps_another_process_reservation_for_a_put_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two handles on one directory (as two engines): the first reserves its entry and is stopped before it
+    publishes; the second's puts pass the quota and run the tenant's pass, which must count the first's
+    reservation -- else, once the first publishes, the estimate is one entry low and the tenant passes its
+    quota without any eviction."""
+    directory = tmp_path / "store"
+    url = f"file://{directory}?capacity=64MiB"
+    first, second = open_store(url), open_store(url)
+    quota = QUOTAS["agent"]  # four entries
+    write_quotas(directory, {"agent": quota})
+    backend = find_layer(first, FileBackend)
+    assert backend is not None
+    publishing, release = threading.Event(), threading.Event()
+    real_publish = backend._publish
+
+    def stopped_publish(*args: Any) -> Any:
+        publishing.set()
+        assert release.wait(30), "never released"
+        return real_publish(*args)
+
+    monkeypatch.setattr(backend, "_publish", stopped_publish)
+    in_flight = threading.Thread(target=first.put, args=(_keys("agent", 1, start=100), [_value(100)]))
+    in_flight.start()
+    try:
+        assert publishing.wait(30), "the first put never reached its publish"
+        for index, key in enumerate(_keys("agent", 4)):  # the fourth passes the quota: the tenant's pass
+            assert second.put([key], [_value(index)]) == [Status.OK]
+    finally:
+        release.set()
+        in_flight.join(30)
+    assert _tenants(second)["agent"]["usage_bytes"] <= quota
+    for index, key in enumerate(_keys("agent", 3, start=10)):
+        assert second.put([key], [_value(10 + index)]) == [Status.OK]
+        usage = _tenants(second)["agent"]["usage_bytes"]
+        assert usage <= quota, f"tenant holds {usage} bytes after a put, quota {quota}"
+    first.close()
+    second.close()
