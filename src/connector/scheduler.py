@@ -440,12 +440,12 @@ class SchedulerSide:
         untrue."""
         if epoch != self.machine.epoch or self.gate.closed:
             return
-        self.events.stored(stored)
+        self.upkeep.stored(self.store, self.scheme, stored)
         if session is not None:
             self.sessions.retain(session, self.scheme, [(g, block_hash) for g, block_hash, _ in stored])
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.events.take()
+        return self.upkeep.take_events(self.store)
 
     # ------------------------------------------------------------------ lifetime
     def request_finished(self, request: Request) -> None:
