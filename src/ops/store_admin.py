@@ -133,7 +133,7 @@ def _capacity_source(url: str) -> str | None:
         return "the URL"
     if recorded_capacity(Path(parsed.path)) is not None:
         return f"recorded by the engines that opened the store ({CAPACITY_FILE})"
-    return "the default (no engine has opened this store yet)"
+    return "the default: no engine has recorded its capacity in this directory yet"
 
 
 def render_stats(stats: dict[str, Any]) -> str:
