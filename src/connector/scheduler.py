@@ -57,6 +57,7 @@ from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.connector.capabilities import connector_roles
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.identity import start_scheme, weights_after_reset
+from hybridkv.connector.layerwise import LAYERWISE_PAUSED, LayerwiseBreaker
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.lookup_answers import LookupAnswers
 from hybridkv.connector.lookup_process import ProcessLookupService
@@ -151,6 +152,8 @@ class SchedulerSide:
         self.upkeep = StoreUpkeep(self.events, self.gate, self.stats)
         #: session hints: what a session's requests store or load stays retained (``connector/sessions.py``)
         self.sessions = SessionRetention(self.store, self.upkeep.submit, self.stats)
+        #: layer-wise mode: hits are withheld for a while after a load missed its deadline (``layerwise.py``)
+        self.layerwise_breaker = LayerwiseBreaker(self.stats)
         self.reset_wait_s = RESET_WAIT_S
         # Off the scheduler thread: engine start never waits on the store.
         self.upkeep.submit(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
@@ -220,7 +223,13 @@ class SchedulerSide:
         r = self._track(request)
         if not self.can_load:
             return 0, False
-        return self.answers.answer(r, num_computed_tokens)
+        num_external, load_async = self.answers.answer(r, num_computed_tokens)
+        if num_external and self.cfg.layerwise and not self.layerwise_breaker.may_offer():
+            # Its load would stall the whole step again on a store that just missed the deadline.
+            r.lc.decline(LAYERWISE_PAUSED)
+            self.stats.add("layerwise_hits_withheld")
+            return 0, False
+        return num_external, load_async
 
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -374,6 +383,8 @@ class SchedulerSide:
     def on_worker_meta(self, wm: HybridStoreWorkerMetadata) -> None:
         """The aggregated worker metadata of one step (see ``on_output``)."""
         ranks = self._all_ranks
+        if self.cfg.layerwise:  # every job's results, tracked or not: a missed deadline stalled the step
+            self.layerwise_breaker.on_load_results(wm.loads.values())
         for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is not None and r.load is not None and r.collect(load_results, ranks):
