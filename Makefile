@@ -1,27 +1,33 @@
 # hybridkv: `make demo` runs the demo, `make test` runs the whole test suite.
 # Both prepare the machine first (scripts/setup.sh); a ready machine is not touched again.
-# `make test` also runs the vLLM-facing tests a second time against vLLM 0.33 (`make test-vllm033`).
+# `make test` also runs the vLLM-facing tests against vLLM 0.33 and 0.34 (`make test-vllm033`, `make test-vllm034`).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.hybridkv-ready
 PYTEST_ARGS ?=
-# vLLM 0.33 (CUDA build only) layered over $(VENV): see scripts/setup-vllm033.sh.
+# vLLM 0.33 and 0.34 (CUDA builds only) layered over $(VENV): see scripts/setup-vllm03x.sh.
 VENV033 ?= .venv-vllm033
 READY033 := $(VENV033)/.hybridkv-ready
+VENV034 ?= .venv-vllm034
+READY034 := $(VENV034)/.hybridkv-ready
 # The tests that drive vLLM's Python side (scheduler, KV-cache manager, configs, connector base classes,
 # metrics, CLI parser) without kernels or an engine; engine tests are marked `slow` and live elsewhere.
-VLLM033_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
+VLLM_LANE_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
 	tests/docs/test_examples.py -m "vllm and not slow"
 
-.PHONY: demo test test-vllm033 test-fast fuzz-long test-races typecheck setup clean
+.PHONY: demo test test-vllm033 test-vllm034 test-fast fuzz-long test-races typecheck setup clean
 
 $(READY): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-$(READY033): $(READY) scripts/setup-vllm033.sh
+$(READY033): $(READY) scripts/setup-vllm033.sh scripts/setup-vllm03x.sh
 	VENV=$(VENV) VENV033=$(VENV033) bash scripts/setup-vllm033.sh
+	touch $@
+
+$(READY034): $(READY) scripts/setup-vllm034.sh scripts/setup-vllm03x.sh
+	VENV=$(VENV) VENV034=$(VENV034) bash scripts/setup-vllm034.sh
 	touch $@
 
 setup: $(READY)
@@ -32,14 +38,18 @@ demo: $(READY)
 # The suite runs in a private network namespace with only loopback up (see scripts/netns-run). The
 # `registry` tests (pip resolving the `vllm` extra against the package index) start no server and need the
 # index, so they run outside it.
-test: $(READY) $(READY033)
+test: $(READY) $(READY033) $(READY034)
 	scripts/netns-run $(PY) -m pytest -m "not registry" $(PYTEST_ARGS)
-	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM033_TESTS)
+	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM_LANE_TESTS)
+	scripts/netns-run $(VENV034)/bin/python -m pytest $(VLLM_LANE_TESTS)
 	$(PY) -m pytest -m registry $(PYTEST_ARGS)
 
-# The scheduler-level tests against vLLM 0.33's Python code over the CPU torch.
+# The scheduler-level tests against vLLM 0.33's and 0.34's Python code over the CPU torch.
 test-vllm033: $(READY033)
-	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM033_TESTS) $(PYTEST_ARGS)
+	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM_LANE_TESTS) $(PYTEST_ARGS)
+
+test-vllm034: $(READY034)
+	scripts/netns-run $(VENV034)/bin/python -m pytest $(VLLM_LANE_TESTS) $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests.
 test-fast: $(READY)
@@ -69,4 +79,4 @@ typecheck: $(READY)
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy --strict -p hybridkv
 
 clean:
-	rm -rf $(VENV) $(VENV033) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV033) $(VENV034) build *.egg-info .pytest_cache .hypothesis

@@ -21,6 +21,18 @@ from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 HASH = 32  # full attention: 16 per rank x dcp 2; Mamba: 32
 
 
+def model_runner_output(req_ids: Sequence[str], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for ``req_ids`` on any supported release: 0.32 and 0.33 also take
+    ``req_id_to_index`` (the index of each request id), which 0.34 dropped (it reads ``req_ids`` only)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=list(req_ids), **fields)
+
+
 def make_vllm_objs() -> dict[str, Any]:
     """A ``VllmConfig`` with TP = DCP = 2 and the connector on a fresh ``memory://`` store."""
     # 1 KV head, 8 query heads: TP = DCP = 2 passes vLLM's validation.
@@ -262,7 +274,7 @@ class Cluster:
         ``before_load(out)``: runs after ``schedule()``, before any rank starts loading (fault injection).
         """
         from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMetadata
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         self.steps += 1
         out = self.sched.schedule()
@@ -316,9 +328,8 @@ class Cluster:
             sampled.append(tok)
             if tok:
                 self.outputs.setdefault(rid, []).append(tok[0])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        mro = model_runner_output(
+            req_ids,
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_recving=finished,

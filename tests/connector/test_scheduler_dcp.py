@@ -186,8 +186,9 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
     vllm_objs: dict[str, Any],
 ) -> None:
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+    from hybridkv.devkit.cluster import model_runner_output
     from vllm.distributed.kv_events import NullEventPublisher
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     class Recorder(NullEventPublisher):
         """vLLM's null publisher, keeping what the scheduler publishes."""
@@ -227,9 +228,8 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
         wm = HybridStoreWorkerMetadata(
             saves={saves[0].job_id: res}, saves_done={saves[0].job_id: list(ranks)}
         )
-        mro = ModelRunnerOutput(
-            req_ids=["s"],
-            req_id_to_index={"s": 0},
+        mro = model_runner_output(
+            ["s"],
             sampled_token_ids=[[]],
             kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
         )
@@ -294,8 +294,9 @@ def test_kv_role_limits_saves_and_loads(
 def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dict[str, Any]) -> None:
     """Backpressure on every rank: the wave ends DROPPED, its pins are released, no BlockStored."""
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
+    from hybridkv.devkit.cluster import model_runner_output
     from hybridkv.lifecycle import State
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     sched = make_scheduler(vllm_objs["vc"])
     side = sched.connector.scheduler_side
@@ -311,9 +312,8 @@ def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dic
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: [0, 1]})
     sched.update_from_output(
         out,
-        ModelRunnerOutput(
-            req_ids=["d"],
-            req_id_to_index={"d": 0},
+        model_runner_output(
+            ["d"],
             sampled_token_ids=[[]],
             kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
         ),

@@ -273,7 +273,8 @@ def _stored_blocks(side: Any, store: Any) -> set[tuple[int, bytes]]:
 
 @both_lookup_modes
 def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from hybridkv.devkit.cluster import model_runner_output
+    from vllm.v1.outputs import KVConnectorOutput
 
     store = open_store(objs["store_url"])
     recorder = _Recorder()
@@ -291,9 +292,8 @@ def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: list(RANKS)})
     sched.update_from_output(
         out,
-        ModelRunnerOutput(
-            req_ids=["e1"],
-            req_id_to_index={"e1": 0},
+        model_runner_output(
+            ["e1"],
             sampled_token_ids=[[]],
             kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
         ),

