@@ -7,6 +7,7 @@ Configure with ``kv_connector="HybridStoreConnector"``, ``kv_connector_module_pa
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,9 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata
 from hybridkv.connector.stats import HybridStoreStats, build_stats, with_gauges
+from hybridkv.connector.vllm_compat import in_process_kv_cache_access
 from hybridkv.lifecycle.geometry import Geometry
+from hybridkv.lifecycle.table import State
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -177,6 +180,15 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         self.worker_side.resume()
 
+    # -- vLLM 0.34 (older releases never call it) -------------------------------------------------------
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> enum.IntFlag:
+        """``KVCacheAccess.IN_PROCESS``: the workers reach the KV cache only with in-process copies (torch
+        ops on the tensors ``register_kv_caches`` handed over; no RDMA registration, no export to another
+        process), so any allocation works, vLLM 0.34's extensible KV cache included. Its release around
+        a weight update goes through ``unregister_kv_caches`` / ``restore_kv_caches`` (above)."""
+        return in_process_kv_cache_access()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridStoreMetadata), f"unexpected metadata {type(meta).__name__}"
@@ -295,6 +307,37 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         answer: tuple[int | None, bool] = self.scheduler_side.lookup(request, num_computed_tokens)
         return answer
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): whether ``get_num_new_matched_tokens`` may answer
+        ``load_kv_async=True`` for ``request``; such requests may start their load while the running batch
+        is full. vLLM asks when the request enters the waiting queues, right after ``on_new_request``.
+
+        True unless the request surely loads nothing asynchronously: loads off (a producer, an engine that
+        cannot use loaded KV), layer-wise loads (synchronous), a request that reads no cached prefix
+        (prompt scoring), a prompt without one full hash block, a lifecycle that cannot hit (``REFUSED``)
+        or whose lookup already answered a miss (``MISS``: a request re-entering the queue), or a store
+        the lookup would not ask (circuit open, a call hung, a namespace reset: the lookup misses).
+
+        A lookup still in flight answers True: at the first ask every lookup is (``on_new_request`` has
+        just started it), so False there would turn the hook off for every new request. That costs
+        nothing while the lookup runs (vLLM's "ask again" skips the request without holding back other
+        loads); a lookup that then misses holds back the asynchronous loads behind it until a running
+        slot frees, as vLLM documents for a false positive, and is then scheduled in arrival order as
+        before."""
+        sched = self._sched
+        if sched is None or not sched.can_load or self.config.layerwise:
+            return False
+        if getattr(request, "skip_reading_prefix_cache", False) or getattr(
+            request, "skip_reading_external_kv", False
+        ):
+            return False
+        if not request.block_hashes:
+            return False
+        lc = sched.lifecycle(request.request_id)
+        if lc is not None and lc.current in (State.MISS, State.REFUSED):
+            return False
+        return sched.answers.store_usable()
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

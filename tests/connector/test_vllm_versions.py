@@ -1,7 +1,7 @@
-"""The connector's hooks against the installed vLLM's connector base class (0.32 and 0.33 alike).
+"""The connector's hooks against the installed vLLM's connector base class (0.32, 0.33 and 0.34 alike).
 
-`make test` runs this file under both releases: vLLM's CPU build 0.32 and vLLM 0.33's Python code
-(`make test-vllm033`). A hook whose parameters drift from the base class vLLM calls it through would only
+`make test` runs this file under every release: vLLM's CPU build 0.32 and vLLM 0.33's and 0.34's Python code
+(`make test-vllm033`, `make test-vllm034`). A hook whose parameters drift from the base class vLLM calls it through would only
 fail on a real engine of that release; these checks fail at test time instead.
 """
 
@@ -15,6 +15,8 @@ pytestmark = pytest.mark.vllm
 
 # Sleep mode: vLLM 0.33 added these hooks to the connector base class; 0.32 never calls them.
 SLEEP_HOOKS = ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches")
+# vLLM 0.34 added these; 0.32 and 0.33 never call them (tests/connector/test_vllm034_hooks.py).
+VLLM034_HOOKS = ("may_load_async", "kv_cache_access")
 
 
 def _vllm_release() -> tuple[int, int]:
@@ -69,3 +71,15 @@ def test_sleep_hooks_are_the_connectors_own_where_vllm_calls_them() -> None:
     else:
         assert declared == [], f"vLLM {_vllm_release()} already declares {declared}"
     assert HybridStoreConnector.supports_sleep_mode(None) is True
+
+
+def test_vllm034_hooks_are_the_connectors_own_where_vllm_calls_them() -> None:
+    """0.34's defaults would answer for hybridkv: ``may_load_async`` False for every store hit (the P/D
+    flag only), ``kv_cache_access`` IN_PROCESS without hybridkv saying so."""
+    from hybridkv.connector import HybridStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    declared = [name for name in VLLM034_HOOKS if hasattr(KVConnectorBase_V1, name)]
+    assert declared == (list(VLLM034_HOOKS) if _vllm_release() >= (0, 34) else []), declared
+    for name in VLLM034_HOOKS:
+        assert name in vars(HybridStoreConnector), f"{name} is not the connector's own"
