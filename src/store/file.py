@@ -39,9 +39,11 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import itertools
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -120,6 +122,11 @@ class FileBackend:
         #: read is running (at most one: a read hung past the deadline is not joined by more).
         self._last_estimates: tuple[dict[str, int], dict[str, int], int, int] = ({}, {}, 0, 0)
         self._estimates_reading = False
+        #: The quota file's stamp under which this handle last found every tenant's estimate rebuilt.
+        self._settled_stamp: tuple[int, int, int] | None = None
+        #: Reservation ids (``FileLayout.reserve_tenant_bytes``): unique across processes and handles.
+        self._reservation_prefix = uuid.uuid4().hex
+        self._reservation_ids = itertools.count()
 
     def install_read_probe(self, probe: ReadProbe | None) -> None:
         """Time this process's reads into ``probe`` from the next get call on (``None``: stop timing)."""
@@ -209,11 +216,13 @@ class FileBackend:
                 results.append(Status.OK)
                 paths.append(path)
                 num_new_bytes += size
-        namespace_to_new_bytes, unwritten = self._apply_quotas(keys, sizes, paths, results)
+        namespace_to_new_bytes, unwritten, reservation = self._apply_quotas(keys, sizes, paths, results)
         for index in unwritten:  # refused by its tenant's quota, or evicted by a newer value of the batch
             num_new_bytes -= sizes[index]
             paths[index] = None
         if num_new_bytes == 0:
+            if reservation is not None:
+                layout.release_tenant_bytes(reservation, {})
             return results
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
         # bytes up front (one locked update), make room if that overflows, and give back what was not
@@ -248,12 +257,14 @@ class FileBackend:
                 namespace = namespace_of(key)
                 if namespace in namespace_to_new_bytes:
                     namespace_to_unpublished_bytes[namespace] = (
-                        namespace_to_unpublished_bytes.get(namespace, 0) - sizes[index]
+                        namespace_to_unpublished_bytes.get(namespace, 0) + sizes[index]
                     )
         if num_unpublished_bytes:
             layout.add_usage(-num_unpublished_bytes)
-        if namespace_to_unpublished_bytes:
-            layout.add_tenant_usage(namespace_to_unpublished_bytes)
+        # (A put that raises before this leaves its reservation counted -- high, never low -- until it is
+        # stale: FileLayout's Quotas.)
+        if reservation is not None:
+            layout.release_tenant_bytes(reservation, namespace_to_unpublished_bytes)
         if num_claimed:
             with self._lock:
                 self.num_recycled += num_claimed
@@ -261,7 +272,7 @@ class FileBackend:
 
     def _apply_quotas(
         self, keys: Sequence[str], sizes: Sequence[int], paths: Sequence[str | None], results: list[Status]
-    ) -> tuple[dict[str, int], list[int]]:
+    ) -> tuple[dict[str, int], list[int], str | None]:
         """Enforce the directory's quotas on the new frames of a put (``paths[i]`` set), as if the frames were
         put one by one in batch order (what the memory store does):
 
@@ -270,14 +281,19 @@ class FileBackend:
           batch's tail); the older ones would be evicted by the newer ones at once, so they are not written
           at all: ``OK``, counted as quota evictions. Without this a batch larger than the quota would land
           whole, and its bytes past the quota would push other tenants out through capacity eviction;
-        - the kept bytes are added to the tenant's estimate, and a tenant that passes its quota evicts its
-          own oldest files first.
+        - the kept bytes are reserved: added to the tenant's estimate and recorded as in flight until the put
+          releases them (``FileLayout.reserve_tenant_bytes``), so that every process's tenant pass counts
+          them; a tenant that passes its quota evicts its own oldest files first (``settle_tenants``);
+        - the first put after the quotas changed (any put, of any tenant) rebuilds every tenant's estimate
+          from the files, evicting those over their quotas: a quota set on a tenant that already holds data
+          applies at once, its estimate never starts at 0.
 
-        Returns the new bytes per namespace under a quota (what to give back if not published) and the
-        indices of the frames not to write (refused or evicted by the batch itself)."""
+        Returns the new bytes per namespace under a quota (what to give back if not published), the
+        indices of the frames not to write (refused or evicted by the batch itself) and the reservation to
+        release once published (``None``: none was made)."""
         quotas = self._current_quotas()
         if not quotas:
-            return {}, []
+            return {}, [], None
         unwritten: list[int] = []
         namespace_to_indices: dict[str, list[int]] = {}
         for index, (key, size, path) in enumerate(zip(keys, sizes, paths, strict=True)):
@@ -309,15 +325,24 @@ class FileBackend:
                 self.layout.eviction_log.append([key_digest(keys[index]) for index in evicted_by_batch])
                 self._counters_of(namespace, quota).num_quota_evicted += len(evicted_by_batch)
             namespace_to_new_bytes[namespace] = num_kept_bytes
-        if not namespace_to_new_bytes:
-            return {}, unwritten
-        usage = self.layout.add_tenant_usage(namespace_to_new_bytes)
-        for namespace, num_bytes in namespace_to_new_bytes.items():
-            quota = quotas[namespace]
-            if usage.get(namespace, 0) > quota:
-                num_evicted = self.layout.make_tenant_room(namespace, num_bytes, quota)
-                self._counters_of(namespace, quota).num_quota_evicted += num_evicted
-        return namespace_to_new_bytes, unwritten
+        stamp = self._quotas_stamp
+        if stamp is None or (not namespace_to_new_bytes and stamp == self._settled_stamp):
+            return namespace_to_new_bytes, unwritten, None  # nothing to reserve, estimates rebuilt already
+        reservation = (
+            f"{self._reservation_prefix}-{next(self._reservation_ids)}" if namespace_to_new_bytes else None
+        )
+        usage, unknown = self.layout.reserve_tenant_bytes(reservation, namespace_to_new_bytes, stamp, quotas)
+        due = unknown | {
+            namespace
+            for namespace in namespace_to_new_bytes
+            if namespace in usage and usage[namespace] > quotas[namespace]
+        }
+        if due:
+            evicted = self.layout.settle_tenants({namespace: quotas[namespace] for namespace in due}, stamp)
+            for namespace, num_evicted in evicted.items():
+                self._counters_of(namespace, quotas[namespace]).num_quota_evicted += num_evicted
+        self._settled_stamp = stamp
+        return namespace_to_new_bytes, unwritten, reservation
 
     def _current_quotas(self) -> dict[str, int]:
         """The directory's quotas, re-read when the quota file changed (one ``stat`` per put batch)."""
@@ -675,7 +700,7 @@ class FileBackend:
         try:
             quotas = dict(self._current_quotas())
             if quotas:
-                estimates = self.layout.update_tenant_usage(lambda usage: usage)
+                estimates = self.layout.tenant_estimates()
                 usage_estimate, spare_estimate = self.layout.update_usage(lambda usage, spare: (usage, spare))
             else:
                 estimates, usage_estimate, spare_estimate = {}, 0, 0

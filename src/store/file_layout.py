@@ -15,7 +15,8 @@ Layout under DIR (created ``0700``)::
     spare/SIZE/*.kv           removed or evicted files kept for reuse, by page-rounded size (see Recycling)
     usage                     two 8-byte little-endian estimates (shared, flock'ed): the bytes under objects/
                               and spare/ together, and the bytes under spare/
-    tenant_usage.json         per namespace under a quota: an estimate of its bytes (under usage's flock)
+    tenant_usage.json         the tenants' ledger (under usage's flock): per namespace under a quota an estimate
+                              of its bytes, the reservations of puts in flight (``TenantLedger``)
     quotas.json               bytes per namespace (``hybridkv.store.quotas``), written by the operator
     evict.lock                held by the one process currently evicting (non-blocking for capacity passes)
     evictions/                what every eviction pass removed, for every process's ``take_evictions``
@@ -56,16 +57,25 @@ retained files within ``RETAIN_FRACTION`` of the capacity (of the quota, in a te
 the rest count as used now (``eviction_order``). The mtime is on disk, so every process sharing the directory
 honours a retention any of them made; a new file for the key (after an eviction) is not retained.
 
-Quotas: a put of a tenant under a quota adds its bytes to the tenant's estimate; when that passes the quota,
-the putter takes ``evict.lock`` (waiting for a capacity pass to finish), reads the frame headers of every
-file to find the tenant's (names are digests: the key, hence the namespace, is only in the header), deletes
-the tenant's oldest-mtime files down to 90 % of its quota and rewrites its estimate with the real total.
+Quotas: a put of a tenant under a quota reserves its bytes: adds them to the tenant's estimate and records
+them in the ledger as in flight until it has published (``reserve_tenant_bytes`` / ``release_tenant_bytes``).
+When the estimate passes the quota, the putter takes ``evict.lock`` (waiting for a capacity pass to finish),
+reads the frame headers of every file to find the tenant's (names are digests: the key, hence the namespace,
+is only in the header), and if its files plus every process's reservations pass the quota deletes its
+oldest-mtime files until they fit under 90 % of it; it rewrites the estimate as the files plus the
+reservations (``settle_tenants``), so a put in flight in another process is never dropped from it
+(reservations released while the pass scans are kept for it to count). Estimates hold only for the quota
+file they were rebuilt under (its mtime, inode and size): the first put after the quotas change, in any
+process, rebuilds every tenant's estimate from the files in one pass, evicting tenants over their quotas --
+a quota set on a tenant that already holds data applies at once, never starting from 0.
 A batch of a tenant never adds more than its quota: the putter writes only the batch's newest frames that fit
 (``hybridkv.store.quotas``). While the directory has quotas, a capacity pass reads the header of each file it
 evicts (one open and two small reads each, not the whole directory's) to count it for its tenant and take its
-bytes off the tenant's estimate. The estimates may still be high (a crashed writer's reservation, a file
-removed by a process that read no quotas yet) until the tenant's next pass; high, never low: a tenant evicts
-its own entries early at worst, and never grows past its quota.
+bytes off the tenant's estimate. The estimates may still be high (a crashed writer's reservation, dropped
+from the ledger after ``_STALE_TMP_S``; a file published while a pass scanned, counted twice) until the
+tenant's next pass; high, never low: a tenant evicts its own entries early at worst, and never grows past its
+quota. Left out: a put that read the quota file just before a ``quota --set`` and lands after the rebuild is
+not counted (one put per process, until the tenant's next pass).
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 Values below ``RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file,
 not by page faults.
@@ -82,9 +92,10 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
+from typing import TypeVar, overload
 
 import structlog
 from hybridkv.store.base import StoreError, StoreLogEvent
@@ -144,6 +155,99 @@ def eviction_order(
         return (0, last_use(path) if str(path) in retained else mtime)
 
     return sorted(entries, key=order)
+
+
+#: The quota file's (mtime_ns, inode, size): which quotas the tenants' estimates were rebuilt under.
+QuotasStamp = tuple[int, int, int]
+T = TypeVar("T")
+
+
+@dataclass
+class Reservation:
+    """A put's new bytes per namespace, counted by every tenant pass until the put has published them."""
+
+    since: float
+    namespace_to_bytes: dict[str, int]
+    #: published while a tenant pass scanned: kept for that pass to count, dropped when it ends
+    published: bool = False
+
+
+@dataclass
+class TenantLedger:
+    """``tenant_usage.json``: the tenants' shared estimates and the reservations of puts in flight (see
+    Quotas in the module docstring). Decoding is lenient: anything malformed is left out (so estimates are
+    rebuilt, reservations forgotten -- an old file of another format is an empty ledger)."""
+
+    #: the quotas the estimates were rebuilt under; ``None``: none yet
+    quotas_stamp: QuotasStamp | None = None
+    #: namespace -> bytes (high, never low); a namespace under a quota without an entry is not counted yet
+    usage: dict[str, int] = field(default_factory=dict)
+    #: reservation id (unique across processes) -> the put's reservation
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    #: when the tenant pass under way started scanning (wall clock); ``None``: none is
+    scan_since: float | None = None
+
+    def reserved_bytes(self) -> dict[str, int]:
+        """The bytes of the reservations per namespace."""
+        reserved: dict[str, int] = {}
+        for held in self.reservations.values():
+            for namespace, num_bytes in held.namespace_to_bytes.items():
+                reserved[namespace] = reserved.get(namespace, 0) + num_bytes
+        return reserved
+
+    def drop_stale(self, horizon: float) -> None:
+        """Forget the reservations and the scan marker made before ``horizon`` (a crashed process's)."""
+        for reservation in [r for r, held in self.reservations.items() if held.since < horizon]:
+            del self.reservations[reservation]
+        if self.scan_since is not None and self.scan_since < horizon:
+            self.scan_since = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "quotas_stamp": self.quotas_stamp,
+                "usage": self.usage,
+                "reservations": {
+                    reservation: {
+                        "since": held.since,
+                        "bytes": held.namespace_to_bytes,
+                        "published": held.published,
+                    }
+                    for reservation, held in self.reservations.items()
+                },
+                "scan_since": self.scan_since,
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TenantLedger:
+        try:
+            loaded = json.loads(raw) if raw else {}
+        except ValueError:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            return cls()
+        ledger = cls()
+        stamp = loaded.get("quotas_stamp")
+        if isinstance(stamp, list) and len(stamp) == 3 and all(type(n) is int for n in stamp):
+            ledger.quotas_stamp = (stamp[0], stamp[1], stamp[2])
+        usage = loaded.get("usage")
+        if isinstance(usage, dict):
+            ledger.usage = {ns: n for ns, n in usage.items() if type(n) is int}
+        reservations = loaded.get("reservations")
+        for reservation, held in (reservations if isinstance(reservations, dict) else {}).items():
+            if not isinstance(held, dict) or not isinstance(held.get("bytes"), dict):
+                continue
+            since = held.get("since")
+            ledger.reservations[reservation] = Reservation(
+                float(since) if isinstance(since, int | float) else 0.0,
+                {ns: n for ns, n in held["bytes"].items() if type(n) is int},
+                held.get("published") is True,
+            )
+        scan_since = loaded.get("scan_since")
+        ledger.scan_since = float(scan_since) if isinstance(scan_since, int | float) else None
+        return ledger
 
 
 class _TenantTally:
@@ -433,41 +537,88 @@ class FileLayout:
             finally:
                 fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
 
-    def update_tenant_usage(self, update: Callable[[dict[str, int]], dict[str, int]]) -> dict[str, int]:
-        """Apply ``update(namespace -> bytes) -> namespace -> bytes`` to the tenants' shared estimates under
-        the usage lock; returns the new map. An unreadable estimate file counts as empty (it is an estimate:
-        the next quota pass rewrites the tenant's entry from the files)."""
+    def _with_ledger(self, update: Callable[[TenantLedger], T]) -> T:
+        """``update(ledger)`` on the tenants' shared ledger (``tenant_usage.json``) under the usage lock,
+        written back if it changed; returns what ``update`` returns. Reservations and a scan marker older than
+        ``_STALE_TMP_S`` belong to a crashed process and are dropped. An unreadable file is an empty ledger
+        (every tenant's estimate is then rebuilt from the files at the next put)."""
         with self._usage_lock:
             fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
             try:
-                raw = os.pread(self._tenant_usage_fd, 1 << 20, 0)
-                try:
-                    loaded = json.loads(raw) if raw else {}
-                except ValueError:
-                    loaded = {}
-                old = (
-                    {name: value for name, value in loaded.items() if type(value) is int}
-                    if isinstance(loaded, dict)
-                    else {}
-                )
-                new = {name: max(0, value) for name, value in update(dict(old)).items()}
-                if new != old:
-                    encoded = json.dumps(new, sort_keys=True).encode()
+                raw = os.pread(self._tenant_usage_fd, os.fstat(self._tenant_usage_fd).st_size, 0)
+                ledger = TenantLedger.decode(raw)
+                ledger.drop_stale(time.time() - _STALE_TMP_S)
+                result = update(ledger)
+                encoded = ledger.encode()
+                if encoded != raw:
                     os.pwrite(self._tenant_usage_fd, encoded, 0)
                     os.ftruncate(self._tenant_usage_fd, len(encoded))
-                return new
+                return result
             finally:
                 fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
 
-    def add_tenant_usage(self, namespace_to_delta: dict[str, int]) -> dict[str, int]:
-        """Add each delta to its namespace's estimate; returns the new estimates."""
+    def tenant_estimates(self) -> dict[str, int]:
+        """The tenants' shared estimates: namespace -> bytes (only namespaces rebuilt under the quotas in
+        force; see Quotas in the module docstring)."""
+        return self._with_ledger(lambda ledger: dict(ledger.usage))
 
-        def add(usage: dict[str, int]) -> dict[str, int]:
+    def add_tenant_usage(self, namespace_to_delta: Mapping[str, int]) -> dict[str, int]:
+        """Add each delta to its namespace's estimate (a namespace without one keeps none: its rebuild will
+        count its files); returns the new estimates."""
+
+        def add(ledger: TenantLedger) -> dict[str, int]:
             for namespace, delta in namespace_to_delta.items():
-                usage[namespace] = usage.get(namespace, 0) + delta
-            return usage
+                if namespace in ledger.usage:
+                    ledger.usage[namespace] = max(0, ledger.usage[namespace] + delta)
+            return dict(ledger.usage)
 
-        return self.update_tenant_usage(add)
+        return self._with_ledger(add)
+
+    def reserve_tenant_bytes(
+        self,
+        reservation: str | None,
+        namespace_to_bytes: Mapping[str, int],
+        quotas_stamp: QuotasStamp,
+        namespaces: Collection[str],
+    ) -> tuple[dict[str, int], set[str]]:
+        """Before a put publishes: add its new bytes per namespace to the estimates and record them as the
+        in-flight ``reservation`` (an id unique across processes; ``None`` with no bytes), which every tenant
+        pass counts until :meth:`release_tenant_bytes`. Estimates made under other quotas than
+        ``quotas_stamp`` (the quota file's) are dropped first. Returns the estimates and the namespaces of
+        ``namespaces`` that have none (to rebuild: :meth:`settle_tenants`)."""
+
+        def reserve(ledger: TenantLedger) -> tuple[dict[str, int], set[str]]:
+            if ledger.quotas_stamp != quotas_stamp:
+                ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
+            if reservation is not None and namespace_to_bytes:
+                ledger.reservations[reservation] = Reservation(time.time(), dict(namespace_to_bytes))
+                for namespace, num_bytes in namespace_to_bytes.items():
+                    if namespace in ledger.usage:
+                        ledger.usage[namespace] += num_bytes
+            return dict(ledger.usage), {
+                namespace for namespace in namespaces if namespace not in ledger.usage
+            }
+
+        return self._with_ledger(reserve)
+
+    def release_tenant_bytes(self, reservation: str, namespace_to_unpublished: Mapping[str, int]) -> None:
+        """A put's ``reservation`` ends: its published bytes are files now, its ``namespace_to_unpublished``
+        bytes leave the estimates. While a tenant pass scans, the reservation stays (marked published) for
+        that pass to count: the scan may have missed a file published meanwhile (counted twice at worst)."""
+
+        def release(ledger: TenantLedger) -> None:
+            for namespace, num_bytes in namespace_to_unpublished.items():
+                if namespace in ledger.usage:
+                    ledger.usage[namespace] = max(0, ledger.usage[namespace] - num_bytes)
+            held = ledger.reservations.get(reservation)
+            if held is None:
+                return
+            if ledger.scan_since is None:
+                del ledger.reservations[reservation]
+            else:
+                held.published = True
+
+        self._with_ledger(release)
 
     def add_usage(self, delta: int, spare_delta: int = 0) -> int:
         """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
@@ -634,48 +785,100 @@ class FileLayout:
                     self.namespace_to_capacity_evicted.get(tenant, 0) + count
                 )
 
-    def make_tenant_room(self, namespace: str, size: int, quota_bytes: int) -> int:
-        """Evict ``namespace``'s oldest files until ``size`` more bytes of it fit under 90 % of its quota
-        (under the quota when ``size`` alone is more than that), and set its estimate to what it then holds
-        plus ``size`` (the bytes the caller is about to publish). Returns the files evicted.
-
-        Reads every file's header (see Quotas in the module docstring); waits for a capacity pass."""
-        assert size <= quota_bytes, f"{size} bytes of {namespace!r} cannot fit its quota of {quota_bytes}"
+    def settle_tenants(
+        self, namespace_to_quota: Mapping[str, int], quotas_stamp: QuotasStamp
+    ) -> dict[str, int]:
+        """The tenant pass: for each namespace of ``namespace_to_quota`` (its quota) that has no estimate under
+        ``quotas_stamp`` or whose estimate is over its quota, read its bytes from the files; if they and the
+        reservations in flight (every process's, this put's included) pass the quota, evict its oldest
+        files until they fit under 90 % of it (retained ones last, ``eviction_order``); then set its estimate
+        to its files plus the reservations. One scan of every file's header for all of them (see Quotas in
+        the module docstring); waits for a capacity pass, and skips the namespaces another process's pass
+        settled meanwhile. Returns the files evicted per namespace."""
         fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
         try:
-            entries: list[tuple[float, int, Path]] = []
-            for path, key in self.iter_keyed_paths():
-                if namespace_of(key) != namespace:
-                    continue
-                try:
-                    info = path.stat()
-                except FileNotFoundError:
-                    continue
-                entries.append((info.st_mtime, info.st_size, path))
-            total = sum(file_size for _mtime, file_size, _path in entries)
-            keep = max(int(quota_bytes * _LOW_WATERMARK), size) - size
-            entries = eviction_order(entries, time.time(), quota_bytes * RETAIN_FRACTION)
-            num_evicted = 0
-            evicted: list[bytes | None] = []
-            for _mtime, file_size, path in entries:
-                if total <= keep:
-                    break
-                if self.retire(str(path), file_size):
-                    num_evicted += 1
-                    evicted.append(digest_of_name(path.name))
-                total -= file_size
-            self.eviction_log.append([digest for digest in evicted if digest is not None])
-            remaining = total + size
 
-            def settle(usage: dict[str, int]) -> dict[str, int]:
-                usage[namespace] = remaining
-                return usage
+            def start(ledger: TenantLedger) -> set[str]:
+                if ledger.quotas_stamp != quotas_stamp:
+                    ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
+                due = {
+                    namespace
+                    for namespace, quota in namespace_to_quota.items()
+                    if namespace not in ledger.usage or ledger.usage[namespace] > quota
+                }
+                if due:
+                    ledger.scan_since = time.time()
+                return due
 
-            self.update_tenant_usage(settle)
-            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, namespace=namespace, num_evicted=num_evicted)
-            return num_evicted
+            due = self._with_ledger(start)
+            if not due:
+                return {}
+            namespace_to_files: dict[str, int] = {}
+            try:
+                namespace_to_evicted = self._evict_tenants(
+                    {namespace: namespace_to_quota[namespace] for namespace in due}, namespace_to_files
+                )
+            finally:
+
+                def finish(ledger: TenantLedger) -> None:
+                    if (
+                        ledger.quotas_stamp == quotas_stamp
+                    ):  # (else other quotas came meanwhile: rebuild anew)
+                        reserved = ledger.reserved_bytes()
+                        for namespace, num_bytes in namespace_to_files.items():
+                            ledger.usage[namespace] = num_bytes + reserved.get(namespace, 0)
+                    ledger.scan_since = None
+                    for reservation in [r for r, held in ledger.reservations.items() if held.published]:
+                        del ledger.reservations[reservation]
+
+                self._with_ledger(finish)
+            log.debug(
+                StoreLogEvent.FILE_EVICTED, url=self.url, namespaces=sorted(due), evicted=namespace_to_evicted
+            )
+            return namespace_to_evicted
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+
+    def _evict_tenants(
+        self, namespace_to_quota: Mapping[str, int], namespace_to_files: dict[str, int]
+    ) -> dict[str, int]:
+        """``settle_tenants``' scan and evictions (under ``evict.lock``): fills ``namespace_to_files`` with
+        the bytes each namespace's files hold afterwards (only once every namespace is done) and returns the
+        files evicted per namespace."""
+        namespace_to_entries: dict[str, list[tuple[float, int, Path]]] = {ns: [] for ns in namespace_to_quota}
+        for path, key in self.iter_keyed_paths():
+            entries = namespace_to_entries.get(namespace_of(key) or "")
+            if entries is None:
+                continue
+            try:
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((info.st_mtime, info.st_size, path))
+        reserved = self._with_ledger(lambda ledger: ledger.reserved_bytes())
+        now = time.time()
+        namespace_to_evicted: dict[str, int] = {}
+        totals: dict[str, int] = {}
+        evicted: list[bytes | None] = []
+        for namespace, quota_bytes in namespace_to_quota.items():
+            entries = namespace_to_entries[namespace]
+            total = sum(file_size for _mtime, file_size, _path in entries)
+            num_reserved = reserved.get(namespace, 0)
+            num_evicted = 0
+            if total + num_reserved > quota_bytes:
+                keep = max(int(quota_bytes * _LOW_WATERMARK), num_reserved) - num_reserved
+                for _mtime, file_size, path in eviction_order(entries, now, quota_bytes * RETAIN_FRACTION):
+                    if total <= keep:
+                        break
+                    if self.retire(str(path), file_size):
+                        num_evicted += 1
+                        evicted.append(digest_of_name(path.name))
+                    total -= file_size
+            totals[namespace] = total
+            namespace_to_evicted[namespace] = num_evicted
+        self.eviction_log.append([digest for digest in evicted if digest is not None])
+        namespace_to_files.update(totals)
+        return namespace_to_evicted
 
     def _remove_stale_temp_files(self, now: float) -> None:
         with os.scandir(self._tmp) as entries:
