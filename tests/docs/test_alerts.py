@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -142,6 +141,8 @@ def test_scrape_config_reads_vllm_metrics() -> None:
     assert targets, "no scrape target"
     for target in targets:
         host, _, port = target.rpartition(":")
-        assert host in ("localhost", "127.0.0.1") and port.isdigit(), f"example target {target} is not loopback"
+        assert host in ("localhost", "127.0.0.1") and port.isdigit(), (
+            f"example target {target} is not loopback"
+        )
     for key in ("scrape_interval", "evaluation_interval"):
         assert _DURATION.fullmatch(config["global"][key]), key
