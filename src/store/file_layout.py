@@ -59,7 +59,8 @@ honours a retention any of them made; a new file for the key (after an eviction)
 
 Quotas: a put of a tenant under a quota reserves its bytes: adds them to the tenant's estimate and records
 them in the ledger as in flight until it has published (``reserve_tenant_bytes`` / ``release_tenant_bytes``).
-When the estimate passes the quota, the putter takes ``evict.lock`` (waiting for a capacity pass to finish),
+When the estimate passes the quota, the putter takes ``evict.lock`` (waiting for a capacity pass to finish;
+one eviction pass at a time across processes, and across threads by a lock of the process's own),
 reads the frame headers of every file to find the tenant's (names are digests: the key, hence the namespace,
 is only in the header), and if its files plus every process's reservations pass the quota deletes its
 oldest-mtime files until they fit under 90 % of it; it rewrites the estimate as the files plus the
@@ -321,6 +322,8 @@ class FileLayout:
         # flock is per open file description, so threads of this process also need a lock of their own.
         self._usage_lock = threading.Lock()
         self._counters_lock = threading.Lock()
+        #: ``evict.lock`` among this process's threads: one eviction pass (capacity or tenant) at a time.
+        self._evict_thread_lock = threading.Lock()
         #: Files this process's eviction passes evicted (moved to spare/ or unlinked).
         self.num_evicted = 0
         #: Of them, per namespace under a quota (and ``OTHER_TENANTS``): the files of capacity passes run
@@ -709,9 +712,12 @@ class FileLayout:
         the rest) and takes its bytes off its tenant's estimate.
 
         Returns ``True`` if this call scanned and rewrote ``usage`` (to the bytes on disk now)."""
+        if not self._evict_thread_lock.acquire(blocking=False):
+            return False  # another thread of this process is evicting (flock does not tell threads apart)
         try:
             fcntl.flock(self._evict_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self._evict_thread_lock.release()
             return False  # another process is evicting right now; its pass makes room for us too
         try:
             now = time.time()
@@ -772,6 +778,7 @@ class FileLayout:
             return True
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+            self._evict_thread_lock.release()
 
     def capacity_evicted_of(self, namespace: str) -> int:
         """Files of ``namespace`` (or ``OTHER_TENANTS``) this process's capacity passes evicted."""
@@ -795,49 +802,55 @@ class FileLayout:
         to its files plus the reservations. One scan of every file's header for all of them (see Quotas in
         the module docstring); waits for a capacity pass, and skips the namespaces another process's pass
         settled meanwhile. Returns the files evicted per namespace."""
-        fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
-        try:
-
-            def start(ledger: TenantLedger) -> set[str]:
-                if ledger.quotas_stamp != quotas_stamp:
-                    ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
-                due = {
-                    namespace
-                    for namespace, quota in namespace_to_quota.items()
-                    if namespace not in ledger.usage or ledger.usage[namespace] > quota
-                }
-                if due:
-                    ledger.scan_since = time.time()
-                return due
-
-            due = self._with_ledger(start)
-            if not due:
-                return {}
-            namespace_to_files: dict[str, int] = {}
+        # flock is per open file description: the threads of this process take turns on their own lock
+        # (two passes at once would each drop reservations or evictions the other still counts on).
+        with self._evict_thread_lock:
+            fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
             try:
-                namespace_to_evicted = self._evict_tenants(
-                    {namespace: namespace_to_quota[namespace] for namespace in due}, namespace_to_files
+
+                def start(ledger: TenantLedger) -> set[str]:
+                    if ledger.quotas_stamp != quotas_stamp:
+                        ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
+                    due = {
+                        namespace
+                        for namespace, quota in namespace_to_quota.items()
+                        if namespace not in ledger.usage or ledger.usage[namespace] > quota
+                    }
+                    if due:
+                        ledger.scan_since = time.time()
+                    return due
+
+                due = self._with_ledger(start)
+                if not due:
+                    return {}
+                namespace_to_files: dict[str, int] = {}
+                try:
+                    namespace_to_evicted = self._evict_tenants(
+                        {namespace: namespace_to_quota[namespace] for namespace in due}, namespace_to_files
+                    )
+                finally:
+
+                    def finish(ledger: TenantLedger) -> None:
+                        if (
+                            ledger.quotas_stamp == quotas_stamp
+                        ):  # (else other quotas came meanwhile: rebuild anew)
+                            reserved = ledger.reserved_bytes()
+                            for namespace, num_bytes in namespace_to_files.items():
+                                ledger.usage[namespace] = num_bytes + reserved.get(namespace, 0)
+                        ledger.scan_since = None
+                        for reservation in [r for r, held in ledger.reservations.items() if held.published]:
+                            del ledger.reservations[reservation]
+
+                    self._with_ledger(finish)
+                log.debug(
+                    StoreLogEvent.FILE_EVICTED,
+                    url=self.url,
+                    namespaces=sorted(due),
+                    evicted=namespace_to_evicted,
                 )
+                return namespace_to_evicted
             finally:
-
-                def finish(ledger: TenantLedger) -> None:
-                    if (
-                        ledger.quotas_stamp == quotas_stamp
-                    ):  # (else other quotas came meanwhile: rebuild anew)
-                        reserved = ledger.reserved_bytes()
-                        for namespace, num_bytes in namespace_to_files.items():
-                            ledger.usage[namespace] = num_bytes + reserved.get(namespace, 0)
-                    ledger.scan_since = None
-                    for reservation in [r for r, held in ledger.reservations.items() if held.published]:
-                        del ledger.reservations[reservation]
-
-                self._with_ledger(finish)
-            log.debug(
-                StoreLogEvent.FILE_EVICTED, url=self.url, namespaces=sorted(due), evicted=namespace_to_evicted
-            )
-            return namespace_to_evicted
-        finally:
-            fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
+                fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
 
     def _evict_tenants(
         self, namespace_to_quota: Mapping[str, int], namespace_to_files: dict[str, int]
