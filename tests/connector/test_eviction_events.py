@@ -83,15 +83,15 @@ def _save(sched: Any, store: Any, rid: str, first: int) -> tuple[Any, Any, list[
 
 def _report(sched: Any, out: Any, save: Any, rid: str) -> None:
     """Every rank reports the save job stored: the scheduler publishes its blocks."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from hybridkv.devkit.cluster import model_runner_output
+    from vllm.v1.outputs import KVConnectorOutput
 
     results = [SaveResult(b.entry(r), SaveOutcome.OK) for r in RANKS for b in save.blocks]
     wm = HybridStoreWorkerMetadata(saves={save.job_id: results}, saves_done={save.job_id: list(RANKS)})
     sched.update_from_output(
         out,
-        ModelRunnerOutput(
-            req_ids=[rid],
-            req_id_to_index={rid: 0},
+        model_runner_output(
+            [rid],
             sampled_token_ids=[[]],
             kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm),
         ),
