@@ -30,7 +30,7 @@ def register(
         "URL) and, optionally, its model: the geometry vLLM resolves per group, the key fingerprint and "
         "namespace, the store's health (reachable, existence-check latency, breaker), usage and capacity, "
         "and entries per namespace and group. Never writes to the store. Exit 0: healthy, 1: the store is "
-        "unreachable or absent, 2: bad input.",
+        "unreachable, absent or cannot write (a full file system), 2: bad input.",
     )
     describe.add_argument(
         "--config",
@@ -58,8 +58,8 @@ def register(
 
 
 def _describe(args: argparse.Namespace) -> int:
-    """Run ``hybridkv describe``: print the report (JSON or text); exit 0 when the store is reachable, 1 when
-    not, 2 for bad input (named on stderr)."""
+    """Run ``hybridkv describe``: print the report (JSON or text); exit 0 when the store is reachable and
+    can write, 1 when not, 2 for bad input (named on stderr)."""
     try:
         extra = _read_config(args.config)
     except ValueError as error:
@@ -80,7 +80,8 @@ def _describe(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(render_text(report))
-    return EXIT_OK if report["health"]["reachable"] else EXIT_PROBLEM
+    health = report["health"]
+    return EXIT_OK if health["reachable"] and health.get("writable", True) else EXIT_PROBLEM
 
 
 def _bad_input(error: ValueError) -> int:

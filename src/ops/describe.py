@@ -154,11 +154,14 @@ def render_text(report: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"NOT reachable: {health['error']} (lookup breaker {health['breaker_state'] or '-'})")
+    if health.get("writable") is False:
+        lines.append(f"NOT writable: {health['error']}")
     usage = report.get("usage")
     if usage is not None:
         capacity = usage.get("capacity_bytes")
         used = usage.get("num_bytes")
         share = f" ({100 * used / capacity:.1f}%)" if isinstance(used, int) and capacity else ""
+        effective = usage.get("extra", {}).get("effective_capacity_bytes")
         lines += [
             "",
             "usage",
@@ -169,6 +172,12 @@ def render_text(report: dict[str, Any]) -> str:
                 else ""
             ),
         ]
+        if isinstance(effective, int) and isinstance(capacity, int) and effective < capacity:
+            # a full disk: the file system, not the configured capacity, bounds the store
+            lines.append(
+                f"the file system holds {_size(effective)} of it ({_size(usage['extra'].get('free_bytes'))} "
+                f"free): eviction keeps the store within that"
+            )
     tenants = (usage or {}).get("extra", {}).get("tenants")
     if tenants:
         lines += ["", "quotas per namespace", render_tenants(tenants)]

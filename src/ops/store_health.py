@@ -29,9 +29,11 @@ __all__ = ["describe_store"]
 def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any]:
     """``health``, ``usage`` and ``key_counts`` of the store at ``url``; never writes to it.
 
-    ``health``: ``reachable``, ``error`` (None when reachable), ``breaker_state`` (None when the store could
-    not be opened) and, once opened, the probe figures (``exists_probes``, ``exists_deadline_ms``,
-    ``exists_p50_ms``, ``exists_max_ms``) and ``store_breaker_state`` where the backend reports one.
+    ``health``: ``reachable``, ``error`` (None when reachable and writable), ``breaker_state`` (None when the
+    store could not be opened) and, once opened, the probe figures (``exists_probes``,
+    ``exists_deadline_ms``, ``exists_p50_ms``, ``exists_max_ms``), ``store_breaker_state`` where the backend
+    reports one, and ``writable: False`` (with ``error`` saying why) where the backend's stats say it cannot
+    write (``cannot_write``: a ``file://`` store on a full file system with nothing left to evict).
     ``usage``: the backend's ``StoreStats`` as a dict plus ``num_manifests`` (hybridkv's deployment
     manifests) and ``num_other_keys`` (keys hybridkv did not write), or None when unreachable.
     ``key_counts``: one row per (namespace, fingerprint, group), sorted, with ``entries`` and ``ranks``.
@@ -75,6 +77,12 @@ def describe_store(url: str, *, probes: int, deadline_s: float) -> dict[str, Any
             breaker = stats.extra.get("breaker_state")
             if breaker is not None:
                 health["store_breaker_state"] = breaker
+            if stats.extra.get("cannot_write"):
+                health["writable"] = False
+                health["error"] = (
+                    f"cannot write: the file system has {stats.extra.get('free_bytes')} bytes free and the "
+                    f"store holds {stats.num_bytes} bytes to evict, less than one entry"
+                )
             for key in store.iter_keys(""):
                 parsed = parse_block_key(key)
                 if parsed is None:

@@ -65,6 +65,12 @@ class StoreLogEvent(enum.StrEnum):
     #: the file store could not append a pass's evictions to the directory's eviction log
     #: (``hybridkv.store.eviction_log``): other processes' ``take_evictions`` miss them
     FILE_EVICTION_LOG_FAILED = "store.file.eviction_log_failed"
+    #: the file system holds less than a file store's capacity (a full disk, a quota): eviction holds the
+    #: store to what it holds (once per episode, with ``free_bytes``, ``capacity_bytes``,
+    #: ``effective_capacity_bytes``)
+    FILE_SPACE_LIMITED = "store.file.space_limited"
+    #: the file system holds a file store's whole capacity again: the episode of ``FILE_SPACE_LIMITED`` ended
+    FILE_SPACE_RECOVERED = "store.file.space_recovered"
     #: a store's eviction report (``EvictionReporter.take_evictions``) raised: taken as a lost report
     EVICTION_REPORT_FAILED = "store.eviction_report_failed"
 

@@ -63,6 +63,15 @@ _IOV_MAX = 1024
 #: The deadline (ms) of each data call on a file system that may hang, when the URL names none: far beyond
 #: any healthy NFS round trip, and a bound of hybridkv's own on how long a request waits for this tier.
 DEFAULT_HANG_TIMEOUT_MS = 30_000
+#: The free space of the file system is re-read (``os.statvfs``) at most this often (seconds) on the put
+#: path, and at once after a put met ``ENOSPC``/``EDQUOT``.
+SPACE_REFRESH_S = 2.0
+#: What the effective capacity leaves free on the file system: this fraction of its size, at most
+#: ``_SPACE_MARGIN_MAX_BYTES`` (room for the store's own small files and other writers' metadata).
+_SPACE_MARGIN_FRACTION = 0.02
+_SPACE_MARGIN_MAX_BYTES = 64 << 20
+#: The bytes ``stats`` takes one put to need where the store holds no entry to take a mean size from.
+_EMPTY_STORE_PUT_BYTES = 1 << 20
 
 
 def _no_clock() -> float:
@@ -127,6 +136,17 @@ class FileBackend:
         #: Reservation ids (``FileLayout.reserve_tenant_bytes``): unique across processes and handles.
         self._reservation_prefix = uuid.uuid4().hex
         self._reservation_ids = itertools.count()
+        #: The capacity eviction holds the store to: ``capacity_bytes``, or what the file system holds for
+        #: it (``_effective_capacity``); when it was last derived (monotonic seconds; -inf: never).
+        self.effective_capacity_bytes = capacity_bytes
+        self._space_read_at = float("-inf")
+        #: The free bytes of the file system when last read (``None``: never read, or unreadable).
+        self.free_bytes: int | None = None
+        #: Whether the file system holds less than ``capacity_bytes`` (an episode, logged once).
+        self._space_limited = False
+        #: Whether this process's last put that met ``ENOSPC`` still failed after evicting (cleared by the
+        #: next published put): the store cannot write.
+        self.cannot_write = False
 
     def install_read_probe(self, probe: ReadProbe | None) -> None:
         """Time this process's reads into ``probe`` from the next get call on (``None``: stop timing)."""
@@ -236,22 +256,28 @@ class FileBackend:
             size for size, claim in zip(sizes, claims, strict=True) if claim is not None
         )
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
+        capacity = self._effective_capacity(force=False)
         usage = layout.add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if (
-            num_unclaimed_bytes
-            and usage > self.capacity_bytes
-            and layout.make_room(num_unclaimed_bytes, self._quotas)
-        ):
+        if num_unclaimed_bytes and usage > capacity and layout.make_room(num_unclaimed_bytes, self._quotas):
             layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
         namespace_to_unpublished_bytes: dict[str, int] = {}
+        num_unwritten_bytes = num_new_bytes  # counted in usage, not written yet (see _publish_with_room)
+        may_make_room = True  # until a retry after evicting met ENOSPC again: the batch's rest is not retried
         for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths, strict=True)):
             if new_path is None:
                 continue
             claim = claims[index]
-            results[index], published = self._publish(
-                key, frame, new_path, None if claim is None else claim[0], seal, index
+            results[index], published, may_make_room = self._publish_with_room(
+                key,
+                frame,
+                new_path,
+                None if claim is None else claim[0],
+                seal,
+                index,
+                num_unwritten_bytes=num_unwritten_bytes if may_make_room else None,
             )
+            num_unwritten_bytes -= sizes[index]
             if not published:
                 num_unpublished_bytes += sizes[index]
                 namespace = namespace_of(key)
@@ -343,6 +369,77 @@ class FileBackend:
                 self._counters_of(namespace, quotas[namespace]).num_quota_evicted += num_evicted
         self._settled_stamp = stamp
         return namespace_to_new_bytes, unwritten, reservation
+
+    def _publish_with_room(
+        self,
+        key: str,
+        frame: FrameParts,
+        path: str,
+        spare: str | None,
+        seal: SealHook | None,
+        index: int,
+        *,
+        num_unwritten_bytes: int | None,
+    ) -> tuple[Status, bool, bool]:
+        """``_publish``, and where it meets ``ENOSPC``/``EDQUOT`` (a file system full below the capacity) and
+        ``num_unwritten_bytes`` is given: re-read the free space (the effective capacity drops to what the
+        file system holds), evict to make room as at capacity (least recently used first, retention and
+        quotas as usual) and write the frame once more, into a new file. ``num_unwritten_bytes``: the
+        batch's bytes counted in ``usage`` but not on disk (this frame's included), added back when the
+        eviction pass rewrote ``usage`` to the bytes on disk; ``None``: no retry.
+
+        Returns (status, whether this call published, whether the batch's next frames may still retry):
+        not after a retry that met ``ENOSPC`` again, which also marks the store ``cannot_write`` (until a
+        put publishes)."""
+        status, published = self._publish(key, frame, path, spare, seal, index)
+        if status is Status.NO_SPACE and num_unwritten_bytes is not None:
+            self._effective_capacity(force=True, num_unwritten_bytes=num_unwritten_bytes)
+            size = sum(part.nbytes for part in frame)
+            if self.layout.make_room(size, self._quotas):
+                self.layout.add_usage(num_unwritten_bytes)
+            status, published = self._publish(key, frame, path, None, seal, index)
+            if not published and status is Status.NO_SPACE:
+                self.cannot_write = True
+                return status, published, False
+        if published:
+            self.cannot_write = False
+        return status, published, True
+
+    def _effective_capacity(self, *, force: bool, num_unwritten_bytes: int = 0) -> int:
+        """The capacity eviction holds the store to: ``min(capacity, usage + free bytes - margin)``, where the
+        free bytes are the file system's (``os.statvfs``, re-read at most every ``SPACE_REFRESH_S`` unless
+        ``force``); an unreadable ``statvfs`` keeps the last value. Runs on the put path, under the deadline
+        where there is one. Logs ``FILE_SPACE_LIMITED`` once when the file system starts holding less than
+        ``capacity_bytes`` and ``FILE_SPACE_RECOVERED`` once when it holds it again.
+        ``num_unwritten_bytes``: bytes counted in ``usage`` that are not on disk (a batch's unwritten frames)."""
+        now = time.monotonic()
+        if not force and now - self._space_read_at < SPACE_REFRESH_S:
+            return self.effective_capacity_bytes
+        self._space_read_at = now
+        try:
+            info = os.statvfs(self.directory)
+        except OSError:
+            return self.effective_capacity_bytes
+        free = info.f_bavail * info.f_frsize
+        margin = min(int(info.f_blocks * info.f_frsize * _SPACE_MARGIN_FRACTION), _SPACE_MARGIN_MAX_BYTES)
+        usage, _spare = self.layout.update_usage(lambda usage, spare: (usage, spare))
+        effective = max(0, min(self.capacity_bytes, usage - num_unwritten_bytes + free - margin))
+        self.free_bytes = free
+        self.effective_capacity_bytes = effective
+        self.layout.set_effective_capacity(effective)
+        limited = effective < self.capacity_bytes
+        if limited != self._space_limited:
+            self._space_limited = limited
+            event = StoreLogEvent.FILE_SPACE_LIMITED if limited else StoreLogEvent.FILE_SPACE_RECOVERED
+            (log.warning if limited else log.info)(
+                event,
+                url=self.url,
+                directory=str(self.directory),
+                free_bytes=free,
+                capacity_bytes=self.capacity_bytes,
+                effective_capacity_bytes=effective,
+            )
+        return effective
 
     def _current_quotas(self) -> dict[str, int]:
         """The directory's quotas, re-read when the quota file changed (one ``stat`` per put batch)."""
@@ -574,6 +671,10 @@ class FileBackend:
 
     def stats(self) -> StoreStats:
         """The exact bytes and keys (read from the files), the shared estimates and this process's counters.
+        ``extra`` also holds the file system's ``free_bytes``, the ``effective_capacity_bytes`` eviction holds
+        the store to (``_effective_capacity``, re-read now) and ``cannot_write``: this process's last put met
+        ``ENOSPC`` even after evicting, or the free bytes and the store's own bytes (what eviction could free)
+        each stay below one entry of the store's mean size (1 MiB when it holds none).
         A shard at a time, each step under the deadline (``StoreError`` past it)."""
         layout = self.layout
         guard = self._guard
@@ -596,6 +697,14 @@ class FileBackend:
             "stats", lambda: layout.update_usage(lambda usage, spare: (usage, spare))
         )
         tenants = self._tenant_stats(quotas, namespace_to_bytes)
+        effective = guard.call("stats", lambda: self._effective_capacity(force=True))
+        put_bytes = num_bytes // num_keys if num_keys else _EMPTY_STORE_PUT_BYTES
+        free = self.free_bytes
+        # Nothing can be written when neither the free space nor what eviction could free holds one entry
+        # (any process's view), or this process's last put met ENOSPC even after evicting.
+        cannot_write = self.cannot_write or (
+            free is not None and free < put_bytes and num_bytes + num_spare_bytes < put_bytes
+        )
         return StoreStats(
             url=self.url,
             num_keys=num_keys,
@@ -611,6 +720,9 @@ class FileBackend:
                 "fstype": self.fstype,
                 "timeout_ms": self.timeout_ms,
                 "num_abandoned_calls": self._guard.num_abandoned,
+                "effective_capacity_bytes": effective,
+                "free_bytes": free,
+                "cannot_write": cannot_write,
                 **({"tenants": tenants} if tenants else {}),
             },
         )

@@ -296,6 +296,9 @@ class FileLayout:
         self.url = url
         self.directory = directory
         self.capacity_bytes = capacity_bytes
+        #: What eviction holds the store to: ``capacity_bytes``, or less where the file system holds less
+        #: (``set_effective_capacity``: ``FileBackend`` derives it from the free space).
+        self.effective_capacity_bytes = capacity_bytes
         self.recycle_min_size = max(1, recycle_min_size)
         self.spare_budget_bytes = int(capacity_bytes * _SPARE_FRACTION)
         self._objects = directory / "objects"
@@ -331,6 +334,13 @@ class FileLayout:
         self.namespace_to_capacity_evicted: dict[str, int] = {}
         #: What every process's eviction passes removed (``hybridkv.store.eviction_log``).
         self.eviction_log = EvictionLog(directory)
+
+    def set_effective_capacity(self, num_bytes: int) -> None:
+        """Hold eviction (and the spares' budget) to ``num_bytes``, at most ``capacity_bytes``: the bytes the
+        file system can hold for this store right now (a full disk below the configured capacity)."""
+        effective = max(0, min(num_bytes, self.capacity_bytes))
+        self.effective_capacity_bytes = effective
+        self.spare_budget_bytes = int(effective * _SPARE_FRACTION)
 
     def close(self) -> None:
         """Close the shared descriptors (the caller makes sure no call still uses them)."""
@@ -705,7 +715,8 @@ class FileLayout:
         return claims
 
     def make_room(self, size: int, namespaces: Collection[str] = ()) -> bool:
-        """Evict oldest files until ``size`` more bytes fit under the low watermark (one process at a time).
+        """Evict oldest files until ``size`` more bytes fit under the low watermark of the effective capacity
+        (``set_effective_capacity``; one process at a time).
 
         ``namespaces``: the directory's namespaces under a quota. With any, the pass reads the header of each
         file it evicts, counts it for its tenant (``namespace_to_capacity_evicted``; ``OTHER_TENANTS`` for
@@ -739,8 +750,8 @@ class FileLayout:
             total = sum(size_ for _mtime, size_, _path in entries) + spare_total
             # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
             # older files until objects + spares fit under the watermark (spares stay within their budget).
-            target = int(self.capacity_bytes * _LOW_WATERMARK) - size
-            entries = eviction_order(entries, now, self.capacity_bytes * RETAIN_FRACTION)
+            target = int(self.effective_capacity_bytes * _LOW_WATERMARK) - size
+            entries = eviction_order(entries, now, self.effective_capacity_bytes * RETAIN_FRACTION)
             num_evicted = 0
             tally = _TenantTally(self, namespaces)
             evicted: list[bytes | None] = []
