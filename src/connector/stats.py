@@ -195,10 +195,19 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:hybridkv_late_calls_pending",
         "Store calls that answered TIMEOUT and have not returned yet (largest rank).",
     ),
+    "store_effective_capacity_bytes": (
+        "vllm:hybridkv_store_effective_capacity_bytes",
+        (
+            "The bytes a file:// store's eviction holds it to: its capacity, or what the file system holds "
+            "for it when that is less (a full disk) (largest rank; file:// only)."
+        ),
+    ),
 }
 #: The workers' gauges (of ``GAUGES``): every rank sends them with each step's stats; ``aggregate`` keeps
 #: the largest.
-PER_RANK_GAUGES = frozenset({"save_inflight_bytes", "staging_bytes_out", "late_calls_pending"})
+PER_RANK_GAUGES = frozenset(
+    {"save_inflight_bytes", "staging_bytes_out", "late_calls_pending", "store_effective_capacity_bytes"}
+)
 
 #: Per-tenant gauges, stats key ``<name>.<tenant>`` (``tenant_key``): name -> (Prometheus metric name, help).
 #: Workers' gauges: every rank sends them (``hybridkv.connector.tenant_metrics``), ``aggregate`` keeps the

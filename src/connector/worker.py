@@ -60,6 +60,7 @@ from hybridkv.connector.worker_context import (
 )
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Store
+from hybridkv.store.file import effective_capacity_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -155,20 +156,25 @@ class WorkerSide:
 
     def gauges(self) -> dict[str, int]:
         """This rank's gauges (``stats.PER_RANK_GAUGES``): save bytes in flight, staging bytes out (pinned
-        slabs and private host buffers, late calls' included), late store calls not yet returned; and, for a
-        store with quotas, the per-tenant ones (``hybridkv.connector.tenant_metrics``, which adds the
-        per-tenant counters to ``stats`` at the same time)."""
+        slabs and private host buffers, late calls' included), late store calls not yet returned; a
+        ``file://`` store's effective capacity; and, for a store with quotas, the per-tenant ones
+        (``hybridkv.connector.tenant_metrics``, which adds the per-tenant counters to ``stats`` at the same
+        time)."""
         ctx = self._ctx
         self._injected_faults.count()
         staging_bytes_out = ctx.host_buffers.num_bytes_out
         if ctx.staging is not None:
             staging_bytes_out += ctx.staging.pool.in_use * ctx.staging.pool.slab_bytes
-        return {
+        gauges = {
             "save_inflight_bytes": self._saves.num_inflight_bytes,
             "staging_bytes_out": staging_bytes_out,
             "late_calls_pending": self._quarantine.num_calls_pending,
             **self._tenant_metrics.gauges(ctx.store),
         }
+        capacity = effective_capacity_of(ctx.store)  # file:// only
+        if capacity is not None:
+            gauges["store_effective_capacity_bytes"] = capacity
+        return gauges
 
     @property
     def num_tail_snapshots(self) -> int:

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
-from hybridkv.store.base import Evictions, Status, StoreError, StoreLogEvent, StoreStats
+from hybridkv.store.base import Evictions, Status, StoreError, StoreLogEvent, StoreStats, find_layer
 from hybridkv.store.file_deadline import DeadlineGuard
 from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file_probe import ReadProbe
@@ -838,6 +838,14 @@ class FileBackend:
             return Status.NO_SPACE
         log.warning(StoreLogEvent.FILE_IO_ERROR, url=self.url, op=op, key=key, error=str(error))
         return Status.TRANSFER_FAILED
+
+
+def effective_capacity_of(store: object) -> int | None:
+    """The effective capacity (``FileBackend.effective_capacity_bytes``: as last derived on the put path, no
+    file-system call) of ``store``'s file backend (``store`` a ``Store``, its backend or a wrapper of
+    either); None for a store of another kind."""
+    backend = find_layer(store, FileBackend)
+    return None if backend is None else backend.effective_capacity_bytes
 
 
 def _bytes_of_shard(shard: str) -> int:

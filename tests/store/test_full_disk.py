@@ -68,6 +68,12 @@ out["newest_reads"] = [read(store, i) for i in range(num_values - 8, num_values)
 out["oldest_reads"] = [read(store, i)[0] for i in range(4)]
 extra = store.stats().extra
 out["effective_capacity_bytes"] = extra.get("effective_capacity_bytes")
+try:  # what the workers' gauge store_effective_capacity_bytes sends
+    from hybridkv.store.file import effective_capacity_of
+except ImportError:
+    out["gauge"] = None
+else:
+    out["gauge"] = effective_capacity_of(store)
 out["cannot_write_after_fill"] = extra.get("cannot_write")
 out["describe_after_fill"] = describe()
 
@@ -143,6 +149,7 @@ def test_a_full_file_system_below_capacity_evicts_keeps_saving_and_describe_tell
     assert result["oldest_reads"] == ["not_found"] * 4, "the oldest entries were not evicted"
     effective = result["effective_capacity_bytes"]
     assert _TMPFS_BYTES * 0.8 <= effective <= _TMPFS_BYTES, effective
+    assert result["gauge"] == effective
     [logged] = result["limited_logs"]  # once per episode
     assert logged["capacity_bytes"] == 1 << 30
     assert logged["effective_capacity_bytes"] <= _TMPFS_BYTES
@@ -163,3 +170,17 @@ def test_a_full_file_system_below_capacity_evicts_keeps_saving_and_describe_tell
     assert result["put_after_free"] == "ok"
     assert result["read_after_free"] == "ok"
     assert result["describe_after_free"][0] == 0, result["describe_after_free"][1]
+
+
+def test_the_effective_capacity_gauge_is_a_file_store_s_own(tmp_path: Path) -> None:
+    """A file store on a file system with room for its capacity reports that capacity; other kinds none."""
+    from hybridkv.store import open_store
+    from hybridkv.store.file import effective_capacity_of
+
+    with open_store(f"file://{tmp_path}/store?capacity=1MiB") as store:
+        assert store.put(["k"], [b"x" * 1024])[0].value == "ok"
+        assert effective_capacity_of(store) == 1 << 20
+        assert store.stats().extra["effective_capacity_bytes"] == 1 << 20
+        assert store.stats().extra["cannot_write"] is False
+    with open_store("memory://gauge?capacity=1MiB") as store:
+        assert effective_capacity_of(store) is None
