@@ -370,7 +370,8 @@ class SavePlanner:
             j.wave.drop("backpressure")
             return
         outcomes = {res.entry: res.outcome is SaveOutcome.OK for res in j.results}
-        stored = j.wave.finish_put(outcomes)
+        failed = [res.outcome.value for res in j.results if res.outcome is not SaveOutcome.OK]
+        stored = j.wave.finish_put(outcomes, failed)
         self._publisher.publish_stored(
             j.epoch,
             [

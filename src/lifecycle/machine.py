@@ -489,16 +489,23 @@ class SaveWave(_Model):
     def start_put(self) -> None:
         self._machine.fire(self, "start_put")
 
-    def finish_put(self, outcomes: Mapping[EntryId, bool]) -> tuple[PlannedBlock, ...]:
+    def finish_put(
+        self, outcomes: Mapping[EntryId, bool], reasons: Sequence[str] = ()
+    ) -> tuple[PlannedBlock, ...]:
         """Every rank reported. Returns the blocks to publish ``BlockStored`` for: all blocks if the
-        whole wave is stored on every rank (``STORED``), otherwise none (``FAILED``)."""
+        whole wave is stored on every rank (``STORED``), otherwise none (``FAILED``, its record's ``reasons``:
+        ``reasons``, the outcomes of the entries that failed, e.g. ``no_space``)."""
         stored = self.plan.stored_blocks(outcomes)
         if len(stored) == len(self.plan.blocks):
             self.stored = stored
             self._machine.fire(self, "put_stored")
             return tuple(stored)
         self._machine.fire(
-            self, "put_failed", num_stored_blocks=len(stored), num_blocks=len(self.plan.blocks)
+            self,
+            "put_failed",
+            num_stored_blocks=len(stored),
+            num_blocks=len(self.plan.blocks),
+            reasons=sorted(set(reasons)),
         )
         return ()
 

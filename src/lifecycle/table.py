@@ -231,7 +231,7 @@ TRIGGERS: Mapping[Trigger, TriggerRow] = {row.trigger: row for row in (
     TriggerRow(_T.EVICT,         ("reason",), detail_optional=True),
     TriggerRow(_T.START_PUT,     trace=("transfer_started", *_PRODUCER)),
     TriggerRow(_T.PUT_STORED,    trace=("transfer_completed", *_PRODUCER)),
-    TriggerRow(_T.PUT_FAILED,    ("num_stored_blocks", "num_blocks"), trace=("transfer_failed", *_PRODUCER)),
+    TriggerRow(_T.PUT_FAILED,    ("num_stored_blocks", "num_blocks", "reasons"), trace=("transfer_failed", *_PRODUCER)),
     TriggerRow(_T.DROP,          ("reason",), detail_optional=True, trace=("transfer_failed", *_PRODUCER)),
 )}
 # fmt: on
