@@ -428,8 +428,10 @@ class FileBackend:
         self.effective_capacity_bytes = effective
         self.layout.set_effective_capacity(effective)
         limited = effective < self.capacity_bytes
-        if limited != self._space_limited:
+        with self._lock:  # one log line per episode, also when several threads re-read at once
+            changed = limited != self._space_limited
             self._space_limited = limited
+        if changed:
             event = StoreLogEvent.FILE_SPACE_LIMITED if limited else StoreLogEvent.FILE_SPACE_RECOVERED
             (log.warning if limited else log.info)(
                 event,
