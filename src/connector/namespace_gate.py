@@ -8,12 +8,14 @@ is the lifecycle machine's (``LifecycleMachine.epoch``): one counter for answers
 The gate's state is the engine's (``hybridkv.lifecycle.machine.EngineLifecycle``, the table's
 ``ENGINE_TRANSITIONS``): ``OPEN`` -> (``begin_reset``) ``RESETTING`` -> (``end_reset``) ``OPEN`` | ``FAILED``;
 ``FAILED`` -> (``begin_reset``) ``RESETTING``; a reset's weights tag (``rotate_weights``) changes the
-fingerprint only while ``RESETTING``. Every change is an audit record of the engine. Thread-safe: resets
-end on the maintenance thread.
+fingerprint only while ``RESETTING``. Every change is an audit record of the engine. Thread-safe (resets
+end on the maintenance thread): one lock around every call into the engine's lifecycle, which takes none
+itself (``hybridkv.lifecycle`` stays free of threads and locks).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from hybridkv.lifecycle.machine import EngineLifecycle
@@ -40,11 +42,13 @@ class NamespaceGate:
     """
 
     def __init__(self, machine: LifecycleMachine, *, weights_source: str = "checkpoint") -> None:
+        self._lock = threading.Lock()
         self.engine = EngineLifecycle(machine, weights_source=weights_source)
 
     @property
     def state(self) -> GateState:
-        return self.engine.current
+        with self._lock:
+            return self.engine.current
 
     @property
     def closed(self) -> bool:
@@ -53,12 +57,15 @@ class NamespaceGate:
 
     def begin_reset(self) -> int:
         """Close the gate for a new reset and start a new reset epoch (returned)."""
-        return self.engine.begin_reset()
+        with self._lock:
+            return self.engine.begin_reset()
 
     def rotate_weights(self, scheme: KeyScheme, *, weights_source: str, reason: str) -> None:
         """The keys from now on use ``scheme`` (during a reset; see ``EngineLifecycle.rotate_weights``)."""
-        self.engine.rotate_weights(scheme, weights_source=weights_source, reason=reason)
+        with self._lock:
+            self.engine.rotate_weights(scheme, weights_source=weights_source, reason=reason)
 
     def end_reset(self, *, ok: bool) -> None:
         """A reset's removal returned (``ok``) or raised / could not be queued."""
-        self.engine.end_reset(ok=ok)
+        with self._lock:
+            self.engine.end_reset(ok=ok)

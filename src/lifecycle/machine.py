@@ -22,7 +22,6 @@ Contracts:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -517,13 +516,13 @@ class EngineLifecycle:
     """The engine's state (``ENGINE_TRANSITIONS``): the namespace gate, reset epochs and the weights tag.
 
     Created ``STARTING`` and started at once (``engine_started``, with ``weights_source``: ``"checkpoint"``
-    or ``"declared"``). Thread-safe: every trigger runs under one lock; the reset epoch is the
-    ``LifecycleMachine``'s (``begin_epoch``), the fingerprint its ``scheme``'s.
+    or ``"declared"``). Not thread-safe on its own (this package starts no threads and takes no locks): its
+    owner serializes the calls (``hybridkv.connector.namespace_gate.NamespaceGate`` holds one lock around
+    each); the reset epoch is the ``LifecycleMachine``'s (``begin_epoch``), the fingerprint its ``scheme``'s.
     """
 
     def __init__(self, lifecycle: LifecycleMachine, *, weights_source: str) -> None:
         self._lifecycle = lifecycle
-        self._lock = threading.Lock()
         self.state = ENGINE_INITIAL.name
         #: reset removals not returned yet (resets may overlap: the gate opens when the last returns)
         self.num_pending = 0
@@ -539,13 +538,11 @@ class EngineLifecycle:
             queued=True,
             finalize_event=self._finalize,
         )
-        with self._lock:
-            self._fire(EngineTrigger.START, weights_source=weights_source)
+        self._fire(EngineTrigger.START, weights_source=weights_source)
 
     @property
     def current(self) -> EngineState:
-        with self._lock:
-            return EngineState[self.state]
+        return EngineState[self.state]
 
     # Guards named in ENGINE_TRANSITIONS.
     def removals_pending(self, _event: EventData) -> bool:
@@ -557,38 +554,35 @@ class EngineLifecycle:
     def begin_reset(self) -> int:
         """A reset starts: a new epoch (answers learnt before it are stale) and the gate closes. Returns
         the new epoch."""
-        with self._lock:
-            epoch = self._lifecycle.begin_epoch()
-            self.num_pending += 1
-            self._fire(EngineTrigger.BEGIN_RESET, num_pending=self.num_pending)
-            return epoch
+        epoch = self._lifecycle.begin_epoch()
+        self.num_pending += 1
+        self._fire(EngineTrigger.BEGIN_RESET, num_pending=self.num_pending)
+        return epoch
 
     def rotate_weights(self, scheme: KeyScheme, *, weights_source: str, reason: str) -> None:
         """The keys from now on use ``scheme`` (a reset's weights tag; the same fingerprint when the
         weights are known unchanged). Only while a reset runs."""
-        with self._lock:
-            previous = self._lifecycle.scheme.fingerprint
-            self._lifecycle.scheme = scheme
-            self._fire(
-                EngineTrigger.ROTATE_WEIGHTS,
-                weights_source=weights_source,
-                previous_fingerprint=previous,
-                reason=reason,
-            )
+        previous = self._lifecycle.scheme.fingerprint
+        self._lifecycle.scheme = scheme
+        self._fire(
+            EngineTrigger.ROTATE_WEIGHTS,
+            weights_source=weights_source,
+            previous_fingerprint=previous,
+            reason=reason,
+        )
 
     def end_reset(self, *, ok: bool) -> None:
         """A reset's removal returned (``ok``) or raised / could not be queued. The gate opens (or fails)
         when the last pending removal returned, by the last one's outcome."""
-        with self._lock:
-            assert self.num_pending > 0, "EngineLifecycle.end_reset without a reset in progress"
-            self.num_pending -= 1
-            if self.num_pending:
-                self._fire(EngineTrigger.REMOVAL_RETURNED, ok=ok, num_pending=self.num_pending)
-            else:
-                self._fire(EngineTrigger.REOPEN if ok else EngineTrigger.FAIL)
+        assert self.num_pending > 0, "EngineLifecycle.end_reset without a reset in progress"
+        self.num_pending -= 1
+        if self.num_pending:
+            self._fire(EngineTrigger.REMOVAL_RETURNED, ok=ok, num_pending=self.num_pending)
+        else:
+            self._fire(EngineTrigger.REOPEN if ok else EngineTrigger.FAIL)
 
     def _fire(self, trigger: EngineTrigger, **detail: Any) -> None:
-        """Run ``trigger`` (the caller holds the lock); raise when the table does not allow it."""
+        """Run ``trigger``; raise when the table does not allow it."""
         src = self.state
         spec = ENGINE_INDEX.get((trigger, EngineState[src]))
         if spec is None:
