@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.key_grammar import NAMESPACE_RE
 from hybridkv.store.base import StoreError
 from hybridkv.store.params import (
     MAX_BYTE_SIZE,

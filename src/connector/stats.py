@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.key_grammar import NAMESPACE_RE
 from hybridkv.store.base import find_layer
 from hybridkv.store.faulty import FaultyBackend
 from hybridkv.store.quotas import OTHER_TENANTS

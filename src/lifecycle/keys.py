@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from hybridkv.key_grammar import KEY_VERSION, NAMESPACE_RE, BlockKey, parse_block_key
 from hybridkv.lifecycle.geometry import Geometry
 
 __all__ = [
@@ -29,9 +29,8 @@ __all__ = [
     "parse_block_key",
 ]
 
-KEY_VERSION = "hkv1"
-#: A deployment namespace: it becomes a key path segment (the one rule; the connector config uses it).
-NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# The grammar (version, namespace rule, a key's parse) lives on the ground floor, ``hybridkv.key_grammar``;
+# this module builds keys by it and re-exports its names for the lifecycle's readers.
 
 
 class EntryId(NamedTuple):
@@ -60,32 +59,6 @@ class PlannedBlock:
     def entry(self, tp_rank: int) -> EntryId:
         """The entry of this block on ``tp_rank``."""
         return EntryId(tp_rank, self.group_index, self.block_index, self.key_boundary)
-
-
-_BLOCK_KEY_RE = re.compile(
-    rf"^{KEY_VERSION}/(?P<namespace>[^/]+)/(?P<fingerprint>[0-9a-f]{{12}})/g(?P<group>\d+)/tp(?P<tp>\d+)"
-    r"/dcp(?P<dcp>\d+)/[0-9a-f]+$"
-)
-
-
-class BlockKey(NamedTuple):
-    """The parts of a block entry's key (the inverse of :meth:`KeyScheme.key`)."""
-
-    namespace: str
-    fingerprint: str
-    group_index: int
-    tp_rank: int
-    dcp_rank: int
-
-
-def parse_block_key(key: str) -> BlockKey | None:
-    """The parts of a block entry's key; None for any other key (a manifest, another tool's key)."""
-    match = _BLOCK_KEY_RE.match(key)
-    if match is None:
-        return None
-    return BlockKey(
-        match["namespace"], match["fingerprint"], int(match["group"]), int(match["tp"]), int(match["dcp"])
-    )
 
 
 def boundary_hash_index(boundary_tokens: int, hash_unit: int) -> int:

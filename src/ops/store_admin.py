@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.connector.identity import parse_manifest_key, read_manifest
-from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE, parse_block_key
+from hybridkv.key_grammar import KEY_VERSION, NAMESPACE_RE, parse_block_key
 from hybridkv.store import Store, StoreError, open_store
 from hybridkv.store.file_capacity import CAPACITY_FILE, recorded_capacity
 from hybridkv.store.params import format_size, shown_url, split_url

@@ -21,7 +21,7 @@ import time
 from functools import partial
 from typing import Any
 
-from hybridkv.lifecycle.keys import parse_block_key
+from hybridkv.key_grammar import parse_block_key
 
 __all__ = ["describe_store"]
 

@@ -62,7 +62,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from fractions import Fraction
 
-from hybridkv.lifecycle.keys import parse_block_key
+from hybridkv.key_grammar import parse_block_key
 from hybridkv.store.base import Status, StoreStats, register_late_call, with_extra
 from hybridkv.store.framed import Backend, FrameParts
 from hybridkv.store.params import MAX_DURATION_MS, Params

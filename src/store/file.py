@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
+from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import Evictions, Status, StoreError, StoreLogEvent, StoreStats, find_layer
 from hybridkv.store.file_deadline import DeadlineGuard
 from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
@@ -55,7 +56,7 @@ from hybridkv.store.file_probe import ReadProbe
 from hybridkv.store.frame import key_digest
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.mounts import directory_fstype, may_hang
-from hybridkv.store.quotas import OTHER_TENANTS, QUOTAS_FILE, TenantCounters, namespace_of, read_quotas
+from hybridkv.store.quotas import OTHER_TENANTS, QUOTAS_FILE, TenantCounters, read_quotas
 
 log = structlog.get_logger(__name__)
 

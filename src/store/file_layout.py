@@ -99,10 +99,11 @@ from pathlib import Path
 from typing import TypeVar, overload
 
 import structlog
+from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import StoreError, StoreLogEvent
 from hybridkv.store.eviction_log import EvictionLog, digest_of_name
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
-from hybridkv.store.quotas import OTHER_TENANTS, namespace_of
+from hybridkv.store.quotas import OTHER_TENANTS
 from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 log = structlog.get_logger(__name__)

@@ -28,10 +28,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
+from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import Evictions, Status, StoreError, StoreStats
 from hybridkv.store.frame import key_digest
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
-from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters, namespace_of
+from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters
 from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
 
 #: ``exists``' answer for a key, indexed by whether it is present

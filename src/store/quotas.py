@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from hybridkv.lifecycle.keys import KEY_VERSION, NAMESPACE_RE
+from hybridkv.key_grammar import NAMESPACE_RE
 from hybridkv.store.base import find_layer
 from hybridkv.store.params import byte_size, format_size
 
@@ -54,24 +54,14 @@ __all__ = [
     "QUOTAS_FILE",
     "TenantCounters",
     "check_quotas",
-    "namespace_of",
     "parse_quotas",
     "read_quotas",
     "tenant_counters_of",
     "write_quotas",
 ]
 
-_KEY_PREFIX = f"{KEY_VERSION}/"
 #: The file store's quota file, in its directory: JSON ``{namespace: bytes}``.
 QUOTAS_FILE = "quotas.json"
-
-
-def namespace_of(key: str) -> str | None:
-    """The tenant (namespace) of ``key``: the segment after ``hkv1/``; ``None`` for a key of another form."""
-    if not key.startswith(_KEY_PREFIX):
-        return None
-    end = key.find("/", len(_KEY_PREFIX))
-    return key[len(_KEY_PREFIX) : end] if end > len(_KEY_PREFIX) else None
 
 
 @dataclass

@@ -58,8 +58,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import Status, Store
-from hybridkv.store.quotas import namespace_of
 from hybridkv.store.retention import RETAIN_FRACTION
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

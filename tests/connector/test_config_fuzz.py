@@ -22,7 +22,7 @@ from hybridkv.connector.config import (
     MAX_PUT_WAVE_BYTES,
     ConnectorConfig,
 )
-from hybridkv.lifecycle.keys import NAMESPACE_RE
+from hybridkv.key_grammar import NAMESPACE_RE
 from hybridkv.store.params import MAX_DURATION_MS
 from hybridkv.store.url import check_store_url, store_kind
 from hypothesis import example, given

@@ -10,7 +10,8 @@ is ``__init__``).
   (``hybridkv.devkit``, ``hybridkv.bench``, ``hybridkv.demo``), except the few CLI command functions in
   ``CLI_TOOLING_COMMANDS``.
 - ``hybridkv.bench`` never imports ``hybridkv.cli``.
-- Each unit imports only the units below it (``ALLOWED``): lifecycle at the bottom, store beside it,
+- Each unit imports only the units below it (``ALLOWED``): the key grammar (``hybridkv.key_grammar``) on the
+  ground floor, lifecycle above it, store beside lifecycle (it never imports it),
   connector above both, the operator wing (ops) above it, the CLI and the tooling on top; and the unit graph
   has no cycle.
 """
@@ -24,23 +25,36 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-PRODUCT = {"__init__", "tables", "lifecycle", "audit", "store", "connector", "testing", "ops", "cli"}
+PRODUCT = {
+    "__init__",
+    "tables",
+    "key_grammar",
+    "lifecycle",
+    "audit",
+    "store",
+    "connector",
+    "testing",
+    "ops",
+    "cli",
+}
 TOOLING = {"devkit", "bench", "demo"}
 
 #: The units each unit may import (besides itself). A unit missing here fails the test: place it.
 ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
     "tables": set(),
-    "lifecycle": set(),
-    "store": {"lifecycle"},
-    "audit": {"lifecycle", "store"},
-    "connector": {"lifecycle", "audit", "store"},
-    "testing": {"lifecycle", "audit", "store", "connector"},
-    "ops": {"tables", "lifecycle", "audit", "store", "connector"},
-    "cli": {"__init__", "tables", "lifecycle", "audit", "store", "connector", "ops"},
-    "devkit": {"tables", "lifecycle", "audit", "store", "connector", "testing", "ops"},
-    "bench": {"tables", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
-    "demo": {"tables", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
+    "key_grammar": set(),
+    "lifecycle": {"key_grammar"},
+    # The store moves bytes: it reads the key grammar from the ground floor, never the decision layer.
+    "store": {"key_grammar"},
+    "audit": {"key_grammar", "lifecycle", "store"},
+    "connector": {"key_grammar", "lifecycle", "audit", "store"},
+    "testing": {"key_grammar", "lifecycle", "audit", "store", "connector"},
+    "ops": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector"},
+    "cli": {"__init__", "tables", "key_grammar", "lifecycle", "audit", "store", "connector", "ops"},
+    "devkit": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "testing", "ops"},
+    "bench": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
+    "demo": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
 }
 
 #: The CLI's tooling subcommands (``hybridkv bench ...``, ``hybridkv demo``) are front ends of benchmarks
@@ -251,5 +265,13 @@ def test_no_import_cycle_among_units() -> None:
 
 
 def test_lifecycle_is_at_the_bottom() -> None:
+    """Below lifecycle only the key grammar, which imports nothing of hybridkv."""
     graph = _unit_graph(with_whitelisted=True)
-    assert not graph.get("lifecycle"), f"lifecycle imports {graph['lifecycle']}"
+    assert graph.get("lifecycle", set()) <= {"key_grammar"}, f"lifecycle imports {graph['lifecycle']}"
+    assert not graph.get("key_grammar"), f"key_grammar imports {graph['key_grammar']}"
+
+
+def test_the_store_imports_neither_the_lifecycle_nor_the_connector() -> None:
+    """Backends move bytes: what they must know of a key comes from the ground floor."""
+    graph = _unit_graph(with_whitelisted=True)
+    assert not graph.get("store", set()) & {"lifecycle", "connector"}, f"store imports {graph['store']}"

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 from hybridkv.cli import main
+from hybridkv.key_grammar import namespace_of
 from hybridkv.store import StoreError, open_store
 from hybridkv.store.base import Status, find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.quotas import (
     OTHER_TENANTS,
-    namespace_of,
     parse_quotas,
     read_quotas,
     tenant_counters_of,
