@@ -72,6 +72,15 @@ class StoreUpkeep:
         #: whether an eviction drain is queued or running (at most one at a time)
         self._draining = False
         self._drain_lock = threading.Lock()
+        #: the store last named and its eviction-reporting layer: found once, not on every step (a
+        #: runtime-checkable protocol's isinstance walk over the store's layers is not free)
+        self._store_and_reporter: tuple[Store, EvictionReporter | None] | None = None
+
+    def _reporter(self, store: Store) -> EvictionReporter | None:
+        known = self._store_and_reporter
+        if known is None or known[0] is not store:
+            known = self._store_and_reporter = (store, _reporter_of(store))
+        return known[1]
 
     def submit(
         self, fn: Callable[[], Any], on_done: Callable[[concurrent.futures.Future[Any]], None]
@@ -130,7 +139,7 @@ class StoreUpkeep:
         """Publish the ``BlockStored`` of a wave every rank stored under ``scheme``'s keys. Where ``store``
         reports its evictions the blocks are followed, and unsure ones (``StoreEvents.stored_followed``) are
         published only after a drain and an ``exists`` of their keys here found them."""
-        reporter = _reporter_of(store)
+        reporter = self._reporter(store)
         if reporter is None:
             self._events.stored(stored)
             return
@@ -162,7 +171,7 @@ class StoreUpkeep:
     def take_events(self, store: Store) -> list[KVCacheEvent]:
         """Every event queued so far (``StoreEvents.take``); first, where ``store`` reports its evictions,
         a drain of its report is queued unless one is queued already (its events go with a later call)."""
-        reporter = _reporter_of(store)
+        reporter = self._reporter(store)
         if reporter is not None:
             self._drain(reporter)
         return self._events.take()
