@@ -61,37 +61,29 @@ class DeadlineGuard:
     def run(self, op: str, num_keys: int, call: Callable[[], list[Status]]) -> list[Status]:
         """``call()``, under the deadline when there is one: past it, ``TIMEOUT`` for every key, and the
         call (still running, still using the caller's buffers) registered as late."""
-        runner, timeout_ms = self._runner, self.timeout_ms
-        if runner is None or timeout_ms is None:
-            return call()
-
-        def counted() -> list[Status]:
-            try:
-                return call()
-            finally:
-                with self._lock:
-                    self._num_runner_calls -= 1
-
-        with self._lock:
-            self._num_runner_calls += 1
         try:
-            return runner.run(counted, timeout_ms / 1000.0)
+            return self._under_deadline(call)
         except DeadlineExceeded as late:
             register_late_call(late.done)  # the call still owns the caller's buffers until it returns
-            log.warning(
-                StoreLogEvent.FILE_DEADLINE,
-                url=self.url,
-                op=op,
-                num_keys=num_keys,
-                timeout_ms=timeout_ms,
-                fstype=self.fstype,
-            )
+            self._log_missed(op, num_keys)
             return [Status.TIMEOUT] * num_keys
 
     def call(self, op: str, call: Callable[[], T]) -> T:
         """``call()``'s result, under the deadline when there is one: past it raise ``StoreError`` naming
         ``op`` and the deadline, and let the call go on in the runner's thread (counted by ``shutdown``).
         For the calls that hand the store no buffers (listing, removal by prefix, statistics)."""
+        try:
+            return self._under_deadline(call)
+        except DeadlineExceeded:
+            self._log_missed(op, 0)
+            raise StoreError(
+                f"file store {self.url!r}: {op} did not finish within timeout_ms={self.timeout_ms} "
+                f"(file system {self.fstype}); it goes on in the background"
+            ) from None
+
+    def _under_deadline(self, call: Callable[[], T]) -> T:
+        """``call()`` on the runner, counted until it returns (``shutdown``); ``DeadlineExceeded`` past the
+        deadline. Without a deadline, ``call()`` on the caller's thread."""
         runner, timeout_ms = self._runner, self.timeout_ms
         if runner is None or timeout_ms is None:
             return call()
@@ -105,21 +97,17 @@ class DeadlineGuard:
 
         with self._lock:
             self._num_runner_calls += 1
-        try:
-            return runner.run(counted, timeout_ms / 1000.0)
-        except DeadlineExceeded:
-            log.warning(
-                StoreLogEvent.FILE_DEADLINE,
-                url=self.url,
-                op=op,
-                num_keys=0,
-                timeout_ms=timeout_ms,
-                fstype=self.fstype,
-            )
-            raise StoreError(
-                f"file store {self.url!r}: {op} did not finish within timeout_ms={timeout_ms} "
-                f"(file system {self.fstype}); it goes on in the background"
-            ) from None
+        return runner.run(counted, timeout_ms / 1000.0)
+
+    def _log_missed(self, op: str, num_keys: int) -> None:
+        log.warning(
+            StoreLogEvent.FILE_DEADLINE,
+            url=self.url,
+            op=op,
+            num_keys=num_keys,
+            timeout_ms=self.timeout_ms,
+            fstype=self.fstype,
+        )
 
     def shutdown(self) -> bool:
         """Stop the runner (no new calls); ``True`` if no call handed to it is still running, so whatever
