@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "DETAIL_FIELDS",
@@ -149,13 +149,18 @@ class TriggerRow:
     replay: frozenset[ReplayCount] = frozenset()
 
 
-@dataclass(frozen=True)
-class TransitionSpec:
-    """One row of the table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
+_StateT = TypeVar("_StateT", bound=enum.Enum)
+_TriggerT = TypeVar("_TriggerT", bound=enum.StrEnum)
 
-    trigger: Trigger
-    sources: tuple[State, ...]
-    dest: State
+
+@dataclass(frozen=True)
+class TransitionSpec(Generic[_StateT, _TriggerT]):
+    """One row of a table (the requests' ``TRANSITIONS``, the engine's ``ENGINE_TRANSITIONS``): ``trigger``
+    moves ``sources`` to ``dest`` if every condition holds."""
+
+    trigger: _TriggerT
+    sources: tuple[_StateT, ...]
+    dest: _StateT
     #: The audit record's ``event`` (past-tense verb).
     event: str
     #: Names of predicate methods on the model (all must be true).
@@ -184,7 +189,7 @@ _LOAD_LIVE = (_S.NEW, _S.LOOKUP, _S.MISS, _S.PARTIAL_HIT, _S.LOADING, _S.VERIFIE
 _REFUSABLE = tuple(s for s in _LOAD_LIVE if s is not _S.REFUSED)
 
 # fmt: off
-TRANSITIONS: tuple[TransitionSpec, ...] = (
+TRANSITIONS: tuple[TransitionSpec[State, Trigger], ...] = (
     # -- load side ---------------------------------------------------------------------------------
     TransitionSpec(_T.START_LOOKUP,  (_S.NEW,),                    _S.LOOKUP,      "lookup_started"),
     TransitionSpec(_T.START_LOOKUP,  (_S.MISS, _S.PARTIAL_HIT),    _S.LOOKUP,      "lookup_restarted"),
@@ -249,9 +254,9 @@ DETAIL_FIELD_SETS = {trigger: frozenset(fields) for trigger, fields in DETAIL_FI
 DETAIL_REQUIRED = frozenset(t.value for t, row in TRIGGERS.items() if row.detail and not row.detail_optional)
 
 
-def transition_index() -> dict[tuple[str, State], TransitionSpec]:
+def transition_index() -> dict[tuple[str, State], TransitionSpec[State, Trigger]]:
     """``(trigger, source) -> row``; the table never has two rows for one pair."""
-    index: dict[tuple[str, State], TransitionSpec] = {}
+    index: dict[tuple[str, State], TransitionSpec[State, Trigger]] = {}
     for spec in TRANSITIONS:
         for source in spec.sources:
             assert (spec.trigger, source) not in index, (
@@ -298,25 +303,8 @@ class EngineTrigger(enum.StrEnum):
     FAIL = "fail"
 
 
-@dataclass(frozen=True)
-class EngineTransitionSpec:
-    """One row of the engine's table: ``trigger`` moves ``sources`` to ``dest`` if every condition holds."""
-
-    trigger: EngineTrigger
-    sources: tuple[EngineState, ...]
-    dest: EngineState
-    #: the audit record's ``event`` (past tense)
-    event: str
-    #: names of predicate methods on the engine model (all must be true)
-    conditions: tuple[str, ...] = ()
-
-    def as_transitions_dict(self) -> dict[str, Any]:
-        return {
-            "trigger": self.trigger,
-            "source": [s.name for s in self.sources],
-            "dest": self.dest.name,
-            "conditions": list(self.conditions),
-        }
+#: One row of the engine's table (the same row type as the requests' table).
+EngineTransitionSpec = TransitionSpec[EngineState, EngineTrigger]
 
 
 @dataclass(frozen=True)
