@@ -76,9 +76,8 @@ from hybridkv.store.params import (
     byte_size,
     did_you_mean,
     format_size,
-    shown_url,
 )
-from hybridkv.store.url import FAULTY_PREFIX, STORE_KINDS, check_store_url, store_kind
+from hybridkv.store.url import FAULTY_PREFIX, check_store_url, known_schemes, store_kind
 
 DEFAULT_CAPACITY = "8GiB"
 DEFAULT_PUT_WAVE_BYTES = 64 << 20
@@ -259,14 +258,16 @@ class ConnectorConfig:
         store = extra.get("store")
         if store is None:
             store = default_store_url()
-        schemes = [f"{scheme}://" for scheme in STORE_KINDS] + [FAULTY_PREFIX]
-        if not isinstance(store, str) or not store.startswith(tuple(schemes)):
-            raise ValueError(
+        if not isinstance(store, str):
+            schemes = [f"{scheme}://" for scheme in known_schemes()] + [FAULTY_PREFIX]
+            raise ValueError(  # noqa: TRY004 -- every configuration error is a ValueError naming its key
                 f"kv_connector_extra_config['store']: expected a URL starting with one of {schemes}, "
-                f"got {shown_url(store) if isinstance(store, str) else store!r}"
+                f"got {store!r}"
             )
         try:
-            check_store_url(store)  # every part, opening nothing: the store opens later, on each role
+            # Every part, opening nothing (the store opens later, on each role); an unknown scheme is named
+            # with the known ones, a store plug-in's included (``hybridkv.store.plugins``).
+            check_store_url(store)
         except StoreError as error:
             raise ValueError(f"kv_connector_extra_config['store']: {error}") from None
 
@@ -341,7 +342,7 @@ def _flag(extra: Mapping[str, Any], key: str, *, default: bool) -> bool:
     """The boolean ``extra[key]`` (``default`` when absent); ``ValueError`` naming the key otherwise."""
     value = extra.get(key, default)
     if not isinstance(value, bool):
-        raise ValueError(  # noqa: TRY004 -- the brief: bad config values are ValueError
+        raise ValueError(  # noqa: TRY004 -- every configuration error is a ValueError naming its key
             f"kv_connector_extra_config[{key!r}]: expected true or false, got {value!r}"
         )
     return value

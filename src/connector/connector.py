@@ -60,7 +60,8 @@ SUSPEND_TIMEOUT_S = 30.0
 
 def hit_source(store: str) -> CacheHitSource:
     """The tier a store URL's hits come from (the store registry's ``tier``)."""
-    from hybridkv.store.url import StoreTier, store_kind
+    from hybridkv.store.kinds import StoreTier
+    from hybridkv.store.url import store_kind
 
     return {
         StoreTier.DISK: CacheHitSource.DISK,
@@ -188,6 +189,32 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         process), so any allocation works, vLLM 0.34's extensible KV cache included. Its release around
         a weight update goes through ``unregister_kv_caches`` / ``restore_kv_caches`` (above)."""
         return in_process_kv_cache_access()
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM 0.34: keep lookahead block hashes on (``num_hash_lookahead_tokens`` L = the drafter's prefill
+        lookahead) with this connector: True for every configuration.
+
+        vLLM asks with the transfer config alone, before the model's KV-cache groups exist, so nothing here
+        can see the geometry; the decision per geometry is made at start (``resolve_geometry``), and every
+        geometry this connector serves keeps the promise under L, because each rule that L changes is
+        followed as vLLM's coordinator follows it:
+
+        - lookups: vLLM turns the EAGLE drop off, so the geometry has ``eagle`` off and the agreed
+          boundary is the coordinator's without a drop (full / MLA, sliding window, Mamba, under DCP too);
+        - keys are vLLM's block hashes, which now also cover the L tokens after each block: an entry is
+          reused only where the tokens the drafter's KV in it read agree;
+        - saves key a block only once its hash exists and its KV is final (not within the last L - 1
+          re-prefilled tokens of a chunk); Mamba states come from vLLM's hand-offs, which it places at
+          ``floor((N - max(1, L)) / H) * H``; what becomes savable only with the request's last hash
+          update is saved when the request finishes (``request_finished``);
+        - L is in the key fingerprint: engines with different L never read each other's entries.
+
+        Where a geometry cannot be served at all (a Mamba group not in ``align`` mode, a sliding window
+        under DCP, pipeline or prefill context parallelism) the connector refuses to start as it does
+        without L, so answering True never opens a geometry that answering False would have kept safe.
+        vLLM 0.32 and 0.33 never call this (L stays 0 there, and keys are unchanged)."""
+        return True
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -357,13 +384,15 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side.on_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.request_finished(request)
+        self.scheduler_side.request_finished(request, (block_ids,))
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.request_finished(request)
+        """Under lookahead hashes the KV its last hash update made savable is queued first, its blocks
+        pinned by the save job (vLLM may free them now: False, never a deferred free)."""
+        self.scheduler_side.request_finished(request, block_ids)
         return False, None
 
     def register_finished_partial_tail(

@@ -15,6 +15,8 @@ URL                                                    parameters (all optional)
                                                        ``timeout_ms`` (2000; > 0: every call has a deadline),
                                                        ``breaker_failures`` (1), ``breaker_reset_s`` (5),
                                                        ``preferred_segment`` (``local`` | ``none`` | HOST:PORT)
+``SCHEME://...`` of a store plug-in                    its own (``hybridkv.store.plugins``: a package registers a
+                                                       ``StoreKind`` under the ``hybridkv.stores`` entry point)
 ``faulty+<any of the above>``                          ``get_fail``, ``put_fail``, ``exists_fail``, ``corrupt``,
                                                        ``get_late``, ``put_late`` (probabilities),
                                                        ``delay_ms``, ``late_ms``, ``late_scribble``, ``seed``;
@@ -46,11 +48,9 @@ capacity the engines recorded), so what it shows is what the engines run with.
 
 from __future__ import annotations
 
-import enum
 import functools
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -61,8 +61,10 @@ from hybridkv.store.file_capacity import record_capacity, recorded_capacity
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.integrity import Keyring, keyring_from_environment, keyring_from_file
+from hybridkv.store.kinds import StoreKind, StoreTier
 from hybridkv.store.memory import MemoryBackend
 from hybridkv.store.params import MAX_DURATION_MS, Params, ParsedUrl, shown_url, split_url
+from hybridkv.store.plugins import plugin_kinds
 from hybridkv.store.quotas import check_quotas, parse_quotas
 
 #: A file URL's capacity when it names none: the capacity of the connector's default store too
@@ -74,52 +76,31 @@ _MOONCAKE_PORT = re.compile(r"[0-9]{1,5}")
 FAULTY_PREFIX = "faulty+"
 
 
-class StoreTier(enum.Enum):
-    """Where a store's bytes live, as vLLM's hit sources see it."""
-
-    HOST = "host"  # this process's memory
-    DISK = "disk"  # files on this host
-    EXTERNAL = "external"  # another service (Mooncake's master and storage nodes)
-
-
-@dataclass(frozen=True)
-class StoreKind:
-    """One row of the store registry: everything the package knows about a URL scheme."""
-
-    scheme: str
-    #: Reads and checks every part of the URL (raising ``StoreError``), then returns what opens the backend:
-    #: nothing is created or connected before that is called (``check_store_url`` never calls it).
-    opener: Callable[[ParsedUrl, Params], Callable[[], Backend]]
-    tier: StoreTier
-    #: Only this process sees its entries (engines with several worker processes need another store).
-    process_local: bool
-    #: The query parameters it takes besides ``checksum`` and ``INTEGRITY_PARAMS`` (the chaos view adds its own).
-    params: tuple[str, ...]
-    #: Why a URL of this kind names no existing store, so that opening it would create one (read-only tools
-    #: refuse then); None when it names one or the kind cannot tell without connecting.
-    absent: Callable[[ParsedUrl], str | None] = lambda _parsed: None
-    #: The parameters a client that only asks what exists (a lookup process) sets, over the URL's own:
-    #: Mooncake's mounts no segment (it would hold data, and other clients would place puts in it).
-    lookup_client_params: Mapping[str, str] = field(default_factory=dict)
-    #: What an engine's open records in the store it opened (a file store's capacity); an operator's open
-    #: (``open_store(url, operator=True)``) records nothing.
-    record: Callable[[Backend], None] = lambda _backend: None
-    #: The parameters an operator's open reads from the store where its URL names them not: what the
-    #: engines recorded (``record``).
-    recorded_params: Callable[[ParsedUrl], Mapping[str, str]] = lambda _parsed: {}
-
-
 def store_kind(url: str) -> StoreKind:
-    """The registry row of ``url``'s scheme (through any ``faulty+`` view); ``StoreError`` if unknown."""
+    """The kind of ``url``'s scheme (through any ``faulty+`` view): a built-in row or an installed plug-in's
+    (``hybridkv.store.plugins``). ``StoreError`` if unknown, naming the known schemes, or if the plug-in that
+    claims it is not served, saying why."""
     inner = url.removeprefix(FAULTY_PREFIX)
     scheme = inner.split("://", 1)[0] if "://" in inner else ""
     kind = STORE_KINDS.get(scheme)
-    if kind is None:
-        raise StoreError(
-            f"store URL {shown_url(url)!r}: unknown scheme {scheme!r} (known: {', '.join(STORE_KINDS)}, each "
-            f"also as {FAULTY_PREFIX}<url>)"
-        )
-    return kind
+    if kind is not None:
+        return kind
+    plugins = plugin_kinds(frozenset(STORE_KINDS))
+    kind = plugins.scheme_to_kind.get(scheme)
+    if kind is not None:
+        return kind
+    refusal = plugins.scheme_to_refusal.get(scheme)
+    if refusal is not None:
+        raise StoreError(f"store URL {shown_url(url)!r}: {refusal}")
+    raise StoreError(
+        f"store URL {shown_url(url)!r}: unknown scheme {scheme!r} (known: {', '.join(known_schemes())}, each "
+        f"also as {FAULTY_PREFIX}<url>)"
+    )
+
+
+def known_schemes() -> list[str]:
+    """Every scheme a store URL may name: the built-in ones, then the installed plug-ins' that are served."""
+    return [*STORE_KINDS, *plugin_kinds(frozenset(STORE_KINDS)).scheme_to_kind]
 
 
 def lookup_client_url(url: str) -> str:
@@ -434,7 +415,8 @@ def _open_mooncake(parsed: ParsedUrl, params: Params) -> Callable[[], Backend]:
 
 
 # fmt: off
-#: The store registry: adding a store is one backend file and one row here.
+#: The built-in stores. A store of another package registers its row through an entry point instead
+#: (``hybridkv.store.plugins``).
 STORE_KINDS: Mapping[str, StoreKind] = {kind.scheme: kind for kind in (
     StoreKind("memory",   _open_memory,   StoreTier.HOST,     process_local=True,  params=("capacity",)),
     StoreKind("file",     _open_file,     StoreTier.DISK,     process_local=False, params=("capacity", "timeout_ms"),
