@@ -20,7 +20,7 @@ when a namespace reset or an invalidation may have removed them since.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridkv.connector.metadata import (
     HybridStoreWorkerMetadata,
@@ -108,6 +108,26 @@ class _Job:
     results: list[SaveResult] = field(default_factory=list)
 
 
+class BlockTables(Protocol):
+    """Where positional saves read a request's block table: vLLM's ``KVConnectorBlockState`` of a step, or
+    a finished request's table (``_FinishedTable``)."""
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        """The request's block ids by vLLM group, or None when it has none here."""
+        ...
+
+
+@dataclass(frozen=True)
+class _FinishedTable:
+    """A finished request's block table (as vLLM hands it to ``request_finished``) as ``BlockTables``."""
+
+    request_id: str
+    block_ids: tuple[list[int], ...]
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        return self.block_ids if req_id == self.request_id else None
+
+
 class SavePlanner:
     """Save jobs of one engine core; driven from the scheduler thread only."""
 
@@ -151,17 +171,39 @@ class SavePlanner:
         ``boundary_state_offloads`` (vllm_group_index, block id, boundary). ``loading_boundary``: the boundary of the
         load in flight for the request (0: none); boundaries up to it come from this store.
         """
-        items = self._positional_saves(saves, num_done_tokens, block_state)
+        # Under lookahead hashes the last L - 1 computed tokens are re-prefilled by the next chunk: their
+        # KV is not final yet (0 otherwise).
+        num_final_tokens = max(0, num_done_tokens - self.scheme.geometry.num_unfinal_tokens)
+        items = self._positional_saves(saves, num_final_tokens, block_state)
         if saves.deferred_tails:
             items += self._due_tails(
-                saves, num_done_tokens, block_state.get_block_ids(saves.request.request_id)
+                saves, num_final_tokens, block_state.get_block_ids(saves.request.request_id)
             )
         states = self._boundary_saves(saves, state_offloads, loading_boundary)
         if states:
             items += states + self._tail_saves(
-                saves, states, block_state.get_block_ids(saves.request.request_id), num_done_tokens
+                saves, states, block_state.get_block_ids(saves.request.request_id), num_final_tokens
             )
         return self._new_job(saves, items) if items else None
+
+    def finished_lookahead_save(
+        self, saves: RequestSaves, block_ids: tuple[list[int], ...], num_final_tokens: int
+    ) -> None:
+        """Under lookahead hashes, at request finish: the prompt blocks (and deferred tails) that became
+        savable after the request's last step -- their block hashes needed tokens the last step sampled --
+        as a job sent with the next step's metadata (its blocks pinned now, before vLLM frees them).
+
+        ``block_ids``: the request's block table, by vLLM group. ``num_final_tokens``: tokens whose KV the
+        workers have written and will not rewrite (computed, not in flight). Nothing for a request never
+        scheduled (no position saved yet) or without lookahead hashes."""
+        if not self.scheme.geometry.hash_lookahead or saves.saved_upto is None:
+            return
+        table = _FinishedTable(saves.request.request_id, block_ids)
+        items = self._positional_saves(saves, num_final_tokens, table)
+        if saves.deferred_tails:
+            items += self._due_tails(saves, num_final_tokens, block_ids)
+        if items:
+            self._unsent.append(self._new_job(saves, items))
 
     def finished_partial_tail(
         self,
@@ -205,7 +247,7 @@ class SavePlanner:
         """The prompt positions a save may key: prompt tokens the block hashes cover."""
         return min(request.num_prompt_tokens, len(request.block_hashes) * self.scheme.geometry.hash_unit)
 
-    def _positional_saves(self, saves: RequestSaves, done: int, bs: KVConnectorBlockState) -> list[SaveItem]:
+    def _positional_saves(self, saves: RequestSaves, done: int, bs: BlockTables) -> list[SaveItem]:
         """(group_index, block index, block id) of full/SWA prompt blocks completed by the end of this step."""
         req = saves.request
         upto = min(done, self._saveable_tokens(req))
@@ -394,6 +436,12 @@ class SavePlanner:
         # a boundary inside a block covers less than a span).
         start = (cdiv(end, g.span) - 1) * g.span
         tokens = list(request.all_token_ids[start:end])
+        lookahead = self.scheme.geometry.hash_lookahead
+        # vLLM 0.34 under lookahead hashes: the tokens past the block its hash covers, as its own events
+        # carry them (the field exists only there, and L > 0 only there).
+        extra: dict[str, Any] = {}
+        if lookahead:
+            extra["lookahead_token_ids"] = [list(request.all_token_ids[end : end + lookahead])]
         return BlockStored(
             block_hashes=[block_hash],
             parent_block_hash=None,
@@ -403,6 +451,7 @@ class SavePlanner:
             medium="STORAGE",
             lora_name=None,
             group_idx=g.vllm_group_index,
+            **extra,
         )
 
     # ------------------------------------------------------------------ inspection and lifetime

@@ -459,7 +459,13 @@ class SchedulerSide:
         return self.upkeep.take_events(self.store)
 
     # ------------------------------------------------------------------ lifetime
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...] | None = None) -> None:
+        """The request left vLLM (finished, aborted): stop following it. Under lookahead hashes
+        (vLLM 0.34), first the prompt KV that only its last hash update made savable is queued
+        (``SavePlanner.finished_lookahead_save``; ``block_ids``: its block table, by vLLM group)."""
+        r = self._reqs.get(request.request_id)
+        if r is not None and block_ids is not None and self.can_save and not self.namespace_closed:
+            self.saves.finished_lookahead_save(r.saves, block_ids, self._final_tokens(request))
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return
@@ -469,6 +475,16 @@ class SchedulerSide:
             r.lc.evict("finished")
         if r.saves.session is not None:
             self.sessions.finished(r.saves.session, self.scheme)
+
+    def _final_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` whose KV the workers wrote and will not rewrite: computed, less the steps
+        still in flight (vLLM 0.34's async scheduling counts them ahead) and the re-prefilled tail of
+        lookahead hashes."""
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0)) - int(
+            getattr(request, "num_stale_output_tokens", 0)
+        )
+        computed = request.num_computed_tokens - max(0, in_flight)
+        return max(0, computed - self.scheme.geometry.num_unfinal_tokens)
 
     def has_pending_push_work(self) -> bool:
         return self.saves.has_work()

@@ -165,11 +165,18 @@ def _spec_to_group() -> tuple[tuple[type, Callable[[Any, Any, int], GroupSpec]],
     )
 
 
+def hash_lookahead_tokens(vllm_config: VllmConfig) -> int:
+    """vLLM 0.34's ``num_hash_lookahead_tokens`` (L): tokens past each block its hash covers. 0 on 0.32 and
+    0.33 (no such field), and on 0.34 unless every connector opts in (``supports_lookahead_block_hashes``)."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+
+
 def _eagle_block_drop(vllm_config: VllmConfig) -> bool:
     """Whether vLLM drops a hit's last block for an EAGLE / MTP drafter (what its scheduler hands its KV
-    cache coordinator as ``use_eagle``)."""
+    cache coordinator as ``use_eagle``): never under lookahead hashes (vLLM 0.34's scheduler clears it
+    when ``num_hash_lookahead_tokens > 0``)."""
     spec = vllm_config.speculative_config
-    if spec is None:
+    if spec is None or hash_lookahead_tokens(vllm_config):
         return False
     block_drop = getattr(spec, "use_eagle_block_drop", None)  # vLLM 0.32; older: every EAGLE drops
     return bool(block_drop() if callable(block_drop) else spec.use_eagle())
@@ -249,6 +256,7 @@ def resolve_geometry(
         other_group_spans=other_spans,
         eagle=_eagle_block_drop(vllm_config),
         eagle_groups=eagle_groups,
+        hash_lookahead=hash_lookahead_tokens(vllm_config),
     )
     for info, span in zip(infos, geometry.spans, strict=True):
         assert info.span == span, (

@@ -169,8 +169,12 @@ def hybrid_config(
     return vc, cfg
 
 
-def make_request(rid: str, tokens: list[int], hash_unit: int, max_tokens: int = 4) -> Any:
-    return vllm_harness.block_hashed_request(rid, tokens, hash_unit, max_tokens)
+def make_request(
+    rid: str, tokens: list[int], hash_unit: int, max_tokens: int = 4, *, hash_lookahead: int = 0
+) -> Any:
+    return vllm_harness.block_hashed_request(
+        rid, tokens, hash_unit, max_tokens, hash_lookahead=hash_lookahead
+    )
 
 
 class RankFaults:
@@ -261,7 +265,9 @@ class Cluster:
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Any:
-        req = make_request(rid, tokens, self.hash_unit, max_tokens)
+        # The engine's hasher: with vLLM 0.34's lookahead hashes when its scheduler keeps them on.
+        lookahead = int(getattr(self.sched, "num_hash_lookahead_tokens", 0))
+        req = make_request(rid, tokens, self.hash_unit, max_tokens, hash_lookahead=lookahead)
         self.prefixes[rid] = _prefix_values(tokens + [900 + i for i in range(max_tokens + 1)])
         self.sched.add_request(req)
         return req

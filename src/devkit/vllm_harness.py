@@ -70,9 +70,12 @@ def resolve_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> None:
     )
 
 
-def block_hashed_request(request_id: str, tokens: list[int], hash_unit: int, max_tokens: int = 1) -> Any:
+def block_hashed_request(
+    request_id: str, tokens: list[int], hash_unit: int, max_tokens: int = 1, *, hash_lookahead: int = 0
+) -> Any:
     """A greedy ``vllm.v1.request.Request`` of ``tokens`` with vLLM's own block hasher (sha256, blocks of
-    ``hash_unit`` tokens), as the engine builds it."""
+    ``hash_unit`` tokens; vLLM 0.34's ``hash_lookahead`` tokens past each block in its hash, 0: none), as
+    the engine builds it."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -80,9 +83,13 @@ def block_hashed_request(request_id: str, tokens: list[int], hash_unit: int, max
 
     init_none_hash(sha256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return Request(
-        request_id, list(tokens), params, None, block_hasher=get_request_block_hasher(hash_unit, sha256)
+    make_hasher: Any = get_request_block_hasher  # its third parameter (lookahead) exists from vLLM 0.34 on
+    hasher = (
+        make_hasher(hash_unit, sha256, hash_lookahead)
+        if hash_lookahead
+        else get_request_block_hasher(hash_unit, sha256)
     )
+    return Request(request_id, list(tokens), params, None, block_hasher=hasher)
 
 
 def greedy(llm: Any, tokens: list[int], max_tokens: int, *, cache_salt: str | None = None) -> Any:

@@ -66,6 +66,13 @@ class Geometry:
             drafter's layers); a lookup unit drops when any of its groups is flagged (vLLM's coordinator
             flags the spec group). None: every group (vLLM's fallback when no group is flagged). Not in
             :meth:`describe`.
+        hash_lookahead: vLLM 0.34's ``num_hash_lookahead_tokens`` (L): every block hash also covers the L
+            tokens after its block (the drafter's KV at the block's last positions reads that far), and
+            vLLM turns the EAGLE drop off, so ``eagle`` is False whenever L > 0. It changes what a block
+            hash means, so it is in :meth:`describe` (the key fingerprint) when positive; at 0 (vLLM 0.32 and
+            0.33 always) it is left out, so those keys stay what they always were. A save keys a block only
+            once its KV is final: vLLM re-prefills the last ``L - 1`` tokens of a chunk
+            (:attr:`num_unfinal_tokens`).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -74,9 +81,15 @@ class Geometry:
     other_group_spans: tuple[int, ...] = ()
     eagle: bool = False
     eagle_groups: frozenset[int] | None = None
+    hash_lookahead: int = 0
 
     def __post_init__(self) -> None:
         assert self.groups, "a Geometry needs at least one prefix-cacheable group"
+        assert self.hash_lookahead >= 0, f"hash_lookahead must be >= 0, got {self.hash_lookahead}"
+        assert not (self.eagle and self.hash_lookahead), (
+            f"hash_lookahead={self.hash_lookahead} with eagle=True: vLLM turns the EAGLE drop off when block "
+            "hashes cover the drafter's lookahead"
+        )
         dcp = self.topology.dcp_size
         for index, group in enumerate(self.groups):
             if dcp > 1:
@@ -173,6 +186,14 @@ class Geometry:
             default=0,
         )
 
+    @property
+    def num_unfinal_tokens(self) -> int:
+        """Computed tokens at the end of a request's computed range whose KV is not final yet: vLLM's
+        ``num_prefill_lookahead - 1`` re-prefillable tokens under lookahead hashes (L - 1; a multi-module MTP
+        drafter rewrites them with the next chunk), which vLLM's own prefix cache does not cache either.
+        0 without lookahead hashes (the legacy regime keeps its behaviour)."""
+        return max(0, self.hash_lookahead - 1)
+
     @cached_property
     def hit_alignment(self) -> int:
         """Every hit vLLM reports is a multiple of this many tokens."""
@@ -202,7 +223,9 @@ class Geometry:
         return tuple(tuple(unit) for unit in units)
 
     def describe(self) -> dict[str, object]:
-        return {
+        """What the key fingerprint covers. ``hash_lookahead`` only when positive: keys of engines without
+        lookahead hashes (every vLLM before 0.34) are unchanged."""
+        described: dict[str, object] = {
             "groups": [g.describe() for g in self.groups],
             "spans": list(self.spans),
             "tp_size": self.topology.tp_size,
@@ -213,3 +236,6 @@ class Geometry:
             "hit_alignment": self.hit_alignment,
             "other_group_spans": list(self.other_group_spans),
         }
+        if self.hash_lookahead:
+            described["hash_lookahead"] = self.hash_lookahead
+        return described

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hybridkv.connector.vllm_compat import vllm_release
 from hybridkv.devkit.cluster import Cluster, hybrid_config
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_eagle_draft, build_tiny_model
 from support.scheduler import PROMPT, mtp_draft_config, tokens
@@ -72,8 +73,11 @@ def _speculative_config(vc: Any, method: str, tmp: Path, num_tokens: int | None 
 
 
 def _spec_configs(
-    kind: str, dcp: int, tp: int, method: str, tmp: Path, store: str | None = None
+    kind: str, dcp: int, tp: int, method: str, tmp: Path, store: str | None = None, regime: str = "legacy"
 ) -> tuple[Any, Any]:
+    """The geometry's configs with the drafter, in ``regime``: ``legacy`` (vLLM's EAGLE drop, no lookahead
+    hashes: 0.32, 0.33, and 0.34 with ``disable_lookahead_block_hashes``) or ``lookahead`` (vLLM 0.34's
+    lookahead block hashes, which this connector keeps on: L = the drafter's prefill lookahead, no drop)."""
     vc, kvc = hybrid_config(kind, dcp=dcp, tp=tp, store=store)
     spec = _speculative_config(vc, method, tmp)
     assert spec.use_eagle_block_drop()
@@ -82,7 +86,24 @@ def _spec_configs(
         assert spec.method == "mtp" and spec.use_multi_module_mtp(), spec
         assert spec.draft_model_config.hf_config.model_type == MTP_DRAFT[1]
         assert vc.num_prefill_lookahead_tokens == MTP_TOKENS
+    if vllm_release() >= (0, 34):
+        # The drafter was set after the config resolved: resolve L again, as vLLM does at its end.
+        if regime == "legacy":
+            object.__setattr__(spec, "disable_lookahead_block_hashes", True)
+        vc.num_hash_lookahead_tokens = vc._resolve_num_hash_lookahead_tokens()
+    want = vc.num_prefill_lookahead_tokens if regime == "lookahead" else 0
+    assert getattr(vc, "num_hash_lookahead_tokens", 0) == want, (regime, vc.num_prefill_lookahead_tokens)
     return vc, kvc
+
+
+#: the regimes a drafter runs in: vLLM 0.34's lookahead hashes only there
+REGIMES = [
+    "legacy",
+    pytest.param(
+        "lookahead",
+        marks=pytest.mark.skipif(vllm_release() < (0, 34), reason="lookahead block hashes: vLLM 0.34"),
+    ),
+]
 
 
 def _first_start(cl: Cluster, rid: str) -> tuple[int, list[tuple[str, int]]]:
@@ -109,17 +130,22 @@ def _external_hit(vc: Any, kvc: Any, rid: str, prompt: list[int]) -> int:
     return loads[0][1]
 
 
+@pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("method", ["eagle", "mtp"])
 @pytest.mark.parametrize(("kind", "dcp", "tp"), GEOMETRIES)
 def test_drafter_hits_equal_vllms_local_hit_and_restore_every_slot(
-    kind: str, dcp: int, tp: int, method: str, tmp_path: Path
+    kind: str, dcp: int, tp: int, method: str, regime: str, tmp_path: Path
 ) -> None:
-    vc, kvc = _spec_configs(kind, dcp, tp, method, tmp_path)
+    vc, kvc = _spec_configs(kind, dcp, tp, method, tmp_path, regime=regime)
+    lookahead = int(getattr(vc, "num_hash_lookahead_tokens", 0))
     x = tokens(1)
     y = x[:DIVERGE_AT] + tokens(2, PROMPT - DIVERGE_AT)
     cold = Cluster(vc, kvc)
     try:
-        assert cold.geo.geometry.eagle and cold.geo.identity.drafter.startswith(f"{method}:")
+        geometry = cold.geo.geometry
+        assert cold.geo.identity.drafter.startswith(f"{method}:")
+        # Legacy: vLLM drops, so does the lookup. Lookahead: no drop, and L is in the keys' fingerprint.
+        assert (geometry.eagle, geometry.hash_lookahead) == (not lookahead, lookahead)
         cold.add("x", x)
         cold.run()
         # Resend until vLLM's local hit stops growing: then the device cache and the store have seen the
@@ -141,13 +167,19 @@ def test_drafter_hits_equal_vllms_local_hit_and_restore_every_slot(
         cold.shutdown()
     local_hit = local_hits[-1]
     block = cold.geo.geometry.hit_alignment
-    assert 0 < local_hit < PROMPT - block, f"{kind}: vLLM's local hit {local_hit}"
+    if lookahead:
+        # No drop: the hit is the Mamba checkpoint vLLM places at floor((N - max(1, L)) / H) * H.
+        assert local_hit == (PROMPT - max(1, lookahead)) // block * block, f"{kind}: local hit {local_hit}"
+    else:
+        assert 0 < local_hit < PROMPT - block, f"{kind}: vLLM's local hit {local_hit}"
 
     external = _external_hit(vc, kvc, "x2", x)
     assert external == local_hit, f"{kind}: external hit {external} != vLLM's local hit {local_hit}"
 
     # After X alone, too: a store that only X's cold run wrote (the device cache gave local_hits[0] then).
-    vc_once, _ = _spec_configs(kind, dcp, tp, method, tmp_path, store=f"memory://once-{uuid.uuid4().hex[:8]}")
+    vc_once, _ = _spec_configs(
+        kind, dcp, tp, method, tmp_path, store=f"memory://once-{uuid.uuid4().hex[:8]}", regime=regime
+    )
     once = Cluster(vc_once, kvc)
     try:
         once.add("x", x)
@@ -180,7 +212,7 @@ def test_drafter_hits_equal_vllms_local_hit_and_restore_every_slot(
     finally:
         diverged.shutdown()
     print(
-        f"{kind} dcp {dcp} {method}: local hits {local_hits}, external hit of X {local_hit} "
+        f"{kind} dcp {dcp} {method} {regime}: local hits {local_hits}, external hit of X {local_hit} "
         f"(after X alone {external_once}), of Y {hits[0]}"
     )
 

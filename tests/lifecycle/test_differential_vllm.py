@@ -3,11 +3,16 @@
 The "existing keys" become cached blocks in a real ``BlockPool`` of a real coordinator
 (``get_kv_cache_coordinator``), built from real specs; vLLM's ``find_longest_cache_hit`` must give the
 boundary our ``plan_lookup(...).resolve(...)`` gives. Block sizes and the hit alignment are compared too.
+
+With a drafter, vLLM 0.34 is also drawn in its lookahead-hash regime (``num_hash_lookahead_tokens`` L of 1-3,
+EAGLE / EAGLE3 or multi-module MTP: no drop, hashes only for units whose L next tokens exist), the regime
+this connector keeps on there; older releases draw the legacy EAGLE drop only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +75,14 @@ def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[n
     scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
+    lookahead = {}
+    if geometry.hash_lookahead:
+        # vLLM 0.34's lookahead regime: L = the drafter's prefill lookahead, the EAGLE drop off (use_eagle
+        # False), the drafter's groups still flagged.
+        lookahead = {
+            "num_hash_lookahead_tokens": geometry.hash_lookahead,
+            "num_prefill_lookahead": geometry.hash_lookahead,
+        }
     coordinator = kv_cache_coordinator.get_kv_cache_coordinator(
         kv_cache_config,
         max_model_len=max_model_len,
@@ -81,8 +94,33 @@ def _vllm_coordinator(geometry: Geometry, max_model_len: int):  # type: ignore[n
         pcp_world_size=1,
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
+        **lookahead,
     )
     return coordinator, scheduler_block_size, hash_block_size
+
+
+#: vLLM 0.34 and later: lookahead block hashes (``num_hash_lookahead_tokens``) exist
+LOOKAHEAD_HASHES = (
+    "num_hash_lookahead_tokens" in inspect.signature(kv_cache_coordinator.get_kv_cache_coordinator).parameters
+)
+
+
+def _num_hashes(geometry: Geometry, num_tokens: int) -> int:
+    """How many block hashes vLLM has for a request of ``num_tokens``: under lookahead hashes a unit is
+    hashed only once the L tokens after it exist."""
+    return max(0, num_tokens - geometry.hash_lookahead) // geometry.hash_unit
+
+
+def _max_hit(geometry: Geometry, num_tokens: int) -> int:
+    """The longest hit asked of vLLM's coordinator: ``num_tokens - 1`` (the scheduler's bound), and under
+    lookahead hashes no further than the hashes reach. vLLM 0.34's scheduler passes ``num_tokens - 1`` alone,
+    and its Mamba and sliding-window managers then index past the hashes when ``L >= 2`` leaves the last
+    unit below that bound unhashed (an ``IndexError`` inside vLLM, not a hit); no hit can reach past the
+    hashes, so the bound changes no answer."""
+    bound = num_tokens - 1
+    if geometry.hash_lookahead:
+        bound = min(bound, _num_hashes(geometry, num_tokens) * geometry.hash_unit)
+    return bound
 
 
 @st.composite
@@ -93,10 +131,17 @@ def _cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
         flagged = draw(
             st.none() | st.sets(st.integers(0, geometry.num_groups - 1), min_size=1).map(frozenset)
         )
-        geometry = dataclasses.replace(geometry, eagle=True, eagle_groups=flagged)
+        # vLLM 0.34 with a connector that keeps lookahead hashes on: L = the drafter's prefill lookahead
+        # (1: EAGLE / EAGLE3, more: multi-module MTP) covered by every block hash, and no drop. vLLM
+        # refuses to start when the scheduler block is shorter than that lookahead.
+        hash_lookahead = draw(st.sampled_from([0, 1, 2, 3])) if LOOKAHEAD_HASHES else 0
+        if hash_lookahead and geometry.scheduler_block_size >= hash_lookahead:
+            geometry = dataclasses.replace(geometry, eagle_groups=flagged, hash_lookahead=hash_lookahead)
+        else:
+            geometry = dataclasses.replace(geometry, eagle=True, eagle_groups=flagged)
     num_tokens = draw(st.integers(1, 10 * max(geometry.spans) + 3))
     unit = geometry.hash_unit
-    num_units = num_tokens // unit
+    num_units = _num_hashes(geometry, num_tokens)
     # Which (group, boundary) entries exist: mostly a prefix per group (a previous save), with holes,
     # entries present on only some ranks (then they do not count), and stray entries past the prefix.
     present = {}
@@ -125,7 +170,7 @@ def test_agreed_boundary_equals_vllm_coordinator(case) -> None:  # type: ignore[
     if not geometry.is_single_group:
         assert coordinator._cache_hit_alignment_tokens == geometry.hit_alignment
 
-    hashes = family_hashes(7, num_tokens // geometry.hash_unit)
+    hashes = family_hashes(7, _num_hashes(geometry, num_tokens))
     scheme = KeyScheme(namespace="diff", model="m", geometry=geometry)
     ranks = geometry.topology.ranks
     existing: set[str] = set()
@@ -143,13 +188,13 @@ def test_agreed_boundary_equals_vllm_coordinator(case) -> None:  # type: ignore[
         elif where == "some" and len(keys) > 1:
             existing.update(keys[1:])  # rank 0 lacks it: not restorable, not cached for vLLM either
 
-    _, vllm_hit, _ = coordinator.find_longest_cache_hit(hashes, num_tokens - 1)
+    _, vllm_hit, _ = coordinator.find_longest_cache_hit(hashes, _max_hit(geometry, num_tokens))
     candidates = plan_lookup(scheme, hashes, num_tokens, 0)
     result = candidates.resolve([key in existing for key in candidates.keys])
     note(f"vllm={vllm_hit} ours={result.boundary} groups={result.group_hit_tokens}")
     event(
         f"hit={'yes' if vllm_hit else 'no'} fine={geometry.fine_grained} groups={geometry.num_groups} "
-        f"eagle={geometry.eagle}"
+        f"eagle={geometry.eagle} lookahead={geometry.hash_lookahead}"
     )
     assert result.boundary == vllm_hit
 
@@ -164,7 +209,7 @@ def _cache(pool, free_blocks, block_hash: bytes, group_index: int) -> None:  # t
 def _mixed_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
     geometry, num_tokens, present = draw(_cases())
     unit = geometry.hash_unit
-    num_units = num_tokens // unit
+    num_units = _num_hashes(geometry, num_tokens)
     # vLLM's local cache: per group a prefix with holes (evictions), possibly longer than the store's, and
     # sometimes another request's entries (a stray block that matches nothing here is simply not drawn).
     local = set()
@@ -210,14 +255,14 @@ def test_mixed_local_and_external_hit_equals_vllm_coordinator_on_both_tiers(case
     used (vLLM reports only the common boundary)."""
     geometry, num_tokens, present, local = case
     note(f"geometry={geometry.describe()} num_tokens={num_tokens} local={sorted(local)}")
-    hashes = family_hashes(7, num_tokens // geometry.hash_unit)
+    hashes = family_hashes(7, _num_hashes(geometry, num_tokens))
     unit = geometry.hash_unit
 
     local_only, _, _ = _vllm_coordinator(geometry, max_model_len=num_tokens + 64)
     free = local_only.block_pool.get_new_blocks(len(local) + 1)
     for g, boundary in local:
         _cache(local_only.block_pool, free, hashes[boundary // unit - 1], g)
-    _, num_local, _ = local_only.find_longest_cache_hit(hashes, num_tokens - 1)
+    _, num_local, _ = local_only.find_longest_cache_hit(hashes, _max_hit(geometry, num_tokens))
     assume_mixed = num_local > 0
     event(f"local hit={'yes' if assume_mixed else 'no'}")
 
@@ -237,7 +282,7 @@ def test_mixed_local_and_external_hit_equals_vllm_coordinator_on_both_tiers(case
     cached.update((g, boundary) for g, boundary in local if boundary <= num_local)
     for g, boundary in cached:
         _cache(both.block_pool, free, hashes[boundary // unit - 1], g)
-    _, vllm_hit, _ = both.find_longest_cache_hit(hashes, num_tokens - 1)
+    _, vllm_hit, _ = both.find_longest_cache_hit(hashes, _max_hit(geometry, num_tokens))
     # vLLM's fixed point is not monotone in the entries it is given (a full-attention unit is looked up
     # once, at the first candidate, then only trimmed): more entries can give a shorter hit than the local
     # tier's alone. Such a case has no oracle here.

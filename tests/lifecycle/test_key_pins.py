@@ -7,6 +7,7 @@ are pinned too: they are the keys a deployment actually reads and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -120,3 +121,44 @@ def test_load_and_save_plans_are_pinned(name: str) -> None:
     }
     saves = [f"{entry} {key}" for entry, key in plan_save(scheme, BLOCK_HASHES, group_to_boundaries).entries]
     assert (len(saves), _digest(saves)) == (num_saves, saves_digest)
+
+
+def _with_lookahead(scheme: KeyScheme, hash_lookahead: int) -> KeyScheme:
+    return dataclasses.replace(
+        scheme, geometry=dataclasses.replace(scheme.geometry, hash_lookahead=hash_lookahead)
+    )
+
+
+#: name -> fingerprint under vLLM 0.34's lookahead block hashes with L = 1 (EAGLE) and L = 3 (3-module MTP)
+PINNED_LOOKAHEAD = {
+    "single_full": ("65ddba08c98b", "65ed7ffd5618"),
+    "full_mamba_dcp2": ("0b41a592a6d9", "c39bebbde629"),
+    "full_swa": ("c99a7a08ad00", "b8ed841beb1e"),
+    "full_mamba_fine": ("08e195c27073", "9a9e13014b69"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_hash_lookahead_joins_the_fingerprint_and_l0_keys_stay_pinned(name: str) -> None:
+    """vLLM 0.34's lookahead hashes (L tokens past each block in its hash) are part of what a key means:
+    engines with different L never read each other's entries, engines with equal L share, and L = 0 (every
+    engine before 0.34, and 0.34 without the opt-in) keeps the pinned fingerprint above byte for byte."""
+    scheme = SCHEMES[name]
+    assert _with_lookahead(scheme, 0).fingerprint == PINNED[name][0]
+    eagle, mtp = _with_lookahead(scheme, 1), _with_lookahead(scheme, 3)
+    assert (eagle.fingerprint, mtp.fingerprint) == PINNED_LOOKAHEAD[name]
+    assert len({scheme.fingerprint, eagle.fingerprint, mtp.fingerprint}) == 3
+    assert _with_lookahead(scheme, 3).fingerprint == mtp.fingerprint  # equal L: one fingerprint
+    key = eagle.key(0, 0, BLOCK_HASHES[3])
+    assert key.startswith(f"hkv1/{scheme.namespace}/{eagle.fingerprint}/") and key != scheme.key(
+        0, 0, BLOCK_HASHES[3]
+    )
+
+
+def test_hash_lookahead_turns_the_eagle_drop_off() -> None:
+    """vLLM's scheduler clears the EAGLE drop under lookahead hashes; a geometry claiming both is a bug."""
+    with pytest.raises(AssertionError, match="vLLM turns the EAGLE drop off"):
+        Geometry(groups=(GroupSpec.full(16), GroupSpec.mamba(64)), eagle=True, hash_lookahead=1)
+    geometry = Geometry(groups=(GroupSpec.full(16), GroupSpec.mamba(64)), hash_lookahead=3)
+    assert geometry.eagle_lookahead == 0 and geometry.num_unfinal_tokens == 2
+    assert Geometry(groups=(GroupSpec.full(16),)).num_unfinal_tokens == 0
