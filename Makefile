@@ -14,7 +14,7 @@ READY034 := $(VENV034)/.hybridkv-ready
 # The tests that drive vLLM's Python side (scheduler, KV-cache manager, configs, connector base classes,
 # metrics, CLI parser) without kernels or an engine; engine tests are marked `slow` and live elsewhere.
 VLLM_LANE_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit.py tests/docs/test_metrics_page.py \
-	tests/docs/test_examples.py -m "vllm and not slow"
+	tests/docs/test_examples.py tests/bench/test_bench_scheduler_inflight.py -m "vllm and not slow"
 
 .PHONY: demo test test-vllm033 test-vllm034 test-fast fuzz-long test-races typecheck setup clean
 

@@ -20,7 +20,8 @@ and each step into the connector's own calls on the scheduler thread (every sche
 ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished*``,
 ``update_connector_output``, ...) and vLLM's part of ``schedule()``.
 
-``peer``: vLLM's in-tree ``MooncakeStoreConnector`` in both lookup modes (``lookup_async`` false and true), on
+``peer``: vLLM's in-tree ``MooncakeStoreConnector`` in both lookup modes (``lookup_async`` false and true) and,
+on vLLM 0.34, asynchronous with lookup prefetch on (``lookup_prefetch_limit``, ``PEER_PREFETCH_LIMIT``), on
 the same geometry (it supports MLA + Mamba align with DCP), the same stream and a real ``mooncake_master``
 (:mod:`hybridkv.bench.scheduler_peer`: its worker of rank 0 serves the lookups from a child process, and the
 stream's stored prefixes are planted under its own keys), interleaved with the other configurations; hybridkv
@@ -112,6 +113,19 @@ K3_DCP = 8
 _MAX_MODEL_LEN = 131072 + 1024
 _CHUNK = 8192  # saved Mamba states: one per prefill chunk end
 _PUT_BATCH = 512  # keys per put while filling the store (a remote store's deadline bounds one call)
+#: the peer's ``lookup_prefetch_limit`` in its prefetch mode: every request of a default stream at once
+PEER_PREFETCH_LIMIT = 64
+
+
+def peer_modes() -> list[tuple[str, bool, int]]:
+    """The peer's modes on the installed vLLM: (name, ``lookup_async``, ``lookup_prefetch_limit``). Lookup
+    prefetch came with vLLM 0.34."""
+    from hybridkv.connector.vllm_compat import vllm_release
+
+    modes = [("sync", False, 0), ("async", True, 0)]
+    if vllm_release() >= (0, 34):
+        modes.append(("async+prefetch", True, PEER_PREFETCH_LIMIT))
+    return modes
 
 
 def k3_configs(
@@ -296,6 +310,8 @@ class _Config:
     kind: str  # "none", "hybridkv" or "peer"
     url: str | None = None
     lookup_async: bool = False
+    #: the peer's ``lookup_prefetch_limit`` (vLLM 0.34; 0: off)
+    prefetch_limit: int = 0
     #: hybridkv with ``lookup_process: true``
     lookup_process: bool = False
 
@@ -323,7 +339,9 @@ def _drive(config: _Config, settings: _Settings, peer: PeerLookupServer | None) 
     transfer = None
     if is_peer:
         assert peer is not None
-        transfer = peer.transfer_config(lookup_async=config.lookup_async)
+        transfer = peer.transfer_config(
+            lookup_async=config.lookup_async, prefetch_limit=config.prefetch_limit
+        )
     sched = k3_scheduler(
         config.url,
         settings.models_dir,
@@ -839,8 +857,8 @@ def run_scheduler_bench(
     if peer is not None:
         assert peer.store_url in store_urls, "the peer's like-for-like hybridkv row must be measured"
         configs += [
-            _Config(f"{PEER_CONNECTOR} {mode} ({peer.where})", "peer", None, mode == "async")
-            for mode in ("sync", "async")
+            _Config(f"{PEER_CONNECTOR} {mode} ({peer.where})", "peer", None, lookup_async, prefetch)
+            for mode, lookup_async, prefetch in peer_modes()
         ]
     settings = _Settings(stream, prefixes, models_dir, per_step, forward_ms / 1e3, idle_steps)
     by_config: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
@@ -856,7 +874,8 @@ def run_scheduler_bench(
     rows = [_summarize(c.label, by_config[i], None if i == 0 else base) for i, c in enumerate(configs)]
     if peer is not None:
         for ours in (i for i, c in enumerate(configs) if c.kind == "hybridkv" and c.url == peer.store_url):
-            for mode, index in (("sync", len(configs) - 2), ("async", len(configs) - 1)):
+            first_peer = len(configs) - len(peer_modes())
+            for index, (mode, _, _) in enumerate(peer_modes(), start=first_peer):
                 ratios = _round_ratios(by_config[ours], by_config[index], "connector_p99_ms")
                 if ratios:
                     rows[ours][f"connector_p99_over_peer_{mode}"] = statistics.median(ratios)
@@ -875,7 +894,10 @@ def run_scheduler_bench(
         if peer is None
         else {
             "connector": PEER_CONNECTOR,
-            "modes": {"sync": {"lookup_async": False}, "async": {"lookup_async": True}},
+            "modes": {
+                mode: {"lookup_async": lookup_async, "lookup_prefetch_limit": prefetch}
+                for mode, lookup_async, prefetch in peer_modes()
+            },
             "geometry": "the same (it accepts MLA + Mamba align with DCP 8)",
             "master_address": peer.server.master_address,
             "like_for_like_row": names.get(peer.store_url, peer.store_url),

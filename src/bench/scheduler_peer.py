@@ -6,7 +6,9 @@ over ZMQ (``LookupKeyClient``, a REQ socket on an IPC path) to the ``LookupKeySe
 worker of rank 0 runs, and that worker builds every candidate key (every hash unit x KV-cache group x rank
 namespace) and asks its Mooncake client one ``batch_is_exist``. With ``lookup_async`` false (the default) the
 scheduler thread waits for the answer; with ``lookup_async`` true it submits the lookup and answers "not yet"
-(``None``) until the answer is there, asking again every step.
+(``None``) until the answer is there, asking again every step. vLLM 0.34 adds lookup prefetch
+(``lookup_prefetch_limit`` > 0, with ``lookup_async``): ``on_new_request`` submits the lookup when the request
+arrives, and the first ``get_num_new_matched_tokens`` reuses it.
 
 :class:`PeerLookupServer` is that worker of rank 0, in a spawned child process (as vLLM's worker is its own
 process; the child's Python work then never competes with the scheduler thread for the GIL): vLLM's own
@@ -66,16 +68,17 @@ def peer_unavailable_reason() -> str | None:
     return None
 
 
-def peer_transfer_config(lookup_rpc_port: int, *, lookup_async: bool) -> Any:
+def peer_transfer_config(lookup_rpc_port: int, *, lookup_async: bool, prefetch_limit: int = 0) -> Any:
     """The peer's ``KVTransferConfig``: kv_both, its defaults (``load_async`` true), the lookup mode, and a
-    lookup IPC name of this bench's own (``lookup_rpc_port`` only names the IPC path)."""
+    lookup IPC name of this bench's own (``lookup_rpc_port`` only names the IPC path). ``prefetch_limit``
+    (vLLM 0.34, with ``lookup_async``): ``lookup_prefetch_limit``, lookups started when a request arrives
+    (``on_new_request``), at most that many in flight; 0 leaves the key out (off)."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(
-        kv_connector=PEER_CONNECTOR,
-        kv_role="kv_both",
-        kv_connector_extra_config={"lookup_rpc_port": lookup_rpc_port, "lookup_async": lookup_async},
-    )
+    extra: dict[str, Any] = {"lookup_rpc_port": lookup_rpc_port, "lookup_async": lookup_async}
+    if prefetch_limit:
+        extra["lookup_prefetch_limit"] = prefetch_limit
+    return KVTransferConfig(kv_connector=PEER_CONNECTOR, kv_role="kv_both", kv_connector_extra_config=extra)
 
 
 def peer_hits_and_loads(meta: Any) -> tuple[int, set[str]]:
@@ -142,8 +145,10 @@ class PeerLookupServer:
     def log_path(self) -> Path:
         return self.log_dir / "peer_worker.log"
 
-    def transfer_config(self, *, lookup_async: bool) -> Any:
-        return peer_transfer_config(self.lookup_rpc_port, lookup_async=lookup_async)
+    def transfer_config(self, *, lookup_async: bool, prefetch_limit: int = 0) -> Any:
+        return peer_transfer_config(
+            self.lookup_rpc_port, lookup_async=lookup_async, prefetch_limit=prefetch_limit
+        )
 
     def start(self) -> PeerLookupServer:
         """Spawn the child and wait until its lookup server listens; ``RuntimeError`` (naming the log)
@@ -312,11 +317,10 @@ def _peer_worker_child(
 
 def _plant(worker: Any, key_prefixes: list[tuple[str, ...]], items: list[Any]) -> int:
     """Put a dummy value under every peer key of ``items`` ((block hashes, (group, boundary) entries))."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import PoolKey
-
     unit = worker.hash_block_size
+    pool_key = _pool_key_class()
     keys = [
-        PoolKey.build_key_string(prefix, hashes[boundary // unit - 1].hex())
+        pool_key.build_key_string(prefix, hashes[boundary // unit - 1].hex())
         for hashes, entries in items
         for group, boundary in entries
         for prefix in key_prefixes[group]
@@ -327,6 +331,15 @@ def _plant(worker: Any, key_prefixes: list[tuple[str, ...]], items: list[Any]) -
         if code != 0:
             raise RuntimeError(f"put_batch of {len(batch)} keys returned {code}")
     return len(keys)
+
+
+def _pool_key_class() -> Any:
+    """The peer's ``PoolKey`` (its key strings): ``store/data.py`` up to vLLM 0.33, ``store/layout.py`` in 0.34."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout import PoolKey
+    except ImportError:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import PoolKey
+    return PoolKey
 
 
 def _start_peer_worker(

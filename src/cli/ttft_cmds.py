@@ -123,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "steps, the connector's own calls vs vLLM's part), lookups per second, store round trips and keys per "
         "lookup, hit tokens vs the synchronous full scan. With the peer (default when the Mooncake wheel "
         "imports and the command runs under scripts/netns-run): vLLM's MooncakeStoreConnector, synchronous "
-        "and lookup_async lookups, against a real mooncake_master behind a delay proxy, and hybridkv on the "
+        "and lookup_async lookups (on vLLM 0.34 also lookup_async with lookup prefetch), against a real mooncake_master behind a delay proxy, and hybridkv on the "
         "same deployment.",
     )
     scheduler.add_argument(
@@ -156,7 +156,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "--peer",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also vLLM's MooncakeStoreConnector (lookup_async false and true), its lookups served by its own "
+        help="also vLLM's MooncakeStoreConnector (lookup_async false and true; on vLLM 0.34 also true with "
+        "lookup_prefetch_limit), its lookups served by its own "
         "worker code in a child process against a real mooncake_master, and hybridkv on the same deployment "
         "(default: on when the Mooncake wheel imports and this runs in a loopback-only namespace: "
         "scripts/netns-run)",
@@ -180,6 +181,26 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         type=int,
         default=64,
         help="schedule() calls after the stream drained, idle steps every configuration has (%(default)s)",
+    )
+    scheduler.add_argument(
+        "--inflight",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also the may_load_async axis (vLLM 0.34): a full running batch, --max-num-inflight-kv-loads set, "
+        "hit requests arriving; steps from arrival to first scheduled token with the connector's may_load_async "
+        "and with vLLM's default answer, --rounds interleaved rounds (default: on with vLLM 0.34)",
+    )
+    scheduler.add_argument(
+        "--inflight-hits",
+        type=int,
+        default=8,
+        help="hit requests per run of the may_load_async axis (%(default)s)",
+    )
+    scheduler.add_argument(
+        "--inflight-load-steps", type=int, default=4, help="engine steps a load takes there (%(default)s)"
+    )
+    scheduler.add_argument(
+        "--inflight-cap", type=int, default=2, help="its --max-num-inflight-kv-loads (%(default)s)"
     )
     scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
     scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
@@ -318,6 +339,48 @@ def handle_lookup(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _inflight_wanted(args: argparse.Namespace) -> bool | None:
+    """Whether ``bench scheduler`` runs the may_load_async axis (``--inflight``; by default where vLLM has
+    the hook); ``None`` after printing a usage error."""
+    from hybridkv.bench.scheduler_inflight import inflight_unavailable_reason
+
+    if args.inflight_hits < 1 or args.inflight_load_steps < 1 or args.inflight_cap < 1:
+        print("error: need --inflight-hits, --inflight-load-steps and --inflight-cap >= 1", file=sys.stderr)
+        return None
+    reason = inflight_unavailable_reason() if args.inflight is not False else None
+    if reason is not None and args.inflight:
+        print(f"error: --inflight: {reason}", file=sys.stderr)
+        return None
+    if reason is not None:
+        print(f"note: no may_load_async axis (--no-inflight to silence): {reason}", file=sys.stderr)
+    return args.inflight is not False and reason is None
+
+
+def _inflight_axis(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """Run and print ``bench scheduler``'s may_load_async axis: (its report, exit status)."""
+    from hybridkv.bench.scheduler_inflight import INFLIGHT_COLUMNS, InflightSettings, run_inflight_bench
+
+    settings = InflightSettings(
+        num_hits=args.inflight_hits, load_steps=args.inflight_load_steps, inflight_loads=args.inflight_cap
+    )
+    report = run_inflight_bench(settings, num_rounds=args.rounds)
+    print(
+        f"\nmay_load_async: {report['geometry']}; {report['settings']}; {args.rounds} interleaved rounds; "
+        "steps from arrival to first scheduled token (medians over rounds of each run's median, spread min..max)"
+    )
+    print(format_table(report["rows"], INFLIGHT_COLUMNS))
+    print(
+        f"steps to first token saved by may_load_async (per round, off - on): {report['steps_saved_p50']:g} "
+        f"(spread {report['steps_saved_spread']})"
+    )
+    status = EXIT_OK
+    for row in report["rows"]:
+        if not row["hits_loaded"]:
+            print(f"problem: may_load_async: {row['arm']}: no hit request loaded", file=sys.stderr)
+            status = EXIT_PROBLEM
+    return report, status
+
+
 def handle_scheduler(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import format_targets, save_report
     from hybridkv.bench.scheduler import (
@@ -350,6 +413,9 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if any(delay < 0 for delay in [*args.mooncake_delay_ms, args.peer_delay_ms]):
         print("error: --mooncake-delay-ms and --peer-delay-ms must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    with_inflight = _inflight_wanted(args)
+    if with_inflight is None:
         return EXIT_USAGE
     with_peer = args.peer
     reason = peer_unavailable_reason() if with_peer is not False else None
@@ -410,9 +476,9 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         "\nthe connector's scheduler-thread calls (ms per call; wall, and the thread's CPU; medians over rounds):"
     )
     print(format_table(hook_rows(report["rows"]), HOOK_COLUMNS))
+    report["inflight"], status = _inflight_axis(args) if with_inflight else (None, EXIT_OK)
     print("\n" + format_targets(report["targets"]))
     save_report(report, args.out, lambda _report, _path: None, no_plot=True)
-    status = EXIT_OK
     for row in report["rows"][1:]:
         if row["connector"] == "hybridkv" and row["hit_tokens"] != row["full_scan_hit_tokens"]:
             print(f"problem: {row['store']}: hit tokens differ from the full scan", file=sys.stderr)

@@ -108,6 +108,8 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
         "hybridkv.bench.store",
         "hybridkv.devkit.tiny_models",
     },
+    ("hybridkv.cli.ttft_cmds", "_inflight_wanted"): {"hybridkv.bench.scheduler_inflight"},
+    ("hybridkv.cli.ttft_cmds", "_inflight_axis"): {"hybridkv.bench.scheduler_inflight"},
     ("hybridkv.cli.ttft_cmds", "handle_scheduler"): {
         "hybridkv.bench.scheduler",
         "hybridkv.bench.report",
