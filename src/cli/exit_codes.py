@@ -1,4 +1,4 @@
-"""The exit codes of every ``hybridkv`` command (one set; the README's CLI section lists them)."""
+"""The exit codes of every ``hybridkv`` command (one set; docs/development.md lists them)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""README.md's "Try it on one host, then verify" commands, run as a user types them.
+"""README.md's staging walk-through (Pre-flight, Serve, Verify), run as a user types it.
 
 The fenced blocks marked ``<!-- doc-test: readme-run try-it -->`` are taken from README.md in order and run, exactly
 as written, by one ``bash`` in a fresh working directory (one shell for all of them, like a terminal the user
 pastes them into: ``EXTRA``, ``SERVER_PID`` and the function ``complete`` carry over), with ``MODEL`` a tiny
 random-weight Qwen3-Next the project builds (it has a real tokenizer), the venv's ``bin`` first on ``PATH``,
 ``XDG_CACHE_HOME`` in a temp folder (the connector's default store lives there) and ``HF_HUB_OFFLINE=1``. Between
-blocks the test only echoes a separator with the block's exit status.
+blocks the test only echoes a separator with the block's exit status. A fast test checks that the marked blocks are
+the ones under the README's Pre-flight, Serve and Verify headings, holding their commands.
 
 Asserted on outcomes: the pre-flight ``hybridkv describe`` printed the store and, before the first start, said it
 does not exist yet (exit 1); the server became healthy; the completion before and after the prefix-cache reset
@@ -32,8 +33,6 @@ import pytest
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from support.docs import README, Block, blocks_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-
 MARKER = "readme-run try-it"
 PORT = 8000  # the README's
 SCRIPT_TIMEOUT_S = 540.0  # the whole walk-through; below the test's own timeout so the cleanup still runs
@@ -42,6 +41,36 @@ _SEPARATOR = re.compile(r"^@@readme-block (\d+) rc=(\d+)@@$", flags=re.MULTILINE
 
 def try_it_blocks() -> list[Block]:
     return [block for block in blocks_of(README) if block.marker == MARKER]
+
+
+#: The README section each marked block stands in, and a command it must hold: the pre-flight, the CPU serve
+#: form, the verify steps and the stop with the audit replay are the blocks run, not copies of them.
+EXPECTED_BLOCKS = (
+    ("Pre-flight", "hybridkv describe --config"),
+    ("Serve", "python -m vllm.entrypoints.openai.api_server --model"),
+    ("Verify (staging)", "/reset_prefix_cache"),
+    ("Verify (staging)", "hybridkv audit audit.jsonl"),
+)
+
+
+def section_of(block: Block) -> str:
+    """The ``## `` heading the block sits under."""
+    lines = README.read_text(encoding="utf-8").splitlines()[: block.line - 1]
+    headings = [line[3:].strip() for line in lines if line.startswith("## ")]
+    return headings[-1] if headings else ""
+
+
+def test_readme_runs_the_pre_flight_serve_and_verify_blocks() -> None:
+    """Cheap, and not slow: the marked blocks are the README's pre-flight, serve and verify steps, in order."""
+    blocks = try_it_blocks()
+    assert len(blocks) == len(EXPECTED_BLOCKS), f"README.md: {len(blocks)} blocks marked {MARKER!r}"
+    for block, (heading, command) in zip(blocks, EXPECTED_BLOCKS, strict=True):
+        assert section_of(block) == heading, (
+            f"{block.where}: under '## {section_of(block)}', not '## {heading}'"
+        )
+        assert command in block.text, (
+            f"{block.where}: the block under '## {heading}' does not run {command!r}"
+        )
 
 
 def script_of(blocks: list[Block]) -> str:
@@ -89,12 +118,16 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.timeout(720)
 def test_readme_try_it_commands_run_as_written(tmp_path: Path) -> None:
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed: the README's commands use it")
     blocks = try_it_blocks()
-    assert len(blocks) == 4, f"README.md: expected 4 blocks marked {MARKER!r}, found {len(blocks)}"
+    assert len(blocks) == len(EXPECTED_BLOCKS), (
+        f"README.md: expected 4 blocks marked {MARKER!r}, found {len(blocks)}"
+    )
     require_free_port(PORT)
     model = build_tiny_model("qwen3_next", DEFAULT_MODELS_DIR)
     work = tmp_path / "work"
