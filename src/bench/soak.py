@@ -18,7 +18,7 @@ sample is taken (``take_sample``):
 - the connector's gauges on ``/metrics`` (docs/metrics.md): requests it follows, blocks pinned by save jobs,
   save bytes in flight, staging bytes out, late store calls pending, audit records queued; vLLM's requests
   running and waiting;
-- the store's files (``hybridkv.store.file_layout``): ``objects/`` (count, bytes), ``tmp/``, ``spare/``.
+- the store's files (``hybridkv.store.file.layout``): ``objects/`` (count, bytes), ``tmp/``, ``spare/``.
 
 Then a serial exactness pass: the same sessions one request at a time, once before the load and once after
 it, each after a local and a connector reset: a soaked server must give its fresh self's greedy tokens exactly
@@ -235,7 +235,7 @@ def _files_under(directory: Path) -> list[int]:
 
 
 def store_files_sample(store_dir: Path) -> dict[str, Any]:
-    """The file store's files (``hybridkv.store.file_layout``): published frames under ``objects/`` (count,
+    """The file store's files (``hybridkv.store.file.layout``): published frames under ``objects/`` (count,
     bytes, the median size), temp files under ``tmp/``, recycled spares under ``spare/`` (count, bytes);
     ``store_bytes`` is objects and spares together (what ``capacity`` bounds)."""
     objects = _files_under(store_dir / "objects")

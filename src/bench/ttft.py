@@ -61,7 +61,7 @@ from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, ti
 from hybridkv.ops import inprocess
 from hybridkv.store.base import find_layer
 from hybridkv.store.file import FileBackend
-from hybridkv.store.file_probe import ReadProbe
+from hybridkv.store.file.probe import ReadProbe
 from hybridkv.store.frame import compute_checksum, default_checksum
 from hybridkv.store.url import open_store
 

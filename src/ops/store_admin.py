@@ -6,7 +6,7 @@ Contracts:
 - Every function opens the store at ``url`` as an operator (``open_store(url, operator=True)``) and closes
   it before returning: a URL that names no existing store (a mistyped ``file://`` path) raises
   :class:`hybridkv.store.StoreError` and creates nothing; a ``file://`` URL without ``capacity`` opens with
-  the capacity its engines recorded (``hybridkv.store.file_capacity``). A bad URL or a backend failure
+  the capacity its engines recorded (``hybridkv.store.file.capacity``). A bad URL or a backend failure
   raises ``StoreError`` too (the CLI reports it as bad input).
 - :func:`list_store` and :func:`store_stats` only read; :func:`clear_store` removes keys and nothing else,
   and only what it was asked to (every key of the store only with ``everything``);
@@ -23,7 +23,7 @@ from typing import Any
 from hybridkv.connector.identity import parse_manifest_key, read_manifest
 from hybridkv.key_grammar import KEY_VERSION, NAMESPACE_RE, parse_block_key
 from hybridkv.store import Store, StoreError, open_store
-from hybridkv.store.file_capacity import CAPACITY_FILE, recorded_capacity
+from hybridkv.store.file.capacity import CAPACITY_FILE, recorded_capacity
 from hybridkv.store.params import format_size, shown_url, split_url
 from hybridkv.store.quotas import check_quotas, read_quotas, write_quotas
 from hybridkv.store.url import FAULTY_PREFIX, store_kind

@@ -63,7 +63,7 @@ class StoreLogEvent(enum.StrEnum):
     MOONCAKE_ERROR = "store.mooncake.error"
     MOONCAKE_CLOSE_TIMEOUT = "store.mooncake.close_timeout"
     #: the file store could not append a pass's evictions to the directory's eviction log
-    #: (``hybridkv.store.eviction_log``): other processes' ``take_evictions`` miss them
+    #: (``hybridkv.store.file.eviction_log``): other processes' ``take_evictions`` miss them
     FILE_EVICTION_LOG_FAILED = "store.file.eviction_log_failed"
     #: the file system holds less than a file store's capacity (a full disk, a quota): eviction holds the
     #: store to what it holds (once per episode, with ``free_bytes``, ``capacity_bytes``,

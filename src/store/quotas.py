@@ -27,7 +27,7 @@ Contract (every backend that takes quotas; ``hybridkv.testing.store_fuzz`` check
 Counters (:class:`TenantCounters`, ``stats().extra["tenants"]``, and the cheap :func:`tenant_counters_of`
 that the connector's per-tenant metrics read): per namespace under a quota, plus :data:`OTHER_TENANTS` for
 everything else the store holds. They count this process's calls; a file store's usage there is the shared
-estimate (``hybridkv.store.file_layout``), ``stats()`` reads the exact bytes from the files.
+estimate (``hybridkv.store.file.layout``), ``stats()`` reads the exact bytes from the files.
 
 Where quotas are set: ``memory://NAME?quotas=NS:SIZE[,NS:SIZE...]`` (the table is process-local, so its
 URL is the one place); a file store's quotas belong to its directory (every process sharing it enforces

@@ -22,7 +22,7 @@ it):
 - Retention never changes what a read returns, nor whether a key is stored; it is not persistent beyond
   the entry (a removed or evicted entry is not retained when it is stored again).
 - The file store keeps the same contract across processes: a retained file's mtime (its LRU clock) is set
-  to the end of its retention (``hybridkv.store.file_layout``, Retention).
+  to the end of its retention (``hybridkv.store.file.layout``, Retention).
 - A store that cannot retain answers ``TRANSFER_FAILED`` for every key: Mooncake (eviction is its master's).
 
 What it buys is measured by ``hybridkv bench agentic`` (``lru+sessions``: each session retains its prompt

@@ -40,7 +40,7 @@ calls it at engine start.
 
 Engines and operators: ``open_store(url)`` is an engine's (or a benchmark's) open: it creates a store that
 does not exist yet and records in it what its engines run with (a file store's capacity,
-``hybridkv.store.file_capacity``). ``open_store(url, operator=True)`` is an operator command's: it refuses a
+``hybridkv.store.file.capacity``). ``open_store(url, operator=True)`` is an operator command's: it refuses a
 URL that names no existing store (a mistyped path is an error, never an empty new store), records nothing,
 and reads what the URL leaves out from that record (a file URL without ``capacity`` opens with the
 capacity the engines recorded), so what it shows is what the engines run with.
@@ -57,7 +57,7 @@ from urllib.parse import urlencode
 from hybridkv.store.base import StoreError
 from hybridkv.store.faulty import FAULTY_PARAMS, FaultyBackend
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
-from hybridkv.store.file_capacity import record_capacity, recorded_capacity
+from hybridkv.store.file.capacity import record_capacity, recorded_capacity
 from hybridkv.store.frame import ChecksumAlgo, checksum_from_name
 from hybridkv.store.framed import Backend, FramedStore
 from hybridkv.store.integrity import Keyring, keyring_from_environment, keyring_from_file

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hybridkv.store.base import Status
-from hybridkv.store.file import FileBackend
+from hybridkv.store.file.tenants import FileTenants
 from hybridkv.store.quotas import write_quotas
 from support.worker import make_worker
 
@@ -32,9 +32,9 @@ def test_gauges_on_a_hung_file_system_answer_the_last_values_within_the_deadline
         before = ws.gauges()
         assert before["tenant_usage_bytes.ns"] >= 4096
         release = threading.Event()
-        real = FileBackend._current_quotas
+        real = FileTenants.current
 
-        def hung(self: FileBackend) -> dict[str, int]:  # every file-system call of the read starts here
+        def hung(self: FileTenants) -> dict[str, int]:  # every file-system call of the read starts here
             release.wait()
             return real(self)
 
@@ -42,7 +42,7 @@ def test_gauges_on_a_hung_file_system_answer_the_last_values_within_the_deadline
         timer.daemon = True  # returns, late, and fails the assertion below
         timer.start()
 
-        monkeypatch.setattr(FileBackend, "_current_quotas", hung)
+        monkeypatch.setattr(FileTenants, "current", hung)
         for _ in range(
             3
         ):  # each step reads (the interval forced): the first waits the deadline, the rest not

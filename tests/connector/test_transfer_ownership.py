@@ -36,9 +36,9 @@ from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
-from hybridkv.store import file as file_module
 from hybridkv.store import open_store
 from hybridkv.store.base import Status, register_late_call
+from hybridkv.store.file import backend as file_module
 
 pytestmark = pytest.mark.vllm
 
@@ -137,13 +137,13 @@ def test_hung_file_store_read_fails_the_load_within_its_deadline_and_holds_nothi
     ws, caches, scheme = _worker(vllm_objs, url)
     _stored_file_block(scheme, url, caches)
     release = threading.Event()
-    real_read_all = file_module._read_all
+    real_read_all = file_module.read_all
 
     def hung_read_all(fd: int, parts: Sequence[memoryview]) -> int:
         assert release.wait(30), "never released"
         return real_read_all(fd, parts)
 
-    monkeypatch.setattr(file_module, "_read_all", hung_read_all)
+    monkeypatch.setattr(file_module, "read_all", hung_read_all)
     try:
         page_before = caches["attn.0"][7].clone()
         ws.start_load(_load_of(scheme, "hung"))
@@ -153,7 +153,7 @@ def test_hung_file_store_read_fails_the_load_within_its_deadline_and_holds_nothi
         assert torch.equal(caches["attn.0"][7], page_before), "the hung read was handed the KV pages"
         assert ws.flush(5.0) and ws.suspend(timeout=5.0), "a hung read that owns no KV memory held sleep"
         ws.resume()
-        monkeypatch.setattr(file_module, "_read_all", real_read_all)  # the file system answers again
+        monkeypatch.setattr(file_module, "read_all", real_read_all)  # the file system answers again
         ws.start_load(_load_of(scheme, "next", block_id=8))
         assert _wait_report(ws) == ({"next"}, set()), "a later load did not run"
         assert torch.equal(caches["attn.0"][8], caches["attn.0"][3])

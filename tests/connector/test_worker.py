@@ -182,7 +182,7 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
 
     from hybridkv.connector import load_pipeline
     from hybridkv.connector.load_probe import LoadProbe
-    from hybridkv.store.file_probe import ReadProbe
+    from hybridkv.store.file.probe import ReadProbe
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     url = f"file://{tmp_path}/store?capacity=64MiB"

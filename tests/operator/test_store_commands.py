@@ -67,7 +67,7 @@ def test_one_default_capacity() -> None:
 def test_stats_without_capacity_shows_what_the_engines_run_with(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hybridkv.store.file_capacity import CAPACITY_FILE  # here: the other tests run on code without it
+    from hybridkv.store.file.capacity import CAPACITY_FILE  # here: the other tests run on code without it
 
     url = _engine_store(tmp_path / "store", capacity="64MiB")
     record = (tmp_path / "store" / CAPACITY_FILE).read_bytes()

@@ -11,7 +11,7 @@ after a ``SIGSTOP`` that froze it mid-put while readers checked and this process
 Where each fault found the put is read back from what the writer left (``_where_the_put_was``). After each
 kill: every key reads back bit-exact or ``NOT_FOUND`` (``support.chaos.read_outcomes``); the usage estimate
 is off by at most one batch and the next eviction pass sets it exactly; leftover temp files survive passes
-while fresh (a live writer's look the same) and the first pass after ``_STALE_TMP_S`` removes them. At the
+while fresh (a live writer's look the same) and the first pass after ``STALE_TMP_S`` removes them. At the
 end a new process opens the directory and finds only complete entries.
 
 Mooncake: a real ``mooncake_master`` and storage node (in the suite's private network namespace); a pure
@@ -51,10 +51,10 @@ import pytest
 from hybridkv.devkit.delay_proxy import read_child_line
 from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
-from hybridkv.store import file_layout as file_layout_module
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.file import FileBackend
-from hybridkv.store.file_layout import FileLayout
+from hybridkv.store.file import policy as file_policy
+from hybridkv.store.file.layout import FileLayout
 from hybridkv.store.frame import FIXED_HEADER_SIZE, check_frame, default_checksum, header_size, key_digest
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake_node import DEFAULT_LEASE_TTL, READY_PREFIX, node_command
@@ -319,7 +319,7 @@ def _real_bytes(store: FramedStore) -> tuple[int, int, int]:
 
 def _check_usage_and_sweep(store: FramedStore, directory: Path, max_batch_bytes: int, when: str) -> int:
     """The usage estimate after a fault is off by a bounded amount; an eviction pass sets it exactly and
-    leaves fresh temp files alone; once they are older than ``_STALE_TMP_S`` a pass removes them. Returns
+    leaves fresh temp files alone; once they are older than ``STALE_TMP_S`` a pass removes them. Returns
     the number of leftover temp files.
 
     The bounds: high, because a killed put counted its batch before publishing it, and a writer killed
@@ -335,7 +335,7 @@ def _check_usage_and_sweep(store: FramedStore, directory: Path, max_batch_bytes:
     leftovers = _temp_files(directory)
     assert layout.make_room(0), f"{when}: the eviction pass did not run (evict.lock held by a dead writer?)"
     assert _temp_files(directory) == leftovers, f"{when}: a pass removed a fresh temp file (a live put's?)"
-    long_ago = time.time() - 2 * file_layout_module._STALE_TMP_S
+    long_ago = time.time() - 2 * file_policy.STALE_TMP_S
     for temp in leftovers:
         os.utime(temp, (long_ago, long_ago))
     assert layout.make_room(0), f"{when}: the second eviction pass did not run"

@@ -14,7 +14,7 @@ from typing import NoReturn
 import pytest
 from hybridkv.store.base import StoreLogEvent, collect_late_calls
 from hybridkv.store.breaker import DeadlineExceeded, DeadlineRunner
-from hybridkv.store.file_deadline import DeadlineGuard
+from hybridkv.store.file.deadline import DeadlineGuard
 from structlog.testing import capture_logs
 
 #: A deadline no test call comes near unless it hangs.

@@ -10,8 +10,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hybridkv.store import eviction_log, open_store
+from hybridkv.store import open_store
 from hybridkv.store.base import EvictionReporter, Evictions, find_layer
+from hybridkv.store.file import eviction_log
 from hybridkv.store.frame import key_digest
 from hybridkv.store.memory import EVICTION_RECORD_LEN
 from hybridkv.store.quotas import QUOTAS_FILE

@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 from hybridkv.store import Status, StoreError, open_store
-from hybridkv.store import file as file_module
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
-from hybridkv.store.file_layout import FileLayout
-from hybridkv.store.framed import FramedStore
-from hybridkv.store.mounts import (
+from hybridkv.store.file import backend as file_module
+from hybridkv.store.file.layout import FileLayout
+from hybridkv.store.file.mounts import (
     UNKNOWN_FSTYPE,
     Mount,
     directory_fstype,
@@ -29,6 +28,8 @@ from hybridkv.store.mounts import (
     mount_of,
     parse_mountinfo,
 )
+from hybridkv.store.file.tenants import FileTenants
+from hybridkv.store.framed import FramedStore
 from hybridkv.store.quotas import tenant_counters_of, write_quotas
 
 #: A bound on waits that must end (a hang guard, never a timing claim).
@@ -197,7 +198,7 @@ def test_a_hung_read_answers_timeout_and_keeps_its_destination_until_it_returns(
     deadline_store: FramedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key, value = _key_and_value(deadline_store)
-    hang = _Hang(monkeypatch, file_module, "_read_all")
+    hang = _Hang(monkeypatch, file_module, "read_all")
     got = np.zeros_like(value)
     with collect_late_calls() as late:
         assert deadline_store.get_into([key], [got]) == [Status.TIMEOUT]
@@ -216,7 +217,7 @@ def test_a_hung_read_answers_timeout_and_keeps_its_destination_until_it_returns(
 def test_a_hung_put_answers_timeout_and_lands_when_it_returns(
     deadline_store: FramedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hang = _Hang(monkeypatch, file_module, "_write_all")
+    hang = _Hang(monkeypatch, file_module, "write_all")
     value = np.full(64 << 10, 7, dtype=np.uint8)
     with collect_late_calls() as late:
         assert deadline_store.put(["late"], [value]) == [Status.TIMEOUT]
@@ -281,7 +282,7 @@ def test_tenant_counters_under_a_hang_answer_the_last_values_within_the_deadline
     values last read within the deadline, and answers at once while that read is still hung."""
     before = tenant_counters_of(quota_store)
     assert before["t"].usage_bytes >= 2 * (64 << 10)
-    hang = _hang_for_a_while(monkeypatch, FileBackend, "_current_quotas")
+    hang = _hang_for_a_while(monkeypatch, FileTenants, "current")
     during = tenant_counters_of(quota_store)
     again = tenant_counters_of(quota_store)
     _assert_answered_during_the_hang(hang, "tenant_counters")
@@ -299,7 +300,7 @@ def test_tenant_counters_under_a_hang_answer_the_last_values_within_the_deadline
 def test_stats_under_a_hang_fail_within_the_deadline(
     quota_store: FramedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hang = _hang_for_a_while(monkeypatch, FileBackend, "_current_quotas")
+    hang = _hang_for_a_while(monkeypatch, FileTenants, "current")
     with pytest.raises(StoreError, match="stats did not finish within timeout_ms=200"):
         quota_store.stats()
     _assert_answered_during_the_hang(hang, "stats")

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.store import Status, file_layout
+from hybridkv.store import Status
 from hybridkv.store.file import FileBackend
+from hybridkv.store.file import policy as file_policy
 from hybridkv.store.frame import default_checksum
 from hybridkv.store.framed import FramedStore
 from hybridkv.testing.store_fuzz import make_store_machine
@@ -114,7 +115,7 @@ def test_another_processs_sweep_never_deletes_a_claimed_spare(
     old_inode = os.stat(_backend(writer).layout.path_of("a")).st_ino
     assert writer.remove(["a"]) == [Status.OK]
     [spare] = [path for path in (tmp_path / "spare").rglob("*") if path.is_file()]
-    long_ago = time.time() - 2 * file_layout._STALE_TMP_S
+    long_ago = time.time() - 2 * file_policy.STALE_TMP_S
     os.utime(spare, (long_ago, long_ago))  # it waited in spare/ longer than a crashed writer's temp file
     crashed = tmp_path / "tmp" / "crashed-writer.tmp"
     crashed.write_bytes(b"left behind")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hybridkv.store import Status, open_store
 from hybridkv.store.file import FileBackend
-from hybridkv.store.file_probe import READ_PHASES, ReadProbe
+from hybridkv.store.file.probe import READ_PHASES, ReadProbe
 
 
 def test_directory_is_private_and_names_are_hashed(tmp_path: Path) -> None:

@@ -79,8 +79,8 @@ out["describe_after_fill"] = describe()
 
 # Another writer takes what is free before the store re-reads the free space (never, on its own, from
 # here): the next puts meet ENOSPC, evict and retry.
-import hybridkv.store.file as file_module
-file_module.SPACE_REFRESH_S = float("inf")
+import hybridkv.store.file.usage as file_usage
+file_usage.SPACE_REFRESH_S = float("inf")
 filler = os.path.join(root, "filler")
 
 def fill():

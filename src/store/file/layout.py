@@ -20,7 +20,7 @@ Layout under DIR (created ``0700``)::
     quotas.json               bytes per namespace (``hybridkv.store.quotas``), written by the operator
     evict.lock                held by the one process currently evicting (non-blocking for capacity passes)
     evictions/                what every eviction pass removed, for every process's ``take_evictions``
-                              (``hybridkv.store.eviction_log``)
+                              (``hybridkv.store.file.eviction_log``)
 
 Readers open a published file and read it whole; a concurrent eviction or removal moves or unlinks the name
 but not the open inode, so a reader never sees a partial value.
@@ -57,26 +57,8 @@ retained files within ``RETAIN_FRACTION`` of the capacity (of the quota, in a te
 the rest count as used now (``eviction_order``). The mtime is on disk, so every process sharing the directory
 honours a retention any of them made; a new file for the key (after an eviction) is not retained.
 
-Quotas: a put of a tenant under a quota reserves its bytes: adds them to the tenant's estimate and records
-them in the ledger as in flight until it has published (``reserve_tenant_bytes`` / ``release_tenant_bytes``).
-When the estimate passes the quota, the putter takes ``evict.lock`` (waiting for a capacity pass to finish;
-one eviction pass at a time across processes, and across threads by a lock of the process's own),
-reads the frame headers of every file to find the tenant's (names are digests: the key, hence the namespace,
-is only in the header), and if its files plus every process's reservations pass the quota deletes its
-oldest-mtime files until they fit under 90 % of it; it rewrites the estimate as the files plus the
-reservations (``settle_tenants``), so a put in flight in another process is never dropped from it
-(reservations released while the pass scans are kept for it to count). Estimates hold only for the quota
-file they were rebuilt under (its mtime, inode and size): the first put after the quotas change, in any
-process, rebuilds every tenant's estimate from the files in one pass, evicting tenants over their quotas --
-a quota set on a tenant that already holds data applies at once, never starting from 0.
-A batch of a tenant never adds more than its quota: the putter writes only the batch's newest frames that fit
-(``hybridkv.store.quotas``). While the directory has quotas, a capacity pass reads the header of each file it
-evicts (one open and two small reads each, not the whole directory's) to count it for its tenant and take its
-bytes off the tenant's estimate. The estimates may still be high (a crashed writer's reservation, dropped
-from the ledger after ``_STALE_TMP_S``; a file published while a pass scanned, counted twice) until the
-tenant's next pass; high, never low: a tenant evicts its own entries early at worst, and never grows past its
-quota. Left out: a put that read the quota file just before a ``quota --set`` and lands after the rebuild is
-not counted (one put per process, until the tenant's next pass).
+Quotas: the tenants' estimates, the reservations of puts in flight and the tenant pass are
+``hybridkv.store.file.ledger``.
 No fsync: this is a cache. A frame torn by a power loss fails its frame check and reads as ``CORRUPT``.
 Values below ``RECYCLE_MIN_SIZE`` are not recycled: their put is bounded by the ~10 path syscalls per file,
 not by page faults.
@@ -87,41 +69,33 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import json
 import mmap
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import overload
 
 import structlog
-from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import StoreError, StoreLogEvent
-from hybridkv.store.eviction_log import EvictionLog, digest_of_name
+from hybridkv.store.file.eviction_log import EvictionLog, digest_of_name
+from hybridkv.store.file.ledger import SharedLedger, TenantTally
+from hybridkv.store.file.policy import LOW_WATERMARK, STALE_TMP_S, eviction_order
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
-from hybridkv.store.quotas import OTHER_TENANTS
-from hybridkv.store.retention import RETAIN_FRACTION, protected_keys
+from hybridkv.store.retention import RETAIN_FRACTION
 
 log = structlog.get_logger(__name__)
 
 _SUFFIX = ".kv"
-#: Evict down to this fraction of capacity, so eviction scans run once per 10 % of capacity written.
-_LOW_WATERMARK = 0.9
 #: Reads refresh a file's mtime only when it is older than this (seconds): LRU resolution vs. syscalls.
 _TOUCH_INTERVAL_S = 1.0
-#: Temporary files unmodified for this long (seconds) belong to a crashed writer and are removed by eviction
-#: scans. A put modifies its temp file when it creates it or claims it (a claimed spare is touched before it
-#: enters tmp/) and on every write, so a live put's file is never this old unless the put stalls this long.
-_STALE_TMP_S = 600.0
 _PAGE = mmap.PAGESIZE
 #: Files at least this big (page-rounded) are recycled: below it, path syscalls cost more than page faults.
 RECYCLE_MIN_SIZE = 256 << 10
 #: Spare files are kept while they hold at most this fraction of capacity (the eviction hysteresis band).
-_SPARE_FRACTION = 1.0 - _LOW_WATERMARK
+_SPARE_FRACTION = 1.0 - LOW_WATERMARK
 _temp_counter = itertools.count()
 
 
@@ -129,160 +103,6 @@ def _size_class(size: int) -> int:
     """The page-rounded size spares are matched on: overwriting a file within its last page needs no new
     page, and truncating it there frees none."""
     return -(-size // _PAGE) * _PAGE
-
-
-def eviction_order(
-    entries: list[tuple[float, int, Path]], now: float, retain_budget_bytes: float
-) -> list[tuple[float, int, Path]]:
-    """``(mtime, size, path)`` entries in the order eviction takes them (``hybridkv.store.retention``).
-
-    A file whose mtime is in the future is retained until then (``FileLayout.retain``). Retained files
-    within ``retain_budget_bytes`` (those expiring last first: ``protected_keys``) go after every other
-    file, the one expiring first first; the other retained files are ordinary files last used when they were
-    retained (or read since: their atime). The rest is least recently used first."""
-    retained = {str(path): mtime for mtime, _size, path in entries if mtime > now}
-    sizes = {str(path): size for _mtime, size, path in entries}
-    protected = protected_keys(retained, sizes, retain_budget_bytes) if retained else set()
-
-    def last_use(path: Path) -> float:
-        try:
-            return min(path.stat().st_atime, now)
-        except FileNotFoundError:
-            return now
-
-    def order(entry: tuple[float, int, Path]) -> tuple[int, float]:
-        mtime, _size, path = entry
-        if str(path) in protected:
-            return (1, mtime)
-        return (0, last_use(path) if str(path) in retained else mtime)
-
-    return sorted(entries, key=order)
-
-
-#: The quota file's (mtime_ns, inode, size): which quotas the tenants' estimates were rebuilt under.
-QuotasStamp = tuple[int, int, int]
-T = TypeVar("T")
-
-
-@dataclass
-class Reservation:
-    """A put's new bytes per namespace, counted by every tenant pass until the put has published them."""
-
-    since: float
-    namespace_to_bytes: dict[str, int]
-    #: published while a tenant pass scanned: kept for that pass to count, dropped when it ends
-    published: bool = False
-
-
-@dataclass
-class TenantLedger:
-    """``tenant_usage.json``: the tenants' shared estimates and the reservations of puts in flight (see
-    Quotas in the module docstring). Decoding is lenient: anything malformed is left out (so estimates are
-    rebuilt, reservations forgotten -- an old file of another format is an empty ledger)."""
-
-    #: the quotas the estimates were rebuilt under; ``None``: none yet
-    quotas_stamp: QuotasStamp | None = None
-    #: namespace -> bytes (high, never low); a namespace under a quota without an entry is not counted yet
-    usage: dict[str, int] = field(default_factory=dict)
-    #: reservation id (unique across processes) -> the put's reservation
-    reservations: dict[str, Reservation] = field(default_factory=dict)
-    #: when the tenant pass under way started scanning (wall clock); ``None``: none is
-    scan_since: float | None = None
-
-    def reserved_bytes(self) -> dict[str, int]:
-        """The bytes of the reservations per namespace."""
-        reserved: dict[str, int] = {}
-        for held in self.reservations.values():
-            for namespace, num_bytes in held.namespace_to_bytes.items():
-                reserved[namespace] = reserved.get(namespace, 0) + num_bytes
-        return reserved
-
-    def drop_stale(self, horizon: float) -> None:
-        """Forget the reservations and the scan marker made before ``horizon`` (a crashed process's)."""
-        for reservation in [r for r, held in self.reservations.items() if held.since < horizon]:
-            del self.reservations[reservation]
-        if self.scan_since is not None and self.scan_since < horizon:
-            self.scan_since = None
-
-    def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "quotas_stamp": self.quotas_stamp,
-                "usage": self.usage,
-                "reservations": {
-                    reservation: {
-                        "since": held.since,
-                        "bytes": held.namespace_to_bytes,
-                        "published": held.published,
-                    }
-                    for reservation, held in self.reservations.items()
-                },
-                "scan_since": self.scan_since,
-            },
-            sort_keys=True,
-        ).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> TenantLedger:
-        try:
-            loaded = json.loads(raw) if raw else {}
-        except ValueError:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            return cls()
-        ledger = cls()
-        stamp = loaded.get("quotas_stamp")
-        if isinstance(stamp, list) and len(stamp) == 3 and all(type(n) is int for n in stamp):
-            ledger.quotas_stamp = (stamp[0], stamp[1], stamp[2])
-        usage = loaded.get("usage")
-        if isinstance(usage, dict):
-            ledger.usage = {ns: n for ns, n in usage.items() if type(n) is int}
-        reservations = loaded.get("reservations")
-        for reservation, held in (reservations if isinstance(reservations, dict) else {}).items():
-            if not isinstance(held, dict) or not isinstance(held.get("bytes"), dict):
-                continue
-            since = held.get("since")
-            ledger.reservations[reservation] = Reservation(
-                float(since) if isinstance(since, int | float) else 0.0,
-                {ns: n for ns, n in held["bytes"].items() if type(n) is int},
-                held.get("published") is True,
-            )
-        scan_since = loaded.get("scan_since")
-        ledger.scan_since = float(scan_since) if isinstance(scan_since, int | float) else None
-        return ledger
-
-
-class _TenantTally:
-    """What one capacity pass evicted per tenant (``FileLayout.make_room``'s ``namespaces``): nothing without
-    namespaces under a quota; with some, the header of each file is read before it goes."""
-
-    def __init__(self, layout: FileLayout, namespaces: Collection[str]) -> None:
-        self.layout = layout
-        self.namespaces = namespaces
-        self.tenant_to_count: dict[str, int] = {}
-        self.tenant_to_bytes: dict[str, int] = {}
-
-    def note(self, path: str, size: int) -> None:
-        """``path`` (``size`` bytes) is about to be evicted: count it for its tenant (``OTHER_TENANTS`` when
-        not under a quota; not at all when it is gone already)."""
-        if not self.namespaces:
-            return
-        found, key = self.layout.key_of(path)
-        if not found:
-            return
-        namespace = None if key is None else namespace_of(key)
-        tenant = namespace if namespace is not None and namespace in self.namespaces else OTHER_TENANTS
-        self.tenant_to_count[tenant] = self.tenant_to_count.get(tenant, 0) + 1
-        self.tenant_to_bytes[tenant] = self.tenant_to_bytes.get(tenant, 0) + size
-
-    def settle(self) -> None:
-        """Count the pass's evictions per tenant and take their bytes off the tenants' estimates."""
-        if not self.tenant_to_count:
-            return
-        self.layout.add_capacity_evicted(self.tenant_to_count)
-        deltas = {ns: -num_bytes for ns, num_bytes in self.tenant_to_bytes.items() if ns != OTHER_TENANTS}
-        if deltas:
-            self.layout.add_tenant_usage(deltas)
 
 
 class FileLayout:
@@ -318,7 +138,8 @@ class FileLayout:
                 log.warning(StoreLogEvent.FILE_DIR_NOT_PRIVATE, directory=str(directory), mode=oct(mode))
             self._usage_fd = os.open(directory / "usage", os.O_RDWR | os.O_CREAT, 0o600)
             self._evict_fd = os.open(directory / "evict.lock", os.O_RDWR | os.O_CREAT, 0o600)
-            self._tenant_usage_fd = os.open(directory / "tenant_usage.json", os.O_RDWR | os.O_CREAT, 0o600)
+            #: The tenants' shared ledger (``tenant_usage.json``) and the tenant passes.
+            self.ledger = SharedLedger(self)
         except OSError as error:
             raise StoreError(
                 f"file store {url!r}: cannot use directory {str(directory)!r}: {error}"
@@ -330,10 +151,7 @@ class FileLayout:
         self._evict_thread_lock = threading.Lock()
         #: Files this process's eviction passes evicted (moved to spare/ or unlinked).
         self.num_evicted = 0
-        #: Of them, per namespace under a quota (and ``OTHER_TENANTS``): the files of capacity passes run
-        #: while the directory had quotas (``make_room``'s ``namespaces``).
-        self.namespace_to_capacity_evicted: dict[str, int] = {}
-        #: What every process's eviction passes removed (``hybridkv.store.eviction_log``).
+        #: What every process's eviction passes removed (``hybridkv.store.file.eviction_log``).
         self.eviction_log = EvictionLog(directory)
 
     def set_effective_capacity(self, num_bytes: int) -> None:
@@ -347,7 +165,30 @@ class FileLayout:
         """Close the shared descriptors (the caller makes sure no call still uses them)."""
         os.close(self._usage_fd)
         os.close(self._evict_fd)
-        os.close(self._tenant_usage_fd)
+        self.ledger.close()
+
+    @contextlib.contextmanager
+    def usage_locked(self) -> Iterator[None]:
+        """Hold the usage estimate's lock: ``usage``'s flock across processes, and a lock of this process's
+        own (flock is per open file description, so it does not tell this process's threads apart). The
+        tenants' ledger is read and written under it too."""
+        with self._usage_lock:
+            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def evict_locked(self) -> Iterator[None]:
+        """Hold ``evict.lock`` (waiting for it): one eviction pass at a time, across processes and across this
+        process's threads (a capacity pass takes it without waiting: ``make_room``)."""
+        with self._evict_thread_lock:
+            fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
 
     # -- names -------------------------------------------------------------------------------------------
 
@@ -405,7 +246,7 @@ class FileLayout:
 
     def object_shards(self) -> list[str]:
         """The shard directories under objects/: a listing in steps (one shard each), so that a caller can
-        put a deadline on each step (``hybridkv.store.file_deadline``) however large the store."""
+        put a deadline on each step (``hybridkv.store.file.deadline``) however large the store."""
         return self._shards_of(self._objects)
 
     def spare_shards(self) -> list[str]:
@@ -535,104 +376,17 @@ class FileLayout:
         """Apply ``update(usage, spare) -> (usage, spare)`` to the shared estimates under the lock, where
         ``usage`` counts the bytes under objects/ and spare/ and ``spare`` those under spare/; returns the
         new pair."""
-        with self._usage_lock:
-            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._usage_fd, 16, 0)
-                old = (
-                    int.from_bytes(raw[0:8], "little", signed=True) if len(raw) >= 8 else 0,
-                    int.from_bytes(raw[8:16], "little", signed=True) if len(raw) >= 16 else 0,
-                )
-                usage, spare = update(*old)
-                new = (max(0, usage), max(0, spare))
-                if new != old:
-                    os.pwrite(self._usage_fd, b"".join(n.to_bytes(8, "little", signed=True) for n in new), 0)
-                return new
-            finally:
-                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
-
-    def _with_ledger(self, update: Callable[[TenantLedger], T]) -> T:
-        """``update(ledger)`` on the tenants' shared ledger (``tenant_usage.json``) under the usage lock,
-        written back if it changed; returns what ``update`` returns. Reservations and a scan marker older than
-        ``_STALE_TMP_S`` belong to a crashed process and are dropped. An unreadable file is an empty ledger
-        (every tenant's estimate is then rebuilt from the files at the next put)."""
-        with self._usage_lock:
-            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._tenant_usage_fd, os.fstat(self._tenant_usage_fd).st_size, 0)
-                ledger = TenantLedger.decode(raw)
-                ledger.drop_stale(time.time() - _STALE_TMP_S)
-                result = update(ledger)
-                encoded = ledger.encode()
-                if encoded != raw:
-                    os.pwrite(self._tenant_usage_fd, encoded, 0)
-                    os.ftruncate(self._tenant_usage_fd, len(encoded))
-                return result
-            finally:
-                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
-
-    def tenant_estimates(self) -> dict[str, int]:
-        """The tenants' shared estimates: namespace -> bytes (only namespaces rebuilt under the quotas in
-        force; see Quotas in the module docstring)."""
-        return self._with_ledger(lambda ledger: dict(ledger.usage))
-
-    def add_tenant_usage(self, namespace_to_delta: Mapping[str, int]) -> dict[str, int]:
-        """Add each delta to its namespace's estimate (a namespace without one keeps none: its rebuild will
-        count its files); returns the new estimates."""
-
-        def add(ledger: TenantLedger) -> dict[str, int]:
-            for namespace, delta in namespace_to_delta.items():
-                if namespace in ledger.usage:
-                    ledger.usage[namespace] = max(0, ledger.usage[namespace] + delta)
-            return dict(ledger.usage)
-
-        return self._with_ledger(add)
-
-    def reserve_tenant_bytes(
-        self,
-        reservation: str | None,
-        namespace_to_bytes: Mapping[str, int],
-        quotas_stamp: QuotasStamp,
-        namespaces: Collection[str],
-    ) -> tuple[dict[str, int], set[str]]:
-        """Before a put publishes: add its new bytes per namespace to the estimates and record them as the
-        in-flight ``reservation`` (an id unique across processes; ``None`` with no bytes), which every tenant
-        pass counts until :meth:`release_tenant_bytes`. Estimates made under other quotas than
-        ``quotas_stamp`` (the quota file's) are dropped first. Returns the estimates and the namespaces of
-        ``namespaces`` that have none (to rebuild: :meth:`settle_tenants`)."""
-
-        def reserve(ledger: TenantLedger) -> tuple[dict[str, int], set[str]]:
-            if ledger.quotas_stamp != quotas_stamp:
-                ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
-            if reservation is not None and namespace_to_bytes:
-                ledger.reservations[reservation] = Reservation(time.time(), dict(namespace_to_bytes))
-                for namespace, num_bytes in namespace_to_bytes.items():
-                    if namespace in ledger.usage:
-                        ledger.usage[namespace] += num_bytes
-            return dict(ledger.usage), {
-                namespace for namespace in namespaces if namespace not in ledger.usage
-            }
-
-        return self._with_ledger(reserve)
-
-    def release_tenant_bytes(self, reservation: str, namespace_to_unpublished: Mapping[str, int]) -> None:
-        """A put's ``reservation`` ends: its published bytes are files now, its ``namespace_to_unpublished``
-        bytes leave the estimates. While a tenant pass scans, the reservation stays (marked published) for
-        that pass to count: the scan may have missed a file published meanwhile (counted twice at worst)."""
-
-        def release(ledger: TenantLedger) -> None:
-            for namespace, num_bytes in namespace_to_unpublished.items():
-                if namespace in ledger.usage:
-                    ledger.usage[namespace] = max(0, ledger.usage[namespace] - num_bytes)
-            held = ledger.reservations.get(reservation)
-            if held is None:
-                return
-            if ledger.scan_since is None:
-                del ledger.reservations[reservation]
-            else:
-                held.published = True
-
-        self._with_ledger(release)
+        with self.usage_locked():
+            raw = os.pread(self._usage_fd, 16, 0)
+            old = (
+                int.from_bytes(raw[0:8], "little", signed=True) if len(raw) >= 8 else 0,
+                int.from_bytes(raw[8:16], "little", signed=True) if len(raw) >= 16 else 0,
+            )
+            usage, spare = update(*old)
+            new = (max(0, usage), max(0, spare))
+            if new != old:
+                os.pwrite(self._usage_fd, b"".join(n.to_bytes(8, "little", signed=True) for n in new), 0)
+            return new
 
     def add_usage(self, delta: int, spare_delta: int = 0) -> int:
         """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
@@ -703,7 +457,7 @@ class FileLayout:
                 temp = self.temp_path()
                 try:
                     # Touch first, rename second: the file appears in tmp/ already fresh, so no process's
-                    # sweep (which deletes temp files unmodified for _STALE_TMP_S) can take it for a crashed
+                    # sweep (which deletes temp files unmodified for STALE_TMP_S) can take it for a crashed
                     # writer's, however long it sat in spare/. Touching after the rename would leave a window
                     # in which a sweep sees the old mtime and unlinks the file mid-put.
                     os.utime(spare)
@@ -720,7 +474,7 @@ class FileLayout:
         (``set_effective_capacity``; one process at a time).
 
         ``namespaces``: the directory's namespaces under a quota. With any, the pass reads the header of each
-        file it evicts, counts it for its tenant (``namespace_to_capacity_evicted``; ``OTHER_TENANTS`` for
+        file it evicts, counts it for its tenant (``SharedLedger.namespace_to_capacity_evicted``; ``OTHER_TENANTS`` for
         the rest) and takes its bytes off its tenant's estimate.
 
         Returns ``True`` if this call scanned and rewrote ``usage`` (to the bytes on disk now)."""
@@ -751,10 +505,10 @@ class FileLayout:
             total = sum(size_ for _mtime, size_, _path in entries) + spare_total
             # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
             # older files until objects + spares fit under the watermark (spares stay within their budget).
-            target = int(self.effective_capacity_bytes * _LOW_WATERMARK) - size
+            target = int(self.effective_capacity_bytes * LOW_WATERMARK) - size
             entries = eviction_order(entries, now, self.effective_capacity_bytes * RETAIN_FRACTION)
             num_evicted = 0
-            tally = _TenantTally(self, namespaces)
+            tally = TenantTally(self, self.ledger, namespaces)
             evicted: list[bytes | None] = []
             for _mtime, file_size, path in entries:
                 if total <= target:
@@ -792,124 +546,11 @@ class FileLayout:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
             self._evict_thread_lock.release()
 
-    def capacity_evicted_of(self, namespace: str) -> int:
-        """Files of ``namespace`` (or ``OTHER_TENANTS``) this process's capacity passes evicted."""
-        with self._counters_lock:
-            return self.namespace_to_capacity_evicted.get(namespace, 0)
-
-    def add_capacity_evicted(self, tenant_to_count: dict[str, int]) -> None:
-        with self._counters_lock:
-            for tenant, count in tenant_to_count.items():
-                self.namespace_to_capacity_evicted[tenant] = (
-                    self.namespace_to_capacity_evicted.get(tenant, 0) + count
-                )
-
-    def settle_tenants(
-        self, namespace_to_quota: Mapping[str, int], quotas_stamp: QuotasStamp
-    ) -> dict[str, int]:
-        """The tenant pass: for each namespace of ``namespace_to_quota`` (its quota) that has no estimate under
-        ``quotas_stamp`` or whose estimate is over its quota, read its bytes from the files; if they and the
-        reservations in flight (every process's, this put's included) pass the quota, evict its oldest
-        files until they fit under 90 % of it (retained ones last, ``eviction_order``); then set its estimate
-        to its files plus the reservations. One scan of every file's header for all of them (see Quotas in
-        the module docstring); waits for a capacity pass, and skips the namespaces another process's pass
-        settled meanwhile. Returns the files evicted per namespace."""
-        # flock is per open file description: the threads of this process take turns on their own lock
-        # (two passes at once would each drop reservations or evictions the other still counts on).
-        with self._evict_thread_lock:
-            fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
-            try:
-
-                def start(ledger: TenantLedger) -> set[str]:
-                    if ledger.quotas_stamp != quotas_stamp:
-                        ledger.quotas_stamp, ledger.usage = quotas_stamp, {}
-                    due = {
-                        namespace
-                        for namespace, quota in namespace_to_quota.items()
-                        if namespace not in ledger.usage or ledger.usage[namespace] > quota
-                    }
-                    if due:
-                        ledger.scan_since = time.time()
-                    return due
-
-                due = self._with_ledger(start)
-                if not due:
-                    return {}
-                namespace_to_files: dict[str, int] = {}
-                try:
-                    namespace_to_evicted = self._evict_tenants(
-                        {namespace: namespace_to_quota[namespace] for namespace in due}, namespace_to_files
-                    )
-                finally:
-
-                    def finish(ledger: TenantLedger) -> None:
-                        if (
-                            ledger.quotas_stamp == quotas_stamp
-                        ):  # (else other quotas came meanwhile: rebuild anew)
-                            reserved = ledger.reserved_bytes()
-                            for namespace, num_bytes in namespace_to_files.items():
-                                ledger.usage[namespace] = num_bytes + reserved.get(namespace, 0)
-                        ledger.scan_since = None
-                        for reservation in [r for r, held in ledger.reservations.items() if held.published]:
-                            del ledger.reservations[reservation]
-
-                    self._with_ledger(finish)
-                log.debug(
-                    StoreLogEvent.FILE_EVICTED,
-                    url=self.url,
-                    namespaces=sorted(due),
-                    evicted=namespace_to_evicted,
-                )
-                return namespace_to_evicted
-            finally:
-                fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
-
-    def _evict_tenants(
-        self, namespace_to_quota: Mapping[str, int], namespace_to_files: dict[str, int]
-    ) -> dict[str, int]:
-        """``settle_tenants``' scan and evictions (under ``evict.lock``): fills ``namespace_to_files`` with
-        the bytes each namespace's files hold afterwards (only once every namespace is done) and returns the
-        files evicted per namespace."""
-        namespace_to_entries: dict[str, list[tuple[float, int, Path]]] = {ns: [] for ns in namespace_to_quota}
-        for path, key in self.iter_keyed_paths():
-            entries = namespace_to_entries.get(namespace_of(key) or "")
-            if entries is None:
-                continue
-            try:
-                info = path.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((info.st_mtime, info.st_size, path))
-        reserved = self._with_ledger(lambda ledger: ledger.reserved_bytes())
-        now = time.time()
-        namespace_to_evicted: dict[str, int] = {}
-        totals: dict[str, int] = {}
-        evicted: list[bytes | None] = []
-        for namespace, quota_bytes in namespace_to_quota.items():
-            entries = namespace_to_entries[namespace]
-            total = sum(file_size for _mtime, file_size, _path in entries)
-            num_reserved = reserved.get(namespace, 0)
-            num_evicted = 0
-            if total + num_reserved > quota_bytes:
-                keep = max(int(quota_bytes * _LOW_WATERMARK), num_reserved) - num_reserved
-                for _mtime, file_size, path in eviction_order(entries, now, quota_bytes * RETAIN_FRACTION):
-                    if total <= keep:
-                        break
-                    if self.retire(str(path), file_size):
-                        num_evicted += 1
-                        evicted.append(digest_of_name(path.name))
-                    total -= file_size
-            totals[namespace] = total
-            namespace_to_evicted[namespace] = num_evicted
-        self.eviction_log.append([digest for digest in evicted if digest is not None])
-        namespace_to_files.update(totals)
-        return namespace_to_evicted
-
     def _remove_stale_temp_files(self, now: float) -> None:
         with os.scandir(self._tmp) as entries:
             for entry in entries:
                 try:
-                    if now - entry.stat().st_mtime > _STALE_TMP_S:
+                    if now - entry.stat().st_mtime > STALE_TMP_S:
                         os.unlink(entry.path)
                 except FileNotFoundError:
                     pass

@@ -1,6 +1,6 @@
 """The deadline on the file store's data calls, for file systems that may hang.
 
-On a network or FUSE file system (NFS, CIFS, 9p, Ceph, sshfs, ...; anything ``hybridkv.store.mounts`` does
+On a network or FUSE file system (NFS, CIFS, 9p, Ceph, sshfs, ...; anything ``hybridkv.store.file.mounts`` does
 not know as local) a read or write blocks as long as the server or daemon does not answer, with a ``hard``
 NFS mount forever -- and ``$XDG_CACHE_HOME``, where the default store lives, is often on NFS. There
 ``FileBackend`` (``hybridkv.store.file``, which picks the deadline) runs every data call (``exists``, put,

@@ -4,17 +4,17 @@ Contract: :class:`FileBackend` is the ``hybridkv.store.framed`` backend of ``fil
 puts, reads that never see a partial or foreign value, eviction under ``capacity`` and under the
 directory's quotas, ``hybridkv.store.quotas``) and the I/O path of its calls: it moves each frame between the caller's buffers and one file. The directory's protocol shared
 by every process (layout, names, usage accounting, LRU eviction, recycling of files and its locks) is
-``hybridkv.store.file_layout``; the deadline on file systems that may hang, ``hybridkv.store.file_deadline``;
-the read profile a benchmark may install (production has none), ``hybridkv.store.file_probe``.
+``hybridkv.store.file.layout``; the deadline on file systems that may hang, ``hybridkv.store.file.deadline``;
+the read profile a benchmark may install (production has none), ``hybridkv.store.file.probe``.
 
 The I/O path: a put writes the frame to a temp file under tmp/ (a claimed spare, or a new file) and
 publishes it with link(2), which fails if the name exists (first writer wins); a get opens the published
 file (locked shared if it is recyclable), reads it whole into the caller's buffers and checks the frame.
 
-Hung file systems: on a file system ``hybridkv.store.mounts`` does not know as local every data call
+Hung file systems: on a file system ``hybridkv.store.file.mounts`` does not know as local every data call
 (``exists``, put, get, ``remove``) waits at most ``timeout_ms`` (default ``DEFAULT_HANG_TIMEOUT_MS``;
 ``?timeout_ms=N`` sets it, also on a local file system); past it it answers ``TIMEOUT`` and goes on as a
-late call (see ``hybridkv.store.file_deadline``). Every other file-system call runs under it too, a shard of
+late call (see ``hybridkv.store.file.deadline``). Every other file-system call runs under it too, a shard of
 the directory per step: ``iter_keys``, ``remove_prefix`` and ``stats`` raise ``StoreError`` past it, and
 ``tenant_counters`` (read on vLLM's thread) answers the values last read. On a local file system there is no
 deadline thread.
@@ -36,41 +36,32 @@ saves. The figures: docs/performance.md, "The file store's writes".
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
-import itertools
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
 from hybridkv.key_grammar import namespace_of
-from hybridkv.store.base import Evictions, Status, StoreError, StoreLogEvent, StoreStats, find_layer
-from hybridkv.store.file_deadline import DeadlineGuard
-from hybridkv.store.file_layout import RECYCLE_MIN_SIZE, FileLayout
-from hybridkv.store.file_probe import ReadProbe
-from hybridkv.store.frame import key_digest
+from hybridkv.store.base import Evictions, Status, StoreLogEvent, StoreStats, find_layer
+from hybridkv.store.file.deadline import DeadlineGuard
+from hybridkv.store.file.frame_io import read_all, write_all
+from hybridkv.store.file.layout import RECYCLE_MIN_SIZE, FileLayout
+from hybridkv.store.file.mounts import directory_fstype, may_hang
+from hybridkv.store.file.probe import ReadProbe
+from hybridkv.store.file.tenants import FileTenants
+from hybridkv.store.file.usage import FileSpace, bytes_of_shard, shard_usage
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
-from hybridkv.store.mounts import directory_fstype, may_hang
-from hybridkv.store.quotas import OTHER_TENANTS, QUOTAS_FILE, TenantCounters, read_quotas
+from hybridkv.store.quotas import TenantCounters
 
 log = structlog.get_logger(__name__)
 
-_IOV_MAX = 1024
 #: The deadline (ms) of each data call on a file system that may hang, when the URL names none: far beyond
 #: any healthy NFS round trip, and a bound of hybridkv's own on how long a request waits for this tier.
 DEFAULT_HANG_TIMEOUT_MS = 30_000
-#: The free space of the file system is re-read (``os.statvfs``) at most this often (seconds) on the put
-#: path, and at once after a put met ``ENOSPC``/``EDQUOT``.
-SPACE_REFRESH_S = 2.0
-#: What the effective capacity leaves free on the file system: this fraction of its size, at most
-#: ``_SPACE_MARGIN_MAX_BYTES`` (room for the store's own small files and other writers' metadata).
-_SPACE_MARGIN_FRACTION = 0.02
-_SPACE_MARGIN_MAX_BYTES = 64 << 20
 #: The bytes ``stats`` takes one put to need where the store holds no entry to take a mean size from.
 _EMPTY_STORE_PUT_BYTES = 1 << 20
 
@@ -103,11 +94,11 @@ class FileBackend:
         self.url = url
         self.directory = directory
         self.capacity_bytes = capacity_bytes
-        #: The directory's names, accounting, eviction and spares (``hybridkv.store.file_layout``).
+        #: The directory's names, accounting, eviction and spares (``hybridkv.store.file.layout``).
         self.layout = FileLayout(
             url, directory, capacity_bytes=capacity_bytes, recycle_min_size=recycle_min_size
         )
-        #: The type of the file system holding ``directory`` (``hybridkv.store.mounts``), detected after the
+        #: The type of the file system holding ``directory`` (``hybridkv.store.file.mounts``), detected after the
         #: directory exists so that an automount has mounted it.
         self.fstype = directory_fstype(str(directory)) if fstype is None else fstype
         if timeout_ms is None and may_hang(self.fstype):
@@ -123,28 +114,10 @@ class FileBackend:
         self.num_recycled = 0
         #: The bench's read profile (:meth:`install_read_probe`); ``None`` in production: nothing timed.
         self.read_probe: ReadProbe | None = None
-        #: The directory's quotas as last read, and the quota file's (mtime_ns, inode, size) they came from.
-        self._quotas: dict[str, int] = {}
-        self._quotas_stamp: tuple[int, int, int] | None = None
-        #: This process's counters per namespace that has (or had) a quota.
-        self._namespace_to_counters: dict[str, TenantCounters] = {}
-        #: What ``tenant_counters`` last read (quotas, estimates per namespace, usage, spare), and whether a
-        #: read is running (at most one: a read hung past the deadline is not joined by more).
-        self._last_estimates: tuple[dict[str, int], dict[str, int], int, int] = ({}, {}, 0, 0)
-        self._estimates_reading = False
-        #: The quota file's stamp under which this handle last found every tenant's estimate rebuilt.
-        self._settled_stamp: tuple[int, int, int] | None = None
-        #: Reservation ids (``FileLayout.reserve_tenant_bytes``): unique across processes and handles.
-        self._reservation_prefix = uuid.uuid4().hex
-        self._reservation_ids = itertools.count()
-        #: The capacity eviction holds the store to: ``capacity_bytes``, or what the file system holds for
-        #: it (``_effective_capacity``); when it was last derived (monotonic seconds; -inf: never).
-        self.effective_capacity_bytes = capacity_bytes
-        self._space_read_at = float("-inf")
-        #: The free bytes of the file system when last read (``None``: never read, or unreadable).
-        self.free_bytes: int | None = None
-        #: Whether the file system holds less than ``capacity_bytes`` (an episode, logged once).
-        self._space_limited = False
+        #: The directory's quotas, this handle's reservations and its counters per tenant.
+        self.tenants = FileTenants(url, directory, self.layout, self._guard)
+        #: What the file system holds for the store: the effective capacity eviction holds it to.
+        self.space = FileSpace(url, directory, self.layout, capacity_bytes=capacity_bytes)
         #: Whether this process's last put that met ``ENOSPC`` still failed after evicting (cleared by the
         #: next published put): the store cannot write.
         self.cannot_write = False
@@ -237,13 +210,15 @@ class FileBackend:
                 results.append(Status.OK)
                 paths.append(path)
                 num_new_bytes += size
-        namespace_to_new_bytes, unwritten, reservation = self._apply_quotas(keys, sizes, paths, results)
+        namespace_to_new_bytes, unwritten, reservation = self.tenants.apply_to_put(
+            keys, sizes, paths, results
+        )
         for index in unwritten:  # refused by its tenant's quota, or evicted by a newer value of the batch
             num_new_bytes -= sizes[index]
             paths[index] = None
         if num_new_bytes == 0:
             if reservation is not None:
-                layout.release_tenant_bytes(reservation, {})
+                layout.ledger.release(reservation, {})
             return results
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
         # bytes up front (one locked update), make room if that overflows, and give back what was not
@@ -257,9 +232,13 @@ class FileBackend:
             size for size, claim in zip(sizes, claims, strict=True) if claim is not None
         )
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
-        capacity = self._effective_capacity(force=False)
+        capacity = self.space.effective_capacity(force=False)
         usage = layout.add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if num_unclaimed_bytes and usage > capacity and layout.make_room(num_unclaimed_bytes, self._quotas):
+        if (
+            num_unclaimed_bytes
+            and usage > capacity
+            and layout.make_room(num_unclaimed_bytes, self.tenants.quotas)
+        ):
             layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
         num_unpublished_bytes = 0
         namespace_to_unpublished_bytes: dict[str, int] = {}
@@ -289,87 +268,13 @@ class FileBackend:
         if num_unpublished_bytes:
             layout.add_usage(-num_unpublished_bytes)
         # (A put that raises before this leaves its reservation counted -- high, never low -- until it is
-        # stale: FileLayout's Quotas.)
+        # stale: hybridkv.store.file.ledger.)
         if reservation is not None:
-            layout.release_tenant_bytes(reservation, namespace_to_unpublished_bytes)
+            layout.ledger.release(reservation, namespace_to_unpublished_bytes)
         if num_claimed:
             with self._lock:
                 self.num_recycled += num_claimed
         return results
-
-    def _apply_quotas(
-        self, keys: Sequence[str], sizes: Sequence[int], paths: Sequence[str | None], results: list[Status]
-    ) -> tuple[dict[str, int], list[int], str | None]:
-        """Enforce the directory's quotas on the new frames of a put (``paths[i]`` set), as if the frames were
-        put one by one in batch order (what the memory store does):
-
-        - a frame larger than its tenant's quota is refused (``results[i] = NO_SPACE``);
-        - of the rest, each tenant keeps the newest frames of the batch that fit in its quota together (the
-          batch's tail); the older ones would be evicted by the newer ones at once, so they are not written
-          at all: ``OK``, counted as quota evictions. Without this a batch larger than the quota would land
-          whole, and its bytes past the quota would push other tenants out through capacity eviction;
-        - the kept bytes are reserved: added to the tenant's estimate and recorded as in flight until the put
-          releases them (``FileLayout.reserve_tenant_bytes``), so that every process's tenant pass counts
-          them; a tenant that passes its quota evicts its own oldest files first (``settle_tenants``);
-        - the first put after the quotas changed (any put, of any tenant) rebuilds every tenant's estimate
-          from the files, evicting those over their quotas: a quota set on a tenant that already holds data
-          applies at once, its estimate never starts at 0.
-
-        Returns the new bytes per namespace under a quota (what to give back if not published), the
-        indices of the frames not to write (refused or evicted by the batch itself) and the reservation to
-        release once published (``None``: none was made)."""
-        quotas = self._current_quotas()
-        if not quotas:
-            return {}, [], None
-        unwritten: list[int] = []
-        namespace_to_indices: dict[str, list[int]] = {}
-        for index, (key, size, path) in enumerate(zip(keys, sizes, paths, strict=True)):
-            if path is None:
-                continue
-            namespace = namespace_of(key)
-            if namespace is None or namespace not in quotas:
-                continue
-            if size > quotas[namespace]:
-                results[index] = Status.NO_SPACE
-                self._counters_of(namespace, quotas[namespace]).num_refused_puts += 1
-                unwritten.append(index)
-                continue
-            namespace_to_indices.setdefault(namespace, []).append(index)
-        namespace_to_new_bytes: dict[str, int] = {}
-        for namespace, indices in namespace_to_indices.items():
-            quota = quotas[namespace]
-            num_kept_bytes = 0
-            num_kept = 0
-            for index in reversed(indices):  # newest first: the batch's tail that fits in the quota
-                if num_kept_bytes + sizes[index] > quota:
-                    break
-                num_kept_bytes += sizes[index]
-                num_kept += 1
-            evicted_by_batch = indices[: len(indices) - num_kept]
-            if evicted_by_batch:
-                unwritten.extend(evicted_by_batch)
-                # answered OK but never written: reported like any eviction (``take_evictions``)
-                self.layout.eviction_log.append([key_digest(keys[index]) for index in evicted_by_batch])
-                self._counters_of(namespace, quota).num_quota_evicted += len(evicted_by_batch)
-            namespace_to_new_bytes[namespace] = num_kept_bytes
-        stamp = self._quotas_stamp
-        if stamp is None or (not namespace_to_new_bytes and stamp == self._settled_stamp):
-            return namespace_to_new_bytes, unwritten, None  # nothing to reserve, estimates rebuilt already
-        reservation = (
-            f"{self._reservation_prefix}-{next(self._reservation_ids)}" if namespace_to_new_bytes else None
-        )
-        usage, unknown = self.layout.reserve_tenant_bytes(reservation, namespace_to_new_bytes, stamp, quotas)
-        due = unknown | {
-            namespace
-            for namespace in namespace_to_new_bytes
-            if namespace in usage and usage[namespace] > quotas[namespace]
-        }
-        if due:
-            evicted = self.layout.settle_tenants({namespace: quotas[namespace] for namespace in due}, stamp)
-            for namespace, num_evicted in evicted.items():
-                self._counters_of(namespace, quotas[namespace]).num_quota_evicted += num_evicted
-        self._settled_stamp = stamp
-        return namespace_to_new_bytes, unwritten, reservation
 
     def _publish_with_room(
         self,
@@ -394,9 +299,9 @@ class FileBackend:
         put publishes)."""
         status, published = self._publish(key, frame, path, spare, seal, index)
         if status is Status.NO_SPACE and num_unwritten_bytes is not None:
-            self._effective_capacity(force=True, num_unwritten_bytes=num_unwritten_bytes)
+            self.space.effective_capacity(force=True, num_unwritten_bytes=num_unwritten_bytes)
             size = sum(part.nbytes for part in frame)
-            if self.layout.make_room(size, self._quotas):
+            if self.layout.make_room(size, self.tenants.quotas):
                 self.layout.add_usage(num_unwritten_bytes)
             status, published = self._publish(key, frame, path, None, seal, index)
             if not published and status is Status.NO_SPACE:
@@ -405,70 +310,6 @@ class FileBackend:
         if published:
             self.cannot_write = False
         return status, published, True
-
-    def _effective_capacity(self, *, force: bool, num_unwritten_bytes: int = 0) -> int:
-        """The capacity eviction holds the store to: ``min(capacity, usage + free bytes - margin)``, where the
-        free bytes are the file system's (``os.statvfs``, re-read at most every ``SPACE_REFRESH_S`` unless
-        ``force``); an unreadable ``statvfs`` keeps the last value. Runs on the put path, under the deadline
-        where there is one. Logs ``FILE_SPACE_LIMITED`` once when the file system starts holding less than
-        ``capacity_bytes`` and ``FILE_SPACE_RECOVERED`` once when it holds it again.
-        ``num_unwritten_bytes``: bytes counted in ``usage`` that are not on disk (a batch's unwritten frames)."""
-        now = time.monotonic()
-        if not force and now - self._space_read_at < SPACE_REFRESH_S:
-            return self.effective_capacity_bytes
-        self._space_read_at = now
-        try:
-            info = os.statvfs(self.directory)
-        except OSError:
-            return self.effective_capacity_bytes
-        free = info.f_bavail * info.f_frsize
-        margin = min(int(info.f_blocks * info.f_frsize * _SPACE_MARGIN_FRACTION), _SPACE_MARGIN_MAX_BYTES)
-        usage, _spare = self.layout.update_usage(lambda usage, spare: (usage, spare))
-        effective = max(0, min(self.capacity_bytes, usage - num_unwritten_bytes + free - margin))
-        self.free_bytes = free
-        self.effective_capacity_bytes = effective
-        self.layout.set_effective_capacity(effective)
-        limited = effective < self.capacity_bytes
-        with self._lock:  # one log line per episode, also when several threads re-read at once
-            changed = limited != self._space_limited
-            self._space_limited = limited
-        if changed:
-            event = StoreLogEvent.FILE_SPACE_LIMITED if limited else StoreLogEvent.FILE_SPACE_RECOVERED
-            (log.warning if limited else log.info)(
-                event,
-                url=self.url,
-                directory=str(self.directory),
-                free_bytes=free,
-                capacity_bytes=self.capacity_bytes,
-                effective_capacity_bytes=effective,
-            )
-        return effective
-
-    def _current_quotas(self) -> dict[str, int]:
-        """The directory's quotas, re-read when the quota file changed (one ``stat`` per put batch)."""
-        try:
-            info = os.stat(self.directory / QUOTAS_FILE)
-        except FileNotFoundError:
-            self._quotas, self._quotas_stamp = {}, None
-            return self._quotas
-        except OSError:
-            return self._quotas  # unreadable right now: the quotas last read stay in force
-        stamp = (info.st_mtime_ns, info.st_ino, info.st_size)
-        if stamp != self._quotas_stamp:
-            try:
-                self._quotas = read_quotas(self.directory)
-            except (OSError, ValueError) as error:
-                log.warning(StoreLogEvent.FILE_QUOTAS_UNREADABLE, url=self.url, error=str(error))
-            self._quotas_stamp = stamp
-        return self._quotas
-
-    def _counters_of(self, namespace: str, quota_bytes: int) -> TenantCounters:
-        with self._lock:
-            counters = self._namespace_to_counters.get(namespace)
-            if counters is None:
-                counters = self._namespace_to_counters[namespace] = TenantCounters(quota_bytes)
-            counters.quota_bytes = quota_bytes
-            return counters
 
     def _publish(
         self, key: str, frame: FrameParts, path: str, spare: str | None, seal: SealHook | None, index: int
@@ -499,10 +340,10 @@ class FileBackend:
                     os.close(fd)
                     raise
             try:
-                _write_all(fd, frame[1:], header.nbytes)
+                write_all(fd, frame[1:], header.nbytes)
                 if seal is not None:
                     seal(index)
-                _write_all(fd, [header], 0)
+                write_all(fd, [header], 0)
             finally:
                 # Unlocks a recycled inode. Safe before the link: its bytes are final now, and a reader of
                 # its previous life that locks it from here on finds its old name no longer links to it.
@@ -564,7 +405,7 @@ class FileBackend:
                         StoreLogEvent.FILE_SIZE_MISMATCH, key=key, size=info.st_size, expected=expected
                     )
                     continue
-                num_read = _read_all(fd, frame)
+                num_read = read_all(fd, frame)
                 read_at = clock()
                 intact = num_read == expected and (verify is None or verify(index))
                 verified_at = clock()
@@ -601,14 +442,14 @@ class FileBackend:
                 results.append(self._status_of(error, "remove", key))
                 continue
             if removed:
-                self._forget_tenant_bytes(key, size)
+                self.tenants.forget_bytes(key, size)
             results.append(Status.OK if removed else Status.NOT_FOUND)
         return results
 
     def take_evictions(self) -> Evictions:
         """The keys any process sharing the directory evicted since this handle was opened or last asked
         (``hybridkv.store.base.EvictionReporter``), read from the directory's eviction log
-        (``hybridkv.store.eviction_log``) under the deadline: past it, or unreadable, an incomplete report
+        (``hybridkv.store.file.eviction_log``) under the deadline: past it, or unreadable, an incomplete report
         (the read goes on; what it takes is lost, so this report already says so)."""
         taken: list[Evictions] = []
 
@@ -663,31 +504,25 @@ class FileBackend:
         except FileNotFoundError:
             return False
         if removed and key is not None:
-            self._forget_tenant_bytes(key, size)
+            self.tenants.forget_bytes(key, size)
         return removed
-
-    def _forget_tenant_bytes(self, key: str, size: int) -> None:
-        """A removed entry of a tenant under a quota leaves its estimate."""
-        namespace = namespace_of(key)
-        if namespace is not None and namespace in self._current_quotas():
-            self.layout.add_tenant_usage({namespace: -size})
 
     def stats(self) -> StoreStats:
         """The exact bytes and keys (read from the files), the shared estimates and this process's counters.
         ``extra`` also holds the file system's ``free_bytes``, the ``effective_capacity_bytes`` eviction holds
-        the store to (``_effective_capacity``, re-read now) and ``cannot_write``: this process's last put met
+        the store to (``FileSpace.effective_capacity``, re-read now) and ``cannot_write``: this process's last put met
         ``ENOSPC`` even after evicting, or the free bytes and the store's own bytes (what eviction could free)
         each stay below one entry of the store's mean size (1 MiB when it holds none).
         A shard at a time, each step under the deadline (``StoreError`` past it)."""
         layout = self.layout
         guard = self._guard
-        quotas = guard.call("stats", self._current_quotas)
+        quotas = guard.call("stats", self.tenants.current)
         num_keys = 0
         num_bytes = 0
         namespace_to_bytes = dict.fromkeys(quotas, 0)
         for shard in guard.call("stats", layout.object_shards):
             shard_keys, shard_bytes, shard_tenants = guard.call(
-                "stats", functools.partial(self._object_stats_in, shard, quotas)
+                "stats", functools.partial(shard_usage, layout, shard, quotas)
             )
             num_keys += shard_keys
             num_bytes += shard_bytes
@@ -695,14 +530,14 @@ class FileBackend:
                 namespace_to_bytes[namespace] += namespace_bytes
         num_spare_bytes = 0
         for shard in guard.call("stats", layout.spare_shards):
-            num_spare_bytes += guard.call("stats", functools.partial(_bytes_of_shard, shard))
+            num_spare_bytes += guard.call("stats", functools.partial(bytes_of_shard, shard))
         usage_estimate, spare_estimate = guard.call(
             "stats", lambda: layout.update_usage(lambda usage, spare: (usage, spare))
         )
-        tenants = self._tenant_stats(quotas, namespace_to_bytes)
-        effective = guard.call("stats", lambda: self._effective_capacity(force=True))
+        tenants = self.tenants.stats(quotas, namespace_to_bytes)
+        effective = guard.call("stats", lambda: self.space.effective_capacity(force=True))
         put_bytes = num_bytes // num_keys if num_keys else _EMPTY_STORE_PUT_BYTES
-        free = self.free_bytes
+        free = self.space.free_bytes
         # Nothing can be written when neither the free space nor what eviction could free holds one entry
         # (any process's view), or this process's last put met ENOSPC even after evicting.
         cannot_write = self.cannot_write or (
@@ -730,100 +565,9 @@ class FileBackend:
             },
         )
 
-    def _object_stats_in(self, shard: str, quotas: dict[str, int]) -> tuple[int, int, dict[str, int]]:
-        """(files, bytes, bytes per namespace under ``quotas``) of one object shard; the namespaces are read
-        from the headers, only when there are quotas."""
-        num_keys = 0
-        num_bytes = 0
-        namespace_to_bytes: dict[str, int] = {}
-        for path in self.layout.shard_paths(shard):
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                continue
-            num_keys += 1
-            num_bytes += size
-            if not quotas:
-                continue
-            found, key = self.layout.key_of(str(path))
-            namespace = None if key is None else namespace_of(key)
-            if found and namespace in quotas:
-                namespace_to_bytes[namespace] = namespace_to_bytes.get(namespace, 0) + size
-        return num_keys, num_bytes, namespace_to_bytes
-
-    def _tenant_stats(
-        self, quotas: dict[str, int], namespace_to_bytes: dict[str, int]
-    ) -> dict[str, dict[str, int]]:
-        """Per namespace under a quota: its quota, the bytes it holds (read from the headers: exact) and this
-        process's counters."""
-        tenants: dict[str, dict[str, int]] = {}
-        for namespace, quota in sorted(quotas.items()):
-            counters = self._snapshot_of(namespace, quota, namespace_to_bytes[namespace])
-            tenants[namespace] = counters.as_dict()
-        return tenants
-
-    def _snapshot_of(self, namespace: str, quota_bytes: int, usage_bytes: int) -> TenantCounters:
-        """A copy of ``namespace``'s counters with ``usage_bytes`` and this process's capacity evictions."""
-        counters = self._counters_of(namespace, quota_bytes)
-        num_capacity_evicted = self.layout.capacity_evicted_of(namespace)
-        with self._lock:
-            return dataclasses.replace(
-                counters, usage_bytes=usage_bytes, num_capacity_evicted=num_capacity_evicted
-            )
-
     def tenant_counters(self) -> dict[str, TenantCounters]:
-        """The tenants' counters without reading the files (``hybridkv.store.quotas.tenant_counters_of``):
-        per namespace under the directory's quotas its usage *estimate* (the shared one the quota passes
-        keep: high, never low) and this process's counters; ``OTHER_TENANTS``: the rest of the store's usage
-        estimate (spares excluded) and the capacity evictions of its files. Empty without quotas. A stat and
-        two small locked reads.
-
-        The worker reads this on vLLM's thread each stats interval, so the read never waits past the
-        deadline: past it, while an earlier read is still hung (one at a time), or when it fails, the
-        quotas and estimates last read stand, with this process's counters as they are now."""
-        with self._lock:
-            start_read = not self._estimates_reading
-            self._estimates_reading = True
-        if start_read:
-            try:
-                self._guard.call("tenant_counters", self._read_estimates)
-            except (StoreError, OSError) as error:
-                log.warning(
-                    StoreLogEvent.FILE_IO_ERROR, url=self.url, op="tenant_counters", key="", error=str(error)
-                )
-        with self._lock:
-            quotas, estimates, usage_estimate, spare_estimate = self._last_estimates
-        if not quotas:
-            return {}
-        layout = self.layout
-        counters = {
-            namespace: self._snapshot_of(namespace, quota, estimates.get(namespace, 0))
-            for namespace, quota in sorted(quotas.items())
-        }
-        num_other_evicted = layout.capacity_evicted_of(OTHER_TENANTS)
-        counters[OTHER_TENANTS] = TenantCounters(
-            quota_bytes=0,
-            usage_bytes=max(
-                0, usage_estimate - spare_estimate - sum(c.usage_bytes for c in counters.values())
-            ),
-            num_capacity_evicted=num_other_evicted,
-        )
-        return counters
-
-    def _read_estimates(self) -> None:
-        """Read the quotas and the shared estimates into ``_last_estimates`` (``tenant_counters``)."""
-        try:
-            quotas = dict(self._current_quotas())
-            if quotas:
-                estimates = self.layout.tenant_estimates()
-                usage_estimate, spare_estimate = self.layout.update_usage(lambda usage, spare: (usage, spare))
-            else:
-                estimates, usage_estimate, spare_estimate = {}, 0, 0
-            with self._lock:
-                self._last_estimates = (quotas, estimates, usage_estimate, spare_estimate)
-        finally:
-            with self._lock:
-                self._estimates_reading = False
+        """The tenants' counters without reading the files (``FileTenants.tenant_counters``)."""
+        return self.tenants.tenant_counters()
 
     def close(self) -> None:
         """Close the descriptors -- unless a call on the deadline runner has not returned (one past its
@@ -844,50 +588,8 @@ class FileBackend:
 
 
 def effective_capacity_of(store: object) -> int | None:
-    """The effective capacity (``FileBackend.effective_capacity_bytes``: as last derived on the put path, no
+    """The effective capacity (``FileSpace.effective_capacity_bytes``: as last derived on the put path, no
     file-system call) of ``store``'s file backend (``store`` a ``Store``, its backend or a wrapper of
     either); None for a store of another kind."""
     backend = find_layer(store, FileBackend)
-    return None if backend is None else backend.effective_capacity_bytes
-
-
-def _bytes_of_shard(shard: str) -> int:
-    """The bytes of the files of one shard (those removed meanwhile not counted)."""
-    num_bytes = 0
-    for path in FileLayout.shard_paths(shard):
-        with contextlib.suppress(FileNotFoundError):
-            num_bytes += path.stat().st_size
-    return num_bytes
-
-
-def _advance(pending: list[memoryview], num_bytes: int) -> None:
-    """Drop the first ``num_bytes`` bytes (just written or read) from ``pending``, keeping the tail."""
-    while num_bytes and pending:
-        if num_bytes >= pending[0].nbytes:
-            num_bytes -= pending[0].nbytes
-            pending.pop(0)
-        else:
-            pending[0] = pending[0][num_bytes:]
-            num_bytes = 0
-
-
-def _write_all(fd: int, parts: Sequence[memoryview], offset: int) -> None:
-    """Write ``parts`` back to back into ``fd`` from ``offset`` (the file position is not used)."""
-    pending = [part for part in parts if part.nbytes]
-    while pending:
-        num_written = os.pwritev(fd, pending[:_IOV_MAX], offset)
-        offset += num_written
-        _advance(pending, num_written)
-
-
-def _read_all(fd: int, parts: Sequence[memoryview]) -> int:
-    """Fill ``parts`` from the start of ``fd``; returns bytes read (short only at end of file)."""
-    pending = [part for part in parts if part.nbytes]
-    total = 0
-    while pending:
-        num_read = os.readv(fd, pending[:_IOV_MAX])
-        if num_read == 0:
-            break
-        total += num_read
-        _advance(pending, num_read)
-    return total
+    return None if backend is None else backend.space.effective_capacity_bytes

@@ -1,0 +1,42 @@
+"""Moving one frame between a file and the caller's buffers: vectored writes and reads, no copy of our own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+#: The most buffers one ``pwritev``/``readv`` takes (Linux's ``IOV_MAX``).
+_IOV_MAX = 1024
+
+
+def _advance(pending: list[memoryview], num_bytes: int) -> None:
+    """Drop the first ``num_bytes`` bytes (just written or read) from ``pending``, keeping the tail."""
+    while num_bytes and pending:
+        if num_bytes >= pending[0].nbytes:
+            num_bytes -= pending[0].nbytes
+            pending.pop(0)
+        else:
+            pending[0] = pending[0][num_bytes:]
+            num_bytes = 0
+
+
+def write_all(fd: int, parts: Sequence[memoryview], offset: int) -> None:
+    """Write ``parts`` back to back into ``fd`` from ``offset`` (the file position is not used)."""
+    pending = [part for part in parts if part.nbytes]
+    while pending:
+        num_written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        offset += num_written
+        _advance(pending, num_written)
+
+
+def read_all(fd: int, parts: Sequence[memoryview]) -> int:
+    """Fill ``parts`` from the start of ``fd``; returns bytes read (short only at end of file)."""
+    pending = [part for part in parts if part.nbytes]
+    total = 0
+    while pending:
+        num_read = os.readv(fd, pending[:_IOV_MAX])
+        if num_read == 0:
+            break
+        total += num_read
+        _advance(pending, num_read)
+    return total
