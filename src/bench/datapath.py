@@ -48,8 +48,10 @@ from hybridkv.connector.datapath import (
     PinnedPool,
     StagedBlocks,
     StagingContext,
+    block_mover,
     flatten_layers,
 )
+from hybridkv.connector.staged_mover import StagedMover
 from hybridkv.tables import format_cell
 from hybridkv.tables import format_table as _format_table
 
@@ -287,11 +289,18 @@ def make_case(
     for fn in timers.values():  # warm-up (also allocates lazily created staging buffers)
         fn()
     _sync(device)
-    kernel = "+".join(sorted(mover.kernel_directions, reverse=True)) or (
-        "no: " + mover.kernel_unsupported if mover.kernel_unsupported else "no"
-    )
+    kernel = _kernel_report(mover)
     return Case(
         geo.name, batch, nbytes, mover.block_nbytes, verified, kernel, timers, {m: [] for m in timers}
+    )
+
+
+def _kernel_report(mover: BlockMover) -> str:
+    """Which directions the copy kernel moves for ``mover`` ("save+load"), or "no" with the reason."""
+    if not isinstance(mover, StagedMover):
+        return "no"
+    return "+".join(sorted(mover.kernel_directions, reverse=True)) or (
+        "no: " + mover.kernel_unsupported if mover.kernel_unsupported else "no"
     )
 
 
@@ -397,7 +406,7 @@ def run_bench(
             for b in batches:
                 # else per (geometry, batch size), a slab the batch fills, like the worker's slab and a PUT wave
                 ctx = shared if shared_slab else context(slab_for(caches[name], b), directions, pack)
-                movers.setdefault((name, b), {})[suffix] = BlockMover(caches[name], staging=ctx)
+                movers.setdefault((name, b), {})[suffix] = block_mover(caches[name], staging=ctx)
     max_nbytes = max(batches) * max(m[""].block_nbytes for m in movers.values())
     buffers = Buffers(
         np.empty(max_nbytes, dtype=np.uint8),

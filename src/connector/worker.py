@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 from hybridkv.connector.config import LOAD_MODES, ConnectorConfig
-from hybridkv.connector.datapath import BlockMover, StagingContext
+from hybridkv.connector.datapath import StagingContext, block_mover
 from hybridkv.connector.identity import start_scheme
 from hybridkv.connector.layerwise import LayerwiseLoads
 from hybridkv.connector.load_pipeline import LoadPipeline
@@ -47,6 +47,7 @@ from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMe
 from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.save_pipeline import SavePipeline
+from hybridkv.connector.staged_mover import StagedMover
 from hybridkv.connector.stats import InjectedFaults, StatsBox
 from hybridkv.connector.stores import open_connector_store
 from hybridkv.connector.tenant_metrics import TenantMetrics
@@ -236,7 +237,7 @@ class WorkerSide:
         elif device.type == "cuda":
             ctx.staging = staging_for(device, group_to_layers, ctx.cfg)
         ctx.group_to_mover = {
-            group_index: BlockMover(layers, staging=ctx.staging)
+            group_index: block_mover(layers, staging=ctx.staging)
             for group_index, layers in group_to_layers.items()
         }
         if self._layerwise is not None:
@@ -251,7 +252,7 @@ class WorkerSide:
             copy_kernel={
                 group_index: sorted(m.kernel_directions) or m.kernel_unsupported
                 for group_index, m in ctx.group_to_mover.items()
-                if m.is_staged
+                if isinstance(m, StagedMover)
             },
             block_bytes={g.group_index: ctx.block_nbytes(g.group_index) for g in ctx.geo.groups},
             **ctx.geo.describe(),

@@ -22,7 +22,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     import torch
-    from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext
+    from hybridkv.connector.datapath import PinnedPool, StagingContext, block_mover
 
     torch.manual_seed(0)
     num_blocks = 12
@@ -42,7 +42,7 @@ _CHILD = textwrap.dedent(
         dirs = frozenset({"save", "load"}) if kernel else frozenset()
         ctx = StagingContext("cpu", PinnedPool(1 << 16, 1 << 16, pin=False), stage_bytes=1024,
                              kernel_directions=dirs, pack_by_kernel=pack)
-        return BlockMover(ls, staging=ctx)
+        return block_mover(ls, staging=ctx)
 
     for name, ls in (("attn", layers), ("mamba", [[conv, ssm]])):
         # the kernel straight to the slab; DMA with chunks packed by the kernel; DMA packed by index_select
@@ -132,7 +132,7 @@ def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.Mo
     the group takes the DMA path and says why."""
     import torch
     from hybridkv.connector import copy_kernels
-    from hybridkv.connector.datapath import BlockMover, PinnedPool, StagingContext
+    from hybridkv.connector.datapath import PinnedPool, StagingContext, block_mover
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("compile failed: no such PTX version")
@@ -142,7 +142,7 @@ def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.Mo
         "cpu", PinnedPool(1 << 16, 1 << 16, pin=False), kernel_directions=frozenset({"save", "load"})
     )
     layer = torch.arange(8 * 64, dtype=torch.int64).view(8, 64)
-    mover = BlockMover([layer], staging=staging)
+    mover = block_mover([layer], staging=staging)
     assert mover.kernel_directions == frozenset()
     assert "compile failed" in (mover.kernel_unsupported or "")
     sb = mover.gather([5, 1])

@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hybridkv.connector.datapath import BlockMover, HostBufferPool, PinnedPool, StagingContext, flatten_layers
+from hybridkv.connector.datapath import (
+    BlockMover,
+    HostBufferPool,
+    PinnedPool,
+    StagingContext,
+    block_mover,
+    flatten_layers,
+)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on GPU hosts only)")
 
@@ -96,7 +103,7 @@ def test_cpu_round_trip_through_file_store(tmp_path: Path, path: str) -> None:
     elif path == "staged-tiny-stage":
         staging = _staging("cpu", stage=256)  # raised to one page + alignment; many chunks per batch
     private = HostBufferPool(1 << 20) if path == "private" else None
-    mover = BlockMover(layers, staging=staging)
+    mover = block_mover(layers, staging=staging)
     assert mover.block_nbytes == len(_block_bytes(layers, 0))
     _round_trip(layers, mover, f"file://{tmp_path}/store", private)
     if private is not None:  # the save's buffer, given back, is the load's: allocated once
@@ -107,7 +114,7 @@ def test_private_batches_copy_the_pages_into_pooled_buffers() -> None:
     """A private batch never aliases the pages (also the contiguous ones): its parts are a copy in a
     buffer of the pool, which the batch gives back on release; ``write`` copies only the flagged blocks."""
     layers = _layers()
-    mover = BlockMover(layers)
+    mover = block_mover(layers)
     pool = HostBufferPool(1 << 20)
     sb = mover.gather([7, 8], private=pool)
     assert sb is not None and sb.buffer is not None
@@ -134,7 +141,7 @@ def test_private_batches_copy_the_pages_into_pooled_buffers() -> None:
 
 def test_direct_path_is_zero_copy_for_contiguous_pages() -> None:
     layers = _layers()
-    mover = BlockMover(layers)
+    mover = block_mover(layers)
     sb = mover.gather([7])
     assert sb is not None
     attn_part, conv_part, ssm_part, _ = sb.parts[0]
@@ -154,7 +161,7 @@ def test_direct_path_is_zero_copy_for_contiguous_pages() -> None:
 def test_layout_and_batch_limit() -> None:
     layers = _layers()
     staging = _staging("cpu", slab=4 * 4096)
-    mover = BlockMover(layers, staging=staging)
+    mover = block_mover(layers, staging=staging)
     assert 1 <= mover.max_blocks <= staging.pool.slab_bytes // mover.block_nbytes
     with pytest.raises(ValueError, match="max_blocks"):
         mover.gather(list(range(mover.max_blocks + 1)))
@@ -162,13 +169,13 @@ def test_layout_and_batch_limit() -> None:
     assert sb is not None
     sb.release()
     with pytest.raises(ValueError, match="cannot hold one block"):
-        BlockMover(layers, staging=_staging("cpu", slab=1024))
+        block_mover(layers, staging=_staging("cpu", slab=1024))
 
 
 def test_pool_exhaustion_returns_none_then_recovers() -> None:
     layers = _layers()
     staging = _staging("cpu", slabs=1)
-    mover = BlockMover(layers, staging=staging)
+    mover = block_mover(layers, staging=staging)
     held = mover.gather([1, 2])
     assert held is not None and staging.pool.in_use == 1
     t0 = time.monotonic()
@@ -192,7 +199,7 @@ def test_pool_exhaustion_returns_none_then_recovers() -> None:
 
 
 def test_commit_after_release_and_bad_flags() -> None:
-    mover = BlockMover(_layers(), staging=_staging("cpu"))
+    mover = block_mover(_layers(), staging=_staging("cpu"))
     sb = mover.scatter_targets([1, 2])
     assert sb is not None
     with pytest.raises(ValueError, match="flags"):
@@ -217,7 +224,7 @@ def test_pool_accounting() -> None:
 
 def test_cuda_tensors_need_staging_and_one_device() -> None:
     with pytest.raises(ValueError, match="share one device"):
-        BlockMover([torch.zeros(4, 4), torch.zeros(4, 4, device="meta")])
+        block_mover([torch.zeros(4, 4), torch.zeros(4, 4, device="meta")])
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
@@ -226,7 +233,7 @@ def test_cuda_tensors_need_staging_and_one_device() -> None:
 def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
     layers = _layers("cuda")
     staging = _staging("cuda", stage=stage)
-    mover = BlockMover(layers, staging=staging)
+    mover = block_mover(layers, staging=staging)
     assert staging.pool.pin
     sb = mover.gather([1])
     assert sb is not None
@@ -234,7 +241,7 @@ def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
     sb.release()
     _round_trip(layers, mover, f"file://{tmp_path}/store")
     with pytest.raises(ValueError, match="StagingContext"):
-        BlockMover(layers)
+        block_mover(layers)
 
 
 @CUDA
@@ -242,7 +249,7 @@ def test_cuda_round_trip_through_file_store(tmp_path: Path, stage: int) -> None:
 def test_cuda_gather_waits_for_the_fence(copy: str) -> None:
     """Writes queued on the compute stream before the fence are what the gather reads."""
     layers = _copy_layers("cuda", copy)
-    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20, kernel=copy == "kernel"))
+    mover = block_mover(layers, staging=_staging("cuda", slab=1 << 20, kernel=copy == "kernel"))
     assert mover.kernel_directions == ({"save", "load"} if copy == "kernel" else set()), (
         mover.kernel_unsupported
     )
@@ -266,7 +273,7 @@ def test_cuda_gather_waits_for_the_fence(copy: str) -> None:
 @pytest.mark.parametrize("copy", ["dma", "kernel"])
 def test_cuda_commit_is_complete_on_return_and_skips_failed_blocks(copy: str) -> None:
     layers = _copy_layers("cuda", copy)
-    mover = BlockMover(layers, staging=_staging("cuda", slab=1 << 20, stage=512, kernel=copy == "kernel"))
+    mover = block_mover(layers, staging=_staging("cuda", slab=1 << 20, stage=512, kernel=copy == "kernel"))
     assert mover.kernel_directions == ({"save", "load"} if copy == "kernel" else set()), (
         mover.kernel_unsupported
     )
@@ -296,7 +303,7 @@ def test_staged_batches_of_every_size_share_one_slab_layout(device: str, stage: 
     part views are built once and handed out again with its next batch."""
     layers = _layers(device)
     staging = _staging(device, slab=128 << 10, stage=stage)
-    mover = BlockMover(layers, staging=staging)
+    mover = block_mover(layers, staging=staging)
     assert mover.max_blocks >= 4
     cap = staging.chunk_bytes
     for n in sorted({1, 2, mover.max_blocks - 1, mover.max_blocks}):
