@@ -267,7 +267,7 @@ AFTER_LINK = "linked, temp name not yet unlinked"
 
 
 def _where_the_put_was(directory: Path, layout: FileLayout, in_flight: list[str]) -> str:
-    """Where a stopped or killed writer's put was, read from the files it left (see ``FileBackend._publish``:
+    """Where a stopped or killed writer's put was, read from the files it left (see ``FrameWriter._publish``:
     a temp file, new at its final size or a claimed spare; the payload written front to back; the header
     sealed and written; linked; the temp name unlinked)."""
     if not in_flight:

@@ -19,6 +19,7 @@ from hybridkv.store import Status, StoreError, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.file import DEFAULT_HANG_TIMEOUT_MS, FileBackend
 from hybridkv.store.file import backend as file_module
+from hybridkv.store.file import writer as file_writer
 from hybridkv.store.file.layout import FileLayout
 from hybridkv.store.file.mounts import (
     UNKNOWN_FSTYPE,
@@ -217,7 +218,7 @@ def test_a_hung_read_answers_timeout_and_keeps_its_destination_until_it_returns(
 def test_a_hung_put_answers_timeout_and_lands_when_it_returns(
     deadline_store: FramedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hang = _Hang(monkeypatch, file_module, "write_all")
+    hang = _Hang(monkeypatch, file_writer, "write_all")
     value = np.full(64 << 10, 7, dtype=np.uint8)
     with collect_late_calls() as late:
         assert deadline_store.put(["late"], [value]) == [Status.TIMEOUT]

@@ -360,14 +360,14 @@ def test_a_tenant_pass_keeps_another_process_reservation_for_a_put_in_flight(
     backend = find_layer(first, FileBackend)
     assert backend is not None
     publishing, release = threading.Event(), threading.Event()
-    real_publish = backend._publish
+    real_publish = backend.writer._publish
 
     def stopped_publish(*args: Any) -> Any:
         publishing.set()
         assert release.wait(30), "never released"
         return real_publish(*args)
 
-    monkeypatch.setattr(backend, "_publish", stopped_publish)
+    monkeypatch.setattr(backend.writer, "_publish", stopped_publish)
     in_flight = threading.Thread(target=first.put, args=(_keys("agent", 1, start=100), [_value(100)]))
     in_flight.start()
     try:

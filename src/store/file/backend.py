@@ -35,8 +35,6 @@ saves. The figures: docs/performance.md, "The file store's writes".
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import os
 import threading
@@ -45,15 +43,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
-from hybridkv.key_grammar import namespace_of
 from hybridkv.store.base import Evictions, Status, StoreLogEvent, StoreStats, find_layer
 from hybridkv.store.file.deadline import DeadlineGuard
-from hybridkv.store.file.frame_io import read_all, write_all
+from hybridkv.store.file.frame_io import read_all
 from hybridkv.store.file.layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file.mounts import directory_fstype, may_hang
 from hybridkv.store.file.probe import ReadProbe
 from hybridkv.store.file.tenants import FileTenants
 from hybridkv.store.file.usage import FileSpace, bytes_of_shard, shard_usage
+from hybridkv.store.file.writer import FrameWriter, status_of
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.quotas import TenantCounters
 
@@ -106,21 +104,29 @@ class FileBackend:
         #: The deadline of each data call in ms, or ``None``: calls run on the caller's thread.
         self.timeout_ms = timeout_ms
         self._guard = DeadlineGuard(url=url, fstype=self.fstype, timeout_ms=timeout_ms)
-        self._lock = threading.Lock()
         #: This handle's place in the directory's eviction log (``take_evictions``), one reader at a time.
         self._eviction_reader = self.layout.eviction_log.reader()
         self._eviction_reader_lock = threading.Lock()
         self._closed = False
-        self.num_recycled = 0
         #: The bench's read profile (:meth:`install_read_probe`); ``None`` in production: nothing timed.
         self.read_probe: ReadProbe | None = None
         #: The directory's quotas, this handle's reservations and its counters per tenant.
         self.tenants = FileTenants(url, directory, self.layout, self._guard)
         #: What the file system holds for the store: the effective capacity eviction holds it to.
         self.space = FileSpace(url, directory, self.layout, capacity_bytes=capacity_bytes)
-        #: Whether this process's last put that met ``ENOSPC`` still failed after evicting (cleared by the
-        #: next published put): the store cannot write.
-        self.cannot_write = False
+        #: The put path: claims spares, reserves, makes room, publishes (``hybridkv.store.file.writer``).
+        self.writer = FrameWriter(url, self.layout, self.tenants, self.space, capacity_bytes=capacity_bytes)
+
+    @property
+    def num_recycled(self) -> int:
+        """Spares this handle's puts overwrote instead of writing new files."""
+        return self.writer.num_recycled
+
+    @property
+    def cannot_write(self) -> bool:
+        """Whether this process's last put that met ``ENOSPC`` still failed after evicting (until a put
+        publishes)."""
+        return self.writer.cannot_write
 
     def install_read_probe(self, probe: ReadProbe | None) -> None:
         """Time this process's reads into ``probe`` from the next get call on (``None``: stop timing)."""
@@ -186,179 +192,7 @@ class FileBackend:
     ) -> list[Status]:
         """``put_frames``, sealing each frame (computing its checksum) right before writing it."""
         key_list, frame_list = list(keys), list(frames)
-        return self._guard.run(
-            "put", len(key_list), lambda: self._put_frames_sealed(key_list, frame_list, seal)
-        )
-
-    def _put_frames_sealed(
-        self, keys: Sequence[str], frames: Sequence[FrameParts], seal: SealHook | None
-    ) -> list[Status]:
-        layout = self.layout
-        results: list[Status] = []
-        paths: list[str | None] = []
-        sizes = [sum(part.nbytes for part in frame) for frame in frames]
-        num_new_bytes = 0
-        for key, size in zip(keys, sizes, strict=True):
-            path = layout.path_of(key)
-            if os.path.exists(path):  # insert-if-absent; the link in _publish settles races
-                results.append(Status.OK)
-                paths.append(None)
-            elif size > self.capacity_bytes:
-                results.append(Status.NO_SPACE)
-                paths.append(None)
-            else:
-                results.append(Status.OK)
-                paths.append(path)
-                num_new_bytes += size
-        namespace_to_new_bytes, unwritten, reservation = self.tenants.apply_to_put(
-            keys, sizes, paths, results
-        )
-        for index in unwritten:  # refused by its tenant's quota, or evicted by a newer value of the batch
-            num_new_bytes -= sizes[index]
-            paths[index] = None
-        if num_new_bytes == 0:
-            if reservation is not None:
-                layout.ledger.release(reservation, {})
-            return results
-        # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
-        # bytes up front (one locked update), make room if that overflows, and give back what was not
-        # published.
-        claims = layout.claim_spares(
-            [size if path else None for size, path in zip(sizes, paths, strict=True)]
-        )
-        num_claimed = sum(claim is not None for claim in claims)
-        num_spare_bytes = sum(claim[1] for claim in claims if claim is not None)
-        num_claimed_frame_bytes = sum(
-            size for size, claim in zip(sizes, claims, strict=True) if claim is not None
-        )
-        num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
-        capacity = self.space.effective_capacity(force=False)
-        usage = layout.add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if (
-            num_unclaimed_bytes
-            and usage > capacity
-            and layout.make_room(num_unclaimed_bytes, self.tenants.quotas)
-        ):
-            layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
-        num_unpublished_bytes = 0
-        namespace_to_unpublished_bytes: dict[str, int] = {}
-        num_unwritten_bytes = num_new_bytes  # counted in usage, not written yet (see _publish_with_room)
-        may_make_room = True  # until a retry after evicting met ENOSPC again: the batch's rest is not retried
-        for index, (key, frame, new_path) in enumerate(zip(keys, frames, paths, strict=True)):
-            if new_path is None:
-                continue
-            claim = claims[index]
-            results[index], published, may_make_room = self._publish_with_room(
-                key,
-                frame,
-                new_path,
-                None if claim is None else claim[0],
-                seal,
-                index,
-                num_unwritten_bytes=num_unwritten_bytes if may_make_room else None,
-            )
-            num_unwritten_bytes -= sizes[index]
-            if not published:
-                num_unpublished_bytes += sizes[index]
-                namespace = namespace_of(key)
-                if namespace in namespace_to_new_bytes:
-                    namespace_to_unpublished_bytes[namespace] = (
-                        namespace_to_unpublished_bytes.get(namespace, 0) + sizes[index]
-                    )
-        if num_unpublished_bytes:
-            layout.add_usage(-num_unpublished_bytes)
-        # (A put that raises before this leaves its reservation counted -- high, never low -- until it is
-        # stale: hybridkv.store.file.ledger.)
-        if reservation is not None:
-            layout.ledger.release(reservation, namespace_to_unpublished_bytes)
-        if num_claimed:
-            with self._lock:
-                self.num_recycled += num_claimed
-        return results
-
-    def _publish_with_room(
-        self,
-        key: str,
-        frame: FrameParts,
-        path: str,
-        spare: str | None,
-        seal: SealHook | None,
-        index: int,
-        *,
-        num_unwritten_bytes: int | None,
-    ) -> tuple[Status, bool, bool]:
-        """``_publish``, and where it meets ``ENOSPC``/``EDQUOT`` (a file system full below the capacity) and
-        ``num_unwritten_bytes`` is given: re-read the free space (the effective capacity drops to what the
-        file system holds), evict to make room as at capacity (least recently used first, retention and
-        quotas as usual) and write the frame once more, into a new file. ``num_unwritten_bytes``: the
-        batch's bytes counted in ``usage`` but not on disk (this frame's included), added back when the
-        eviction pass rewrote ``usage`` to the bytes on disk; ``None``: no retry.
-
-        Returns (status, whether this call published, whether the batch's next frames may still retry):
-        not after a retry that met ``ENOSPC`` again, which also marks the store ``cannot_write`` (until a
-        put publishes)."""
-        status, published = self._publish(key, frame, path, spare, seal, index)
-        if status is Status.NO_SPACE and num_unwritten_bytes is not None:
-            self.space.effective_capacity(force=True, num_unwritten_bytes=num_unwritten_bytes)
-            size = sum(part.nbytes for part in frame)
-            if self.layout.make_room(size, self.tenants.quotas):
-                self.layout.add_usage(num_unwritten_bytes)
-            status, published = self._publish(key, frame, path, None, seal, index)
-            if not published and status is Status.NO_SPACE:
-                self.cannot_write = True
-                return status, published, False
-        if published:
-            self.cannot_write = False
-        return status, published, True
-
-    def _publish(
-        self, key: str, frame: FrameParts, path: str, spare: str | None, seal: SealHook | None, index: int
-    ) -> tuple[Status, bool]:
-        """Write ``frame`` to a temp file (the claimed ``spare`` in tmp/ if given, else a new one) and link it
-        to ``path``: (status, whether this call published). The temp file is gone afterwards.
-
-        The payload parts are written first and the header part last, right after ``seal(index)`` (if given)
-        has filled it: the checksum then reads payload bytes the write has just pulled into the CPU cache
-        instead of fetching them from memory once more (see Speed), and the file holds the whole sealed frame
-        before it is linked."""
-        layout = self.layout
-        header = frame[0]
-        size = sum(part.nbytes for part in frame)
-        temp = layout.temp_path() if spare is None else spare
-        try:
-            fd = layout.open_spare(spare, size) if spare is not None else None
-            if fd is None:  # no spare, or a reader of its previous life still holds it: a new file
-                temp = layout.temp_path()
-                if spare is not None:
-                    os.unlink(spare)
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    # The final size first: a tmpfs mounted huge=within_size backs a file with large pages
-                    # only inside its size (some kernels look only at the size, not at where a write will end).
-                    os.ftruncate(fd, size)
-                except OSError:
-                    os.close(fd)
-                    raise
-            try:
-                write_all(fd, frame[1:], header.nbytes)
-                if seal is not None:
-                    seal(index)
-                write_all(fd, [header], 0)
-            finally:
-                # Unlocks a recycled inode. Safe before the link: its bytes are final now, and a reader of
-                # its previous life that locks it from here on finds its old name no longer links to it.
-                os.close(fd)
-            try:
-                layout.link(temp, path)
-            except FileExistsError:
-                return Status.OK, False  # another writer published first: first writer wins
-            else:
-                return Status.OK, True
-        except OSError as error:
-            return self._status_of(error, "put", key), False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
+        return self._guard.run("put", len(key_list), lambda: self.writer.put(key_list, frame_list, seal))
 
     def get_frames_into(self, keys: Sequence[str], frames: Sequence[FrameParts]) -> list[Status]:
         return self.get_frames_verified(keys, frames, None)
@@ -581,10 +415,7 @@ class FileBackend:
             self.layout.close()
 
     def _status_of(self, error: OSError, op: str, key: str) -> Status:
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return Status.NO_SPACE
-        log.warning(StoreLogEvent.FILE_IO_ERROR, url=self.url, op=op, key=key, error=str(error))
-        return Status.TRANSFER_FAILED
+        return status_of(error, op, key, url=self.url)
 
 
 def effective_capacity_of(store: object) -> int | None:
