@@ -216,7 +216,10 @@ class SavePlanner:
         a job sent with the next step's metadata."""
         items = self._boundary_saves(saves, tails, loading_boundary)
         if items:
-            items += self._tail_saves(saves, items, block_ids, saves.request.num_computed_tokens)
+            num_final_tokens = max(
+                0, saves.request.num_computed_tokens - self.scheme.geometry.num_unfinal_tokens
+            )
+            items += self._tail_saves(saves, items, block_ids, num_final_tokens)
             self._unsent.append(self._new_job(saves, items))
 
     def take_unsent(self) -> list[SaveJob]:
@@ -309,6 +312,9 @@ class SavePlanner:
         are positional saves. The block may hold tokens past ``b`` (decode, or a later chunk): a loader
         recomputes from ``b`` and overwrites them.
 
+        Under lookahead hashes a tail whose last positions are not final yet (``num_done_tokens``: the final
+        tokens, vLLM re-prefills the last L - 1 of a chunk) is deferred like the EAGLE tails below.
+
         With EAGLE (``Geometry.group_drops``) a lookup verifies an attention group one EAGLE margin past the
         boundary it reports (``eagle_margin``), so the tail under ``b + margin`` is stored too, when the
         request has computed that far (``num_done_tokens``; else in the first later step that has:
@@ -325,6 +331,12 @@ class SavePlanner:
                 if not rules.stores_partial_tails:
                     continue
                 boundaries = [state_boundary]
+                if geometry.hash_lookahead and state_boundary > num_done_tokens:
+                    # Lookahead hashes: the tail's last positions are still re-prefilled (KV not final);
+                    # saved once final.
+                    boundaries = []
+                    if state_boundary % g.span:
+                        saves.deferred_tails.add((g.group_index, state_boundary))
                 if geometry.group_drops(g.group_index):
                     past = state_boundary + rules.eagle_margin(geometry, (g.group_index,))
                     if past <= min(limit, num_done_tokens):

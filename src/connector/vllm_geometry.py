@@ -166,8 +166,9 @@ def _spec_to_group() -> tuple[tuple[type, Callable[[Any, Any, int], GroupSpec]],
 
 
 def hash_lookahead_tokens(vllm_config: VllmConfig) -> int:
-    """vLLM 0.34's ``num_hash_lookahead_tokens`` (L): tokens past each block its hash covers. 0 on 0.32 and
-    0.33 (no such field), and on 0.34 unless every connector opts in (``supports_lookahead_block_hashes``)."""
+    """vLLM 0.34's ``num_hash_lookahead_tokens`` (L): tokens past each block its hash covers. 0 on 0.32 (no
+    such field) and 0.33 (0 whenever a connector is configured), and on 0.34 unless every connector opts in
+    (``supports_lookahead_block_hashes``) and a drafter that drops blocks runs with prefix caching."""
     return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
 
 

@@ -262,6 +262,14 @@ class Cluster:
         self.outputs: dict[str, list[int]] = {}
         self.loads_checked: dict[str, int] = {}
         self.steps = 0
+        #: vLLM's re-prefillable tokens (``num_prefill_lookahead - 1``: a multi-module MTP drafter's), modelled
+        #: under lookahead hashes: the last ones of every step are provisional until the next step rewrites
+        #: them (vLLM caches only the others). 0: none, and in the legacy regime, where vLLM has the same rule
+        #: but the connector's saves do not follow it yet (a known gap: draft KV only, so acceptance, never
+        #: a token; see the 0.34 lookahead notes in docs/lifecycle.md).
+        self.unfinal_tokens = 0
+        if getattr(self.sched, "num_hash_lookahead_tokens", 0):
+            self.unfinal_tokens = int(self.sched.kv_cache_manager.coordinator.num_reprefillable_tokens)
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Any:
@@ -373,13 +381,17 @@ class Cluster:
                     cache[1][ids[idx]] = v
                 continue
             shards = self.dcp if g.span != cache.shape[1] else 1
-            for p in range(start, end):
+            # The drafter's re-prefilled tail: this step rewrites the previous step's last slots, and leaves
+            # its own last ones provisional (a value no recompute writes) until the next step rewrites them.
+            rewrite_from = max(0, start - self.unfinal_tokens)
+            for p in range(rewrite_from, end):
                 off = p % g.span
                 if off % shards != rank % shards:
                     continue
-                bid = ids[p // g.span]
+                bid = ids[p // g.span] if p // g.span < len(ids) else 0
                 if bid:
-                    cache[bid, off // shards] = kv_value(prefix, p, rank, g.group_index)
+                    value = kv_value(prefix, p, rank, g.group_index)
+                    cache[bid, off // shards] = -value if p >= end - self.unfinal_tokens else value
 
     def _wait_loads(
         self, ws: Any, expected: set[str], timeout: float = 10.0, *, settle: bool = False
