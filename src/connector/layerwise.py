@@ -53,7 +53,8 @@ import structlog
 import torch
 from hybridkv.connector.datapath import BlockMover, Fence
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult, load_outcome
+from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult
+from hybridkv.connector.outcomes import load_outcome
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome

@@ -34,8 +34,9 @@ import structlog
 from hybridkv.connector.datapath import Fence, StagedBlocks
 from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, load_outcome
+from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult
 from hybridkv.connector.outbox import Outbox
+from hybridkv.connector.outcomes import load_outcome
 from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
 from hybridkv.lifecycle.keys import KeyScheme

@@ -13,15 +13,26 @@ multiprocess executor's message queue), so results are small named tuples of int
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, overload
 
+from hybridkv.connector.outcomes import SaveOutcome
 from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
 from hybridkv.lifecycle.load import LoadOutcome
-from hybridkv.store.base import Status
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+__all__ = [
+    "BlockRef",
+    "HybridStoreMetadata",
+    "HybridStoreWorkerMetadata",
+    "LoadJob",
+    "LoadResult",
+    "PlannedRefs",
+    "SaveJob",
+    "SaveOutcome",  # the type of SaveResult.outcome (its one holder: hybridkv.connector.outcomes)
+    "SaveResult",
+]
 
 
 @dataclass(frozen=True)
@@ -131,55 +142,6 @@ class HybridStoreMetadata(KVConnectorMetadata):
     scheme: KeyScheme
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-
-
-class SaveOutcome(enum.Enum):
-    """What happened to one entry of a save job on one rank.
-
-    Only ``OK`` (written, or already present: puts are insert-if-absent) lets the scheduler publish the
-    block. ``DROPPED``: never sent to the store (the rank's in-flight budget was full, its staging pool
-    stayed exhausted, or it was asleep) -- a job every rank dropped entirely is a dropped wave, not a
-    failed one.
-    """
-
-    OK = "ok"
-    NO_SPACE = "no_space"
-    TIMEOUT = "timeout"
-    TRANSPORT_ERROR = "transport_error"
-    DROPPED = "dropped"
-
-
-class StatusMeaning(NamedTuple):
-    """What one store status means for the entry of a load and for the entry of a save."""
-
-    load: LoadOutcome
-    save: SaveOutcome
-
-
-#: The one mapping from a store call's per-key :class:`Status` to the worker's outcomes. Only
-#: ``NOT_FOUND`` and ``CORRUPT`` are definite load faults (they invalidate the entry, hard rule 3); a
-#: ``put`` answers neither, so for a save they read as transport errors. Every ``Status`` has a row.
-STATUS_MEANINGS: Mapping[Status, StatusMeaning] = {
-    Status.OK: StatusMeaning(LoadOutcome.OK, SaveOutcome.OK),
-    Status.NOT_FOUND: StatusMeaning(LoadOutcome.MISSING, SaveOutcome.TRANSPORT_ERROR),
-    Status.CORRUPT: StatusMeaning(LoadOutcome.CORRUPT, SaveOutcome.TRANSPORT_ERROR),
-    Status.NO_SPACE: StatusMeaning(LoadOutcome.TRANSPORT_ERROR, SaveOutcome.NO_SPACE),
-    Status.TIMEOUT: StatusMeaning(LoadOutcome.TIMEOUT, SaveOutcome.TIMEOUT),
-    Status.TRANSFER_FAILED: StatusMeaning(LoadOutcome.TRANSPORT_ERROR, SaveOutcome.TRANSPORT_ERROR),
-}
-assert set(STATUS_MEANINGS) == set(Status), (
-    f"store statuses without a meaning: {set(Status) - set(STATUS_MEANINGS)}"
-)
-
-
-def load_outcome(status: Status | None) -> LoadOutcome:
-    """The outcome of one planned entry of a load: ``None`` (never read) is ``NOT_ATTEMPTED``."""
-    return LoadOutcome.NOT_ATTEMPTED if status is None else STATUS_MEANINGS[status].load
-
-
-def save_outcome(status: Status) -> SaveOutcome:
-    """The outcome of one entry of a save job's ``put``."""
-    return STATUS_MEANINGS[status].save
 
 
 class LoadResult(NamedTuple):

@@ -31,8 +31,9 @@ import numpy as np
 import structlog
 from hybridkv.connector.datapath import Fence, HostBufferPool, StagedBlocks
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult, save_outcome
+from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult
 from hybridkv.connector.outbox import Outbox
+from hybridkv.connector.outcomes import save_outcome
 from hybridkv.connector.ownership import LateOwnership, Quarantine
 from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
 from hybridkv.lifecycle.keys import KeyScheme

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 
+from hybridkv.connector.outcomes import STATUS_MEANINGS
 from hybridkv.lifecycle.geometry import Geometry
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status, StoreStats
@@ -34,15 +35,11 @@ __all__ = [
 #: The size of one entry's slot in the fuzzer's loads.
 RECOMPUTED_NUM_BYTES = 8
 
-#: The load column of the connector's ``hybridkv.connector.metadata.STATUS_MEANINGS`` (that module imports
-#: vLLM): only ``NOT_FOUND`` and ``CORRUPT`` are definite faults, which invalidate the entry.
+#: What the worker makes of a ``get``'s status for a planned entry: the load column of the connector's one
+#: mapping (``hybridkv.connector.outcomes.STATUS_MEANINGS``): only ``NOT_FOUND`` and ``CORRUPT`` are definite
+#: faults, which invalidate the entry.
 STATUS_TO_LOAD_OUTCOME: Mapping[Status, LoadOutcome] = {
-    Status.OK: LoadOutcome.OK,
-    Status.NOT_FOUND: LoadOutcome.MISSING,
-    Status.CORRUPT: LoadOutcome.CORRUPT,
-    Status.NO_SPACE: LoadOutcome.TRANSPORT_ERROR,
-    Status.TIMEOUT: LoadOutcome.TIMEOUT,
-    Status.TRANSFER_FAILED: LoadOutcome.TRANSPORT_ERROR,
+    status: meaning.load for status, meaning in STATUS_MEANINGS.items()
 }
 
 

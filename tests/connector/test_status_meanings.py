@@ -1,9 +1,9 @@
-"""One store status, one meaning for a load and for a save (``connector/metadata.py: STATUS_MEANINGS``)."""
+"""One store status, one meaning for a load and for a save (``connector/outcomes.py: STATUS_MEANINGS``)."""
 
 from __future__ import annotations
 
 import pytest
-from hybridkv.connector.metadata import STATUS_MEANINGS, SaveOutcome, load_outcome, save_outcome
+from hybridkv.connector.outcomes import STATUS_MEANINGS, SaveOutcome, load_outcome, save_outcome
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status
 
