@@ -28,10 +28,6 @@ class SavePlan:
         """Every (entry, key) of the plan, rank-major."""
         return self.scheme.entries(self.blocks)
 
-    def keys_for_rank(self, tp_rank: int) -> list[tuple[PlannedBlock, str]]:
-        """The blocks ``tp_rank`` writes, with their keys."""
-        return self.scheme.rank_keys(self.blocks, tp_rank)
-
     def stored_blocks(self, outcomes: Mapping[EntryId, bool]) -> tuple[PlannedBlock, ...]:
         """Blocks stored on every rank: the only ones a ``BlockStored`` event may name."""
         ranks = self.scheme.geometry.topology.ranks
