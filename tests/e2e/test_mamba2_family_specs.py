@@ -5,8 +5,8 @@ builds: per family (NemotronH, FalconH1, GraniteMoeHybrid, Zamba2, TP 1), a real
 ``get_kv_cache_configs`` is intercepted: every layer's spec (names, shapes, dtypes, block size, page padding,
 prefill checkpoints...) and the groups vLLM makes of them must equal ours. The engine stops there: past it,
 vLLM-CPU's Mamba2 kernel fails with prefix caching on (the reason these families are tested at the
-Scheduler level). One subprocess starts the four engines (an interrupted in-process engine leaves vLLM's
-distributed state behind).
+Scheduler level). Two subprocesses (an interrupted in-process engine leaves vLLM's distributed state
+behind) start two engines each, side by side, while the test builds its own specs.
 """
 
 from __future__ import annotations
@@ -55,30 +55,51 @@ json.dump(out, open(sys.argv[1], "w"))
 """
 
 
-def test_specs_built_without_a_forward_equal_the_engines(tmp_path: Path) -> None:
-    from support.mamba2 import engine_kv_cache_configs, layer_specs, mamba2_vllm_config
+#: The families split over the capture subprocesses (each pays vLLM's import once; two run side by side).
+NUM_PROCESSES = 2
 
+
+def test_specs_built_without_a_forward_equal_the_engines(tmp_path: Path) -> None:
     families = sorted(MAMBA2_HYBRID_CLASSES)
-    out = tmp_path / "engine_specs.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CAPTURE, str(out), *families],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    engine = json.loads(out.read_text())
+    captures = []
+    for index in range(NUM_PROCESSES):
+        out = tmp_path / f"engine_specs{index}.json"
+        log = (tmp_path / f"capture{index}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CAPTURE, str(out), *families[index::NUM_PROCESSES]],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        captures.append((proc, out, log))
+    try:
+        # Ours, built while the engines start.
+        from support.mamba2 import engine_kv_cache_configs, layer_specs, mamba2_vllm_config
+
+        ours = {}
+        for family in families:
+            vc = mamba2_vllm_config(family, tp=1)
+            specs = layer_specs(vc)
+            _, (worker_config,) = engine_kv_cache_configs(vc, specs)
+            ours[family] = {
+                "specs": {name: repr(spec) for name, spec in specs.items()},
+                "groups": [[g.layer_names, repr(g.kv_cache_spec)] for g in worker_config.kv_cache_groups],
+            }
+        engine: dict[str, dict[str, object]] = {}
+        for proc, out, log in captures:
+            returncode = proc.wait(300)
+            log.close()
+            text = Path(log.name).read_text(errors="replace")
+            assert returncode == 0 and out.is_file(), text[-6000:]
+            engine |= json.loads(out.read_text())
+    finally:
+        for proc, _, log in captures:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            log.close()
     for family in families:
-        vc = mamba2_vllm_config(family, tp=1)
-        specs = layer_specs(vc)
-        _, (worker_config,) = engine_kv_cache_configs(vc, specs)
-        ours = {
-            "specs": {name: repr(spec) for name, spec in specs.items()},
-            "groups": [[g.layer_names, repr(g.kv_cache_spec)] for g in worker_config.kv_cache_groups],
-        }
         assert family in engine, f"{family}: the engine never reached its KV-cache planning"
-        assert ours["specs"] == engine[family]["specs"], family
-        assert ours["groups"] == engine[family]["groups"], family
+        assert ours[family]["specs"] == engine[family]["specs"], family
+        assert ours[family]["groups"] == engine[family]["groups"], family
