@@ -3,8 +3,8 @@
 Host A (10.77.0.1) runs ``mooncake_master`` and a storage node (a 64 MiB segment); engines are pure clients
 (``segment=0``) on host B (10.77.0.2) or A. Only ``lo`` and the veth pair exist (see ``support/hosts.py``).
 
-- an engine on B saves and exits; a new engine process on B takes the prefix from the store at once, with
-  identical greedy tokens;
+- an engine on B saves and exits; a new engine process on B (started meanwhile, its request held until the
+  first one exited) takes the prefix from the store at once, with identical greedy tokens;
 - two engines on B send the same prompt at the same moment: both succeed, the master holds each key once
   (insert-if-absent), no save or load fails; an engine on A then hits B's entries with identical tokens.
 
@@ -27,23 +27,34 @@ KEYS_PER_PROMPT = 3
 MANIFEST_KEYS = 1
 
 
-def test_new_engine_process_hits_what_an_exited_engine_saved(cluster: Cluster) -> None:
+def test_new_engine_process_hits_what_an_exited_engine_saved(cluster: Cluster, tmp_path: Path) -> None:
     tokens = prompt(41)
     keys_before = cluster.metric("master_key_count")
-    first = cluster.start_engine(
-        cluster.pair.b, "b-first", [{"prompt": tokens}], namespace="outlive"
-    ).result()
-    step = first["steps"][0]
-    assert step["cached"] == 0
-    assert step["worker"]["save_keys"] == KEYS_PER_PROMPT and step["worker"].get("save_failed_keys", 0) == 0
-    assert step["store"]["preferred_segment"] == "", "an engine with segment=0 must let the master place puts"
-    assert cluster.metric("master_key_count") == keys_before + KEYS_PER_PROMPT + MANIFEST_KEYS, (
-        "entries died with engine 1"
+    first_run = cluster.start_engine(cluster.pair.b, "b-first", [{"prompt": tokens}], namespace="outlive")
+    # The second engine process starts meanwhile; it sends its request only once the first one has exited.
+    first_exited = str(tmp_path / "b-first-exited")
+    second_run = cluster.start_engine(
+        cluster.pair.b, "b-second", [{"prompt": tokens, "wait_for": first_exited}], namespace="outlive"
     )
+    try:
+        first = first_run.result()
+        step = first["steps"][0]
+        assert step["cached"] == 0
+        assert step["worker"]["save_keys"] == KEYS_PER_PROMPT
+        assert step["worker"].get("save_failed_keys", 0) == 0
+        assert step["store"]["preferred_segment"] == "", (
+            "an engine with segment=0 must let the master place puts"
+        )
+        assert cluster.metric("master_key_count") == keys_before + KEYS_PER_PROMPT + MANIFEST_KEYS, (
+            "entries died with engine 1"
+        )
+    except BaseException:
+        second_run.process.kill()
+        second_run.process.wait(10)
+        raise
 
-    second = cluster.start_engine(
-        cluster.pair.b, "b-second", [{"prompt": tokens}], namespace="outlive"
-    ).result()
+    (tmp_path / "b-first-exited").write_text("")
+    second = second_run.result()
     hit = second["steps"][0]
     assert hit["tokens"] == step["tokens"], "tokens differ after a cross-host hit in a new engine process"
     assert hit["cached"] == 256
