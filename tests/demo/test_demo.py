@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,33 +36,80 @@ MODELS_DIR = DEFAULT_MODELS_DIR
 SMALL = ["--prompt-tokens", "600", "--max-tokens", "6"]
 
 
-def _run_demo(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str, float]:
-    """Run ``hybridkv demo --json`` in a fresh interpreter; (exit code, summary, stderr, seconds)."""
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the command must set it itself
-    cmd = [
-        sys.executable,
-        "-m",
-        "hybridkv.cli",
-        "demo",
-        "--json",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--models-dir",
-        str(MODELS_DIR),
-        *SMALL,
-        *extra,
-    ]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, check=False)
-    seconds = time.monotonic() - start
+class _DemoRun:
+    """``hybridkv demo --json`` in a fresh interpreter, started at once; ``result()`` waits for it."""
+
+    def __init__(self, workdir: Path, extra: tuple[str, ...]) -> None:
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the command must set it itself
+        cmd = [
+            sys.executable,
+            "-m",
+            "hybridkv.cli",
+            "demo",
+            "--json",
+            "--workdir",
+            str(workdir / "work"),
+            "--models-dir",
+            str(MODELS_DIR),
+            *SMALL,
+            *extra,
+        ]
+        self.workdir = workdir
+        self.started = time.monotonic()
+        self._stdout = (workdir / "stdout.json").open("w+")
+        self._stderr = (workdir / "stderr.txt").open("w+")
+        self.proc = subprocess.Popen(cmd, stdout=self._stdout, stderr=self._stderr, text=True, env=env)
+
+    def result(self) -> tuple[int, dict[str, Any], str, float]:
+        """(exit code, summary, stderr, seconds)."""
+        try:
+            returncode = self.proc.wait(400)
+        finally:
+            self.kill()
+        seconds = time.monotonic() - self.started
+        stdout = (self.workdir / "stdout.json").read_text()
+        stderr = (self.workdir / "stderr.txt").read_text()
+        try:
+            summary = json.loads(stdout)
+        except ValueError:
+            pytest.fail(f"stdout is not JSON (rc {returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        return returncode, summary, stderr, seconds
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._stdout.close()
+        self._stderr.close()
+
+
+#: The slow tests' demo runs (test name -> extra arguments). The runs of the selected tests start together
+#: when the first of them asks, and run side by side (each is mostly one interpreter's start-up and waits).
+DEMO_RUNS: dict[str, tuple[str, ...]] = {
+    "test_demo_default_family_passes_every_phase": (),
+    "test_demo_reports_failure_when_the_chaos_store_injects_nothing": (
+        "--store",
+        "memory://demo-test",
+        "--chaos",
+        "seed=1",
+        "--chaos-rounds",
+        "1",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, _DemoRun]]:
+    selected = {item.name for item in request.session.items if item.name in DEMO_RUNS}
+    runs = {name: _DemoRun(tmp_path_factory.mktemp("demo"), DEMO_RUNS[name]) for name in sorted(selected)}
     try:
-        summary = json.loads(proc.stdout)
-    except ValueError:
-        pytest.fail(
-            f"stdout is not JSON (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return proc.returncode, summary, proc.stderr, seconds
+        yield runs
+    finally:
+        for run in runs.values():
+            run.kill()
 
 
 def _phases(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -69,8 +117,9 @@ def _phases(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_demo_default_family_passes_every_phase(tmp_path: Path) -> None:
-    rc, summary, stderr, seconds = _run_demo(tmp_path)
+def test_demo_default_family_passes_every_phase(demo_runs: dict[str, _DemoRun]) -> None:
+    run = demo_runs["test_demo_default_family_passes_every_phase"]
+    rc, summary, stderr, seconds = run.result()
     assert rc == 0, (summary.get("error"), stderr[-4000:])
     assert summary["ok"] and summary["audit_ok"] and summary["error"] is None
     assert summary["model_family"] == "qwen3_next"
@@ -105,19 +154,19 @@ def test_demo_default_family_passes_every_phase(tmp_path: Path) -> None:
     assert audit["num_truncations"] == sum(r["truncations"] for r in chaos)
     assert audit["num_lifecycles"] > 0 and audit["num_terminated"] == audit["num_lifecycles"]
     assert Path(summary["audit_log"]).is_file()
-    assert (tmp_path / "work" / "demo-report.json").is_file()
+    assert (run.workdir / "work" / "demo-report.json").is_file()
     assert "engine ready in" in stderr  # progress on stderr, JSON alone on stdout
     # Wall time is not asserted (the 2 cores are shared); ~25 s alone, ~40 s of CPU.
     print(f"demo run: {seconds:.0f}s wall, timings {summary['timings']}")
 
 
 @pytest.mark.slow
-def test_demo_reports_failure_when_the_chaos_store_injects_nothing(tmp_path: Path) -> None:
+def test_demo_reports_failure_when_the_chaos_store_injects_nothing(demo_runs: dict[str, _DemoRun]) -> None:
     # A fault-free "chaos" store cannot show truncations: the demo must say so and exit 1, while the
     # other phases (here on the in-process memory store) still pass.
-    rc, summary, stderr, _ = _run_demo(
-        tmp_path, "--store", "memory://demo-test", "--chaos", "seed=1", "--chaos-rounds", "1"
-    )
+    rc, summary, stderr, _ = demo_runs[
+        "test_demo_reports_failure_when_the_chaos_store_injects_nothing"
+    ].result()
     assert rc == 1, stderr[-3000:]
     assert not summary["ok"]
     phases = _phases(summary)
