@@ -41,6 +41,7 @@ _COMMAND_MODULES = (
     "hybridkv.cli.agentic_serve_cmds",
     "hybridkv.cli.divergent_cmds",
     "hybridkv.cli.soak_cmds",
+    "hybridkv.cli.scale_cmds",
 )
 
 

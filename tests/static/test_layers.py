@@ -77,6 +77,7 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
         "hybridkv.bench.report",
     },
     ("hybridkv.cli.datapath_cmds", "handle_bench"): {"hybridkv.bench.datapath"},
+    ("hybridkv.cli.scale_cmds", "handle_scale"): {"hybridkv.bench.scale", "hybridkv.bench.report"},
     ("hybridkv.cli.demo_cmds", "handler"): {"hybridkv.demo", "hybridkv.bench.report"},
     ("hybridkv.cli.lifecycle_cmds", "_bench"): {"hybridkv.bench.lifecycle", "hybridkv.bench.report"},
     ("hybridkv.cli.mooncake_cmds", "handle_bench"): {"hybridkv.bench.crosshost", "hybridkv.bench.report"},
