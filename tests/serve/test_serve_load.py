@@ -94,20 +94,23 @@ class SoakSampler:
 
 def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Path) -> None:
     # The reference: no connector, a local cache that keeps every prefix (every resent turn a local hit).
+    # The server under test starts meanwhile (it stays idle until the reference load is over).
     reference_server = make_server(
         tmp_path, None, None, max_num_seqs=1, kv_cache_bytes=64 << 20, name="reference"
     )
-    try:
-        reference_server.wait_healthy()
-        reference = run_load(reference_server.base_url, WORKLOAD)
-    finally:
-        reference_server.stop()
-    assert_no_errors(reference, "reference")
-    assert reference.totals["local_hit_tokens"] > 0 and reference.totals["preemptions"] == 0, reference.totals
-
     audit = tmp_path / "audit.jsonl"
     server = make_server(tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3)
     try:
+        try:
+            reference_server.wait_healthy()
+            reference = run_load(reference_server.base_url, WORKLOAD)
+        finally:
+            reference_server.stop()
+        assert_no_errors(reference, "reference")
+        assert reference.totals["local_hit_tokens"] > 0 and reference.totals["preemptions"] == 0, (
+            reference.totals
+        )
+
         server.wait_healthy()
         first = run_load(server.base_url, WORKLOAD)
         assert_no_errors(first, "concurrency 1")
