@@ -72,9 +72,9 @@ def run_lifecycle_bench(
 
             def full_lifecycle(machine: LifecycleMachine = machine) -> None:
                 lifecycle = machine.new_request("bench")
-                candidates = lifecycle.start_lookup(block_hashes, prompt_tokens + 1, 0)
-                assert candidates is not None
-                result = lifecycle.finish_lookup([True] * len(candidates.keys))
+                search = lifecycle.start_search(block_hashes, prompt_tokens + 1, 0)
+                assert search is not None
+                result = lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
                 lifecycle.start_load()
                 assert result.plan is not None
                 lifecycle.finish_load({entry: LoadOutcome.OK for entry, _ in result.plan.entries})
@@ -105,7 +105,7 @@ def run_lifecycle_bench(
         "repeats": repeats,
         "prompt_tokens": prompt_tokens,
         "geometry": scheme.geometry.describe(),
-        "lifecycle": "new_request, start_lookup (keys), finish_lookup (all exist), start_load, "
+        "lifecycle": "new_request, start_search and its rounds (all exist), finish_search, start_load, "
         "finish_load (all OK), evict",
         "rows": rows,
     }

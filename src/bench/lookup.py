@@ -6,8 +6,8 @@ For a KV geometry like ``hybridkv bench ttft``'s models (block 128; ``llama``: o
 candidate key present in the store (a full hit: the most keys a lookup checks and resolves), it times:
 
 - ``bare``: ``store.exists(keys)`` for the lookup's candidate keys (one batched call),
-- ``lifecycle``: the lifecycle alone -- ``new_request`` + ``start_lookup`` (candidate keys from the block
-  hashes) + ``finish_lookup`` (agreed boundary and load plan) on precomputed existence answers,
+- ``lifecycle``: the lifecycle alone -- ``new_request`` + ``start_search`` and its rounds (answered from the
+  keys known present) + ``finish_search`` (agreed boundary and load plan), no store call,
 - ``connector``: the whole lookup of the real connector (what vLLM's ``get_num_new_matched_tokens``
   runs, asked again until answered): tracking, lifecycle, the probing search's batched ``exists`` rounds
   on the lookup thread, the answer.
@@ -33,6 +33,7 @@ from typing import Any
 from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.lifecycle.lookup import plan_lookup
 
 __all__ = ["DEFAULT_GEOMETRIES", "DEFAULT_PROMPT_TOKENS", "TABLE_COLUMNS", "plot_report", "run_lookup_bench"]
 
@@ -161,12 +162,7 @@ def measure_lookup(
         for n in prompt_tokens:
             request = _request(f"bench-{n}-{uuid.uuid4().hex[:6]}", n, hash_unit)
             hashes = list(request.block_hashes)
-            probe = side.machine.new_request("probe")
-            candidates = probe.start_lookup(hashes, request.num_tokens, 0)
-            assert candidates is not None
-            keys = list(candidates.keys)
-            probe.finish_lookup([False] * len(keys))
-            probe.evict("bench")
+            keys = list(plan_lookup(side.scheme, hashes, request.num_tokens, 0).keys)  # every candidate
             # Every candidate present: a full hit (the connector resolves and plans the most blocks).
             statuses = side.store.put(keys, [b"hybridkv-bench-lookup"] * len(keys))
             assert all(s.is_ok for s in statuses), f"{store_url}: bench put failed: {set(statuses)}"
@@ -182,13 +178,13 @@ def measure_lookup(
             def lifecycle(
                 hashes: list[bytes] = hashes,
                 num: int = request.num_tokens,
-                exists: list[bool] = exists,
+                present: frozenset[str] = frozenset(keys),
                 made: list[Any] = made,
             ) -> None:
                 lc = side.machine.new_request("bench-lc")
-                cands = lc.start_lookup(hashes, num, 0)
-                assert cands is not None
-                lc.finish_lookup(exists)
+                search = lc.start_search(hashes, num, 0)
+                assert search is not None
+                lc.finish_search(search.run(lambda asked: [key in present for key in asked]))
                 made.append(lc)
 
             def evict(made: list[Any] = made) -> None:
@@ -272,8 +268,8 @@ def run_lookup_bench(
         },
         "measures": {
             "bare": "store.exists(candidate keys), one batched call",
-            "lifecycle": "new_request + start_lookup (candidate keys) + finish_lookup (boundary, load plan), "
-            "no store call",
+            "lifecycle": "new_request + start_search and its rounds (answered from the keys known present) + "
+            "finish_search (boundary, load plan), no store call",
             "connector": "SchedulerSide.lookup (tracking + lifecycle + exists on the lookup thread within the "
             "budget); a fresh request incarnation per sample",
         },

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridkv.lifecycle.keys import EntryId, KeyScheme, PlannedBlock
 from hybridkv.lifecycle.load import LoadOutcome, LoadResolution
-from hybridkv.lifecycle.lookup import LookupCandidates, LookupResult, LookupSearch, plan_lookup
+from hybridkv.lifecycle.lookup import LookupResult, LookupSearch
 from hybridkv.lifecycle.save import SavePlan
 from hybridkv.lifecycle.table import (
     DETAIL_FIELD_SETS,
@@ -228,9 +228,10 @@ class RequestLifecycle(_Model):
     - ``get_num_new_matched_tokens``: ``start_search`` (a few batched ``store.exists`` rounds, run off
       the scheduler thread while the state is ``LOOKUP``; asked again with other inputs meanwhile:
       ``lookup_reasked``), then ``finish_search`` (or ``lookup_unavailable`` when the store is down or
-      too slow). ``start_lookup`` / ``finish_lookup`` are the full scan (every candidate key in one
-      call): the reference the search is tested against. ``may_hit`` is False once this incarnation
-      is ``REFUSED``: every later ask answers 0 without the store.
+      too slow): the one lookup API. The full scan (every candidate key in one call,
+      ``hybridkv.lifecycle.lookup.plan_lookup``) is the oracle the search is tested against, outside this
+      class. ``may_hit`` is False once this incarnation is ``REFUSED``: every later ask answers 0 without
+      the store.
     - ``update_state_after_alloc``: ``start_load`` when vLLM took the external tokens, else ``decline``;
       ``refuse`` when the connector cannot load what vLLM allocated (final for the incarnation).
     - a namespace reset: ``revoke`` (a ``PARTIAL_HIT`` answered before it never loads after it).
@@ -239,7 +240,6 @@ class RequestLifecycle(_Model):
     """
 
     __slots__ = (
-        "candidates",
         "epoch",
         "fingerprint",
         "lookup",
@@ -257,7 +257,6 @@ class RequestLifecycle(_Model):
         #: ``session_end``); None: the request names no session
         self.session = session
         self.lookup: LookupResult | None = None
-        self.candidates: LookupCandidates | None = None
         self.resolution: LoadResolution | None = None
         self.num_retries = 0
         #: After a truncation: the retry cap, the most a later lookup of this incarnation may return.
@@ -314,23 +313,6 @@ class RequestLifecycle(_Model):
         self.fingerprint = self._machine.scheme.fingerprint
         return True
 
-    def start_lookup(
-        self, block_hashes: Sequence[bytes], num_tokens: int, num_computed_tokens: int
-    ) -> LookupCandidates | None:
-        """Enter ``LOOKUP`` and list every key to check (the full scan: one ``exists`` of all of them),
-        or return None when this incarnation may not hit any more (retries exhausted: the state is
-        ``MISS`` and the answer is 0 tokens)."""
-        if not self._begin_lookup(num_tokens, num_computed_tokens):
-            return None
-        self.candidates = plan_lookup(
-            self._machine.scheme,
-            block_hashes,
-            num_tokens,
-            num_computed_tokens,
-            max_boundary=self.max_boundary,
-        )
-        return self.candidates
-
     def start_search(
         self,
         block_hashes: Sequence[bytes],
@@ -340,13 +322,13 @@ class RequestLifecycle(_Model):
         known: dict[str, bool] | None = None,
         block_hex: list[str] | None = None,
     ) -> LookupSearch | None:
-        """Enter ``LOOKUP`` and start a probing search (``LookupSearch``: a few batched rounds instead
-        of the full scan's one call with every key), capped like ``start_lookup``; None when retries
-        are exhausted. ``known``: existence facts of earlier searches of this request to build on.
-        Finish with ``finish_search(search.result)``."""
+        """Enter ``LOOKUP`` and start the probing search (``LookupSearch``: a few batched rounds instead
+        of one call with every candidate key, ``hybridkv.lifecycle.lookup.plan_lookup``, which stays the
+        tests' oracle), capped at the retry cap; None when this incarnation may not hit any more
+        (``REFUSED``: retries exhausted, or refused). ``known``: existence facts of earlier searches of
+        this request to build on. Finish with ``finish_search(search.result)``."""
         if not self._begin_lookup(num_tokens, num_computed_tokens):
             return None
-        self.candidates = None
         return LookupSearch(
             self._machine.scheme,
             tuple(block_hashes),
@@ -356,11 +338,6 @@ class RequestLifecycle(_Model):
             known={} if known is None else known,
             block_hex=block_hex,
         )
-
-    def finish_lookup(self, exists: Sequence[bool]) -> LookupResult:
-        """Resolve the full scan's existence results: ``PARTIAL_HIT`` with a plan, or ``MISS``."""
-        assert self.candidates is not None, f"request {self.request_id!r}: finish_lookup without start_lookup"
-        return self.finish_search(self.candidates.resolve(exists))
 
     def finish_search(self, result: LookupResult) -> LookupResult:
         """Record a lookup's answer (a search's ``result``): ``PARTIAL_HIT`` with a plan, or ``MISS``."""
@@ -412,7 +389,6 @@ class RequestLifecycle(_Model):
         audit record carries ``reason``."""
         self._machine.fire(self, "refuse", reason=reason)
         self.lookup = None
-        self.candidates = None
 
     def revoke(self, reason: str) -> None:
         """A ``PARTIAL_HIT`` whose answer went stale (a namespace reset since its lookup): ``MISS``; the
@@ -459,7 +435,6 @@ class RequestLifecycle(_Model):
     def evict(self, reason: str = "finished") -> None:
         """Terminal: finished, aborted or preempted. Pins and plans are released."""
         self._machine.fire(self, "evict", reason=reason)
-        self.candidates = None
         self.lookup = None
 
     @property

@@ -369,12 +369,8 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
         # The connector's probing search (a few batched rounds), or the full scan; the search must
         # answer exactly what the full scan answers over the same store, holes included.
         probing = data.draw(st.booleans(), label="probing search")
-        search = candidates = None
-        if probing:
-            search = req.lifecycle.start_search(req.hashes, req.num_tokens, local)
-        else:
-            candidates = req.lifecycle.start_lookup(req.hashes, req.num_tokens, local)
-        if search is None and candidates is None:
+        search = req.lifecycle.start_search(req.hashes, req.num_tokens, local)
+        if search is None:
             assert was_truncated or was_refused, "a lookup was refused without a reason"
             assert req.lifecycle.current is State.REFUSED and not req.lifecycle.may_hit
             return
@@ -390,7 +386,7 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             answered.update(zip(keys, found, strict=True))
             return found
 
-        if search is not None:
+        if probing:
             found = search.run(exists)
             full = plan_lookup(
                 self.scheme, req.hashes, req.num_tokens, local, max_boundary=search.max_boundary
@@ -402,9 +398,11 @@ class LifecycleFuzzMachine(RuleBasedStateMachine):
             )
             event(f"search: {search.num_round_trips} round trips")
             result = req.lifecycle.finish_search(found)
-        else:
-            assert candidates is not None
-            result = req.lifecycle.finish_lookup(exists(candidates.keys))
+        else:  # the full scan: one exists of every candidate key, resolved by the lifecycle's rules
+            candidates = plan_lookup(
+                self.scheme, req.hashes, req.num_tokens, local, max_boundary=search.max_boundary
+            )
+            result = req.lifecycle.finish_search(candidates.resolve(exists(candidates.keys)))
         if self.faulty is not None:
             gapped = any(not found and key in self.store for key, found in answered.items())
             event(f"lookup through fault patterns: {'gapped' if gapped else 'whole'} answer")

@@ -22,9 +22,9 @@ def _write_clean_log(path: Path) -> None:
         hashes = [bytes([i]) * 8 for i in range(8)]
         for request_id, fail in (("ok", False), ("bad", True)):
             lifecycle = machine.new_request(request_id)
-            candidates = lifecycle.start_lookup(hashes, 129, 0)
-            assert candidates is not None
-            result = lifecycle.finish_lookup([True] * len(candidates.keys))
+            search = lifecycle.start_search(hashes, 129, 0)
+            assert search is not None
+            result = lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
             assert result.plan is not None
             lifecycle.start_load()
             outcomes = {e: LoadOutcome.OK for e, _ in result.plan.entries}

@@ -46,9 +46,9 @@ def _real_run() -> list[bytes]:
         hashes = [bytes([i]) * 8 for i in range(8)]
         for request_id, fail in (("ok", False), ("bad", True), ("ok-2", False)):
             lifecycle = machine.new_request(request_id)
-            candidates = lifecycle.start_lookup(hashes, 129, 0)
-            assert candidates is not None
-            result = lifecycle.finish_lookup([True] * len(candidates.keys))
+            search = lifecycle.start_search(hashes, 129, 0)
+            assert search is not None
+            result = lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
             assert result.plan is not None
             lifecycle.start_load()
             outcomes = {entry: LoadOutcome.OK for entry, _ in result.plan.entries}

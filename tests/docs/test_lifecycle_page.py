@@ -36,8 +36,12 @@ def audit_scenario() -> list[dict[str, Any]]:
     stored: set[str] = set()
 
     def lookup(request: Any) -> Any:
-        candidates = request.start_lookup(hashes, 100, 0)
-        return None if candidates is None else request.finish_lookup([k in stored for k in candidates.keys])
+        search = request.start_search(hashes, 100, 0)
+        return (
+            None
+            if search is None
+            else request.finish_search(search.run(lambda keys: [k in stored for k in keys]))
+        )
 
     a = machine.new_request("req-a")
     lookup(a)

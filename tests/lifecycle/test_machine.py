@@ -38,9 +38,9 @@ def test_one_record_per_transition_with_required_fields() -> None:
     sink = MemoryAuditSink()
     machine = LifecycleMachine(_SCHEME, sink=sink)
     lifecycle = machine.new_request("r")
-    candidates = lifecycle.start_lookup([b"\x01" * 8] * 4, 70, 0)
-    assert candidates is not None
-    lifecycle.finish_lookup([True] * len(candidates.keys))
+    search = lifecycle.start_search([b"\x01" * 8] * 4, 70, 0)
+    assert search is not None
+    lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
     lifecycle.start_load()
     lifecycle.evict("aborted")
     assert [(r["src"], r["dst"]) for r in sink.records] == [

@@ -57,10 +57,10 @@ class _World:
         return [self.scheme.key(group, r.tp_rank, block_hash) for r in self.scheme.geometry.topology.ranks]
 
     def lookup(self, lc: RequestLifecycle) -> int:
-        candidates = lc.start_lookup(self.hashes, NUM_TOKENS, 0)
-        if candidates is None:
+        search = lc.start_search(self.hashes, NUM_TOKENS, 0)
+        if search is None:
             return 0
-        return lc.finish_lookup([k in self.store for k in candidates.keys]).boundary
+        return lc.finish_search(search.run(lambda keys: [k in self.store for k in keys])).boundary
 
     def load(self, lc: RequestLifecycle, fail: Callable[[EntryId], bool] = lambda _e: False):  # type: ignore[no-untyped-def]
         assert lc.lookup is not None and lc.lookup.plan is not None
@@ -181,8 +181,8 @@ def test_the_retry_fails_too_then_miss_without_a_loop() -> None:
     second = world.load(lc, lambda e: e.group_index == MAMBA)
     assert second.retry_cap == 128 and lc.max_boundary == 128 and lc.current is State.TRUNCATED
     # Retries exhausted: REFUSED without asking the store, and every later lookup too.
-    assert lc.start_lookup(world.hashes, NUM_TOKENS, 0) is None and lc.current is State.REFUSED
-    assert lc.start_lookup(world.hashes, NUM_TOKENS, 0) is None
+    assert lc.start_search(world.hashes, NUM_TOKENS, 0) is None and lc.current is State.REFUSED
+    assert lc.start_search(world.hashes, NUM_TOKENS, 0) is None
     assert world.trail("r")[-3:] == [
         ("PARTIAL_HIT", "LOADING"),
         ("LOADING", "TRUNCATED"),

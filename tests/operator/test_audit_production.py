@@ -29,9 +29,9 @@ def _drive(sink: JsonLinesAuditSink, num_requests: int, *, between: float = 0.0)
     machine = LifecycleMachine(_SCHEME, sink=sink)
     for index in range(num_requests):
         lifecycle = machine.new_request(f"req-{index}")
-        candidates = lifecycle.start_lookup(_HASHES, 129, 0)
-        assert candidates is not None
-        result = lifecycle.finish_lookup([True] * len(candidates.keys))
+        search = lifecycle.start_search(_HASHES, 129, 0)
+        assert search is not None
+        result = lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
         assert result.plan is not None
         lifecycle.start_load()
         if between:
@@ -96,7 +96,7 @@ def test_size_rotation_keeps_one_history(tmp_path: Path) -> None:
     log = tmp_path / "audit.jsonl"
     with JsonLinesAuditSink(log, max_bytes=4096, backup_count=50) as sink:
         long_lived = LifecycleMachine(_SCHEME, sink=sink).new_request("spans-rotations")
-        long_lived.start_lookup(_HASHES, 129, 0)
+        long_lived.start_search(_HASHES, 129, 0)
         _drive(sink, 30)
         long_lived.evict()
     stats = sink.stats()
@@ -126,7 +126,7 @@ def test_logrotate_create_mode_and_compressed_siblings(tmp_path: Path) -> None:
     sink = JsonLinesAuditSink(log)
     machine = LifecycleMachine(_SCHEME, sink=sink)
     lifecycle = machine.new_request("spans-rotations")
-    lifecycle.start_lookup(_HASHES, 129, 0)
+    lifecycle.start_search(_HASHES, 129, 0)
     _drive(sink, 2)
     assert sink.flush(timeout_s=10)
     os.replace(log, tmp_path / "audit.jsonl.1")  # logrotate, first rotation

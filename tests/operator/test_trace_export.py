@@ -28,9 +28,9 @@ def _write_log(path: Path) -> None:
         machine = LifecycleMachine(_SCHEME, sink=sink)
         for request_id in (_OK, _SIBLING, _BAD):
             lifecycle = machine.new_request(request_id)
-            candidates = lifecycle.start_lookup(_HASHES, 129, 0)
-            assert candidates is not None
-            result = lifecycle.finish_lookup([True] * len(candidates.keys))
+            search = lifecycle.start_search(_HASHES, 129, 0)
+            assert search is not None
+            result = lifecycle.finish_search(search.run(lambda keys: [True] * len(keys)))
             assert result.plan is not None
             lifecycle.start_load()
             outcomes = {entry: LoadOutcome.OK for entry, _ in result.plan.entries}
@@ -39,9 +39,9 @@ def _write_log(path: Path) -> None:
             lifecycle.finish_load(outcomes)
             lifecycle.evict()
         miss = machine.new_request(_MISS)
-        candidates = miss.start_lookup(_HASHES, 129, 0)
-        assert candidates is not None
-        miss.finish_lookup([False] * len(candidates.keys))
+        search = miss.start_search(_HASHES, 129, 0)
+        assert search is not None
+        miss.finish_search(search.run(lambda keys: [False] * len(keys)))
         miss.evict()
         plan = plan_save(_SCHEME, _HASHES, {0: [16, 32], 1: [32]})
         for wave_index, stored in ((0, True), (1, False)):
