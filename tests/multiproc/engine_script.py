@@ -8,7 +8,9 @@ executor, one worker process per rank), ``resends`` (a count: after the first re
 store holds ``expect_keys`` block entries under ``keys_prefix`` of ``keys_store`` -- the first request's
 saves landed --, then that many times: reset vLLM's prefix cache (retried until it succeeds) and send the
 prompt again; each resend's tokens, cached tokens and metrics go to ``resends``). Multiprocessing follows
-``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it).
+``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it). ``wait_for`` (a path): the
+engine starts at once, its first request waits until that file exists (the caller starts the next engine
+while the previous one still runs).
 
 The result JSON is written after teardown and lists the threads still alive then; the process must then
 exit by itself (the caller enforces a timeout).
@@ -62,6 +64,13 @@ def _wait_for_keys(url: str, prefix: str, n: int, timeout_s: float = 60.0) -> No
         time.sleep(0.1)
 
 
+def _wait_for_file(path: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def _reset_prefix_cache(llm: Any, timeout_s: float = 30.0) -> bool:
     """vLLM's prefix cache reset, retried while blocks are still pinned (saves in flight)."""
     deadline = time.monotonic() + timeout_s
@@ -107,6 +116,8 @@ def main(spec_path: str) -> None:
         ),
     )
     res: dict[str, Any] = {"start_s": time.monotonic() - t0}
+    if spec.get("wait_for"):  # started ahead of time: the first request waits for the caller's signal
+        _wait_for_file(spec["wait_for"])
     sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 4), ignore_eos=True)
 
     def gen(llm: Any) -> tuple[list[int], int]:

@@ -11,7 +11,8 @@ Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with stat
 - in-process (``=0``): ``reset_prefix_cache()`` succeeds right after a request even while the request's
   saves are still being written (a store slowed by 200 ms per call); ``reset_prefix_cache(
   reset_connector=True)`` removes this namespace's entries only (another namespace's keys in the same
-  store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``.
+  store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``. The
+  second engine starts while the first runs; its first request waits until the first exited.
 - tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all;
   when one rank's reads fail, the whole request is recomputed with the same tokens. Qwen3-Next (hybrid)
   across three engine processes; Llama (full attention, 4 KV heads) in one engine process, its prefix
@@ -26,8 +27,9 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
@@ -46,50 +48,80 @@ def _model() -> str:
     return str(build_tiny_model("qwen3_next", MODELS_DIR))
 
 
-def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) -> dict[str, Any]:
-    """Run one engine process; assert it exits by itself, cleanly, without connector threads left."""
-    out = tmp_path / f"{name}.json"
-    spec_path = tmp_path / f"{name}.spec.json"
-    spec_path.write_text(json.dumps({"model": _model(), "prompt": PROMPT, "out": str(out), **spec}))
-    env = dict(os.environ)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-    )
-    log_path = tmp_path / f"{name}.log"
-    t0 = time.monotonic()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(spec_path)], env=env, stdout=log, stderr=subprocess.STDOUT
+class EngineProcess:
+    """One engine process, started at once; ``finish()`` waits for it and checks its exit. One the test did
+    not finish (it failed first) is killed after the test (``kill_unfinished_engines``)."""
+
+    started: ClassVar[list[EngineProcess]] = []
+
+    def __init__(self, tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) -> None:
+        self.name = name
+        self.out = tmp_path / f"{name}.json"
+        spec_path = tmp_path / f"{name}.spec.json"
+        spec_path.write_text(json.dumps({"model": _model(), "prompt": PROMPT, "out": str(self.out), **spec}))
+        env = dict(os.environ)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
         )
+        self.log_path = tmp_path / f"{name}.log"
+        self.t0 = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(spec_path)], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        EngineProcess.started.append(self)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the process; assert it exits by itself, cleanly, without connector threads left."""
+        name, proc, log_path, t0 = self.name, self.proc, self.log_path, self.t0
         try:
             rc = proc.wait(EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
             raise AssertionError(f"{name}: engine process did not exit within {EXIT_TIMEOUT_S} s") from None
-    text = log_path.read_text(errors="replace")
-    assert rc == 0, f"{name}: exit status {rc}\n{text[-3000:]}"
-    res: dict[str, Any] = json.loads(out.read_text())
-    res["wall_s"] = time.monotonic() - t0
-    res["log"] = text
-    leftover = [t for t in res["threads"] if t.startswith("hybridkv")]
-    assert not leftover, f"{name}: connector threads alive after teardown: {leftover}"
-    # Both halves ran their shutdown (worker: queued saves written, threads joined; scheduler: store closed).
-    # vLLM's process manager gives the engine core 5 s to exit; the engine core first waits up to 5 s for its
-    # worker process, whose interpreter exit takes 4-5 s on this CPU build (also before the connector ran any
-    # thread). When vLLM force-kills the engine core for that, the scheduler half never gets to run: then
-    # the worker half must have shut down before the kill.
-    worker_done = text.find("role=worker")
-    assert "hybridkv connector shut down" in text and worker_done >= 0, (
-        f"{name}: worker half did not shut down"
-    )
-    if "role=scheduler" not in text:
-        killed = text.find("force killing remaining process EngineCore")
-        assert 0 <= worker_done < killed, f"{name}: scheduler half did not shut down and vLLM did not kill it"
-    return res
+        text = log_path.read_text(errors="replace")
+        assert rc == 0, f"{name}: exit status {rc}\n{text[-3000:]}"
+        res: dict[str, Any] = json.loads(self.out.read_text())
+        res["wall_s"] = time.monotonic() - t0
+        res["log"] = text
+        leftover = [t for t in res["threads"] if t.startswith("hybridkv")]
+        assert not leftover, f"{name}: connector threads alive after teardown: {leftover}"
+        # Both halves ran their shutdown (worker: queued saves written, threads joined; scheduler: store closed).
+        # vLLM's process manager gives the engine core 5 s to exit; the engine core first waits up to 5 s for its
+        # worker process, whose interpreter exit takes 4-5 s on this CPU build (also before the connector ran any
+        # thread). When vLLM force-kills the engine core for that, the scheduler half never gets to run: then
+        # the worker half must have shut down before the kill.
+        worker_done = text.find("role=worker")
+        assert "hybridkv connector shut down" in text and worker_done >= 0, (
+            f"{name}: worker half did not shut down"
+        )
+        if "role=scheduler" not in text:
+            killed = text.find("force killing remaining process EngineCore")
+            assert 0 <= worker_done < killed, (
+                f"{name}: scheduler half did not shut down and vLLM did not kill it"
+            )
+        return res
+
+
+@pytest.fixture(autouse=True)
+def kill_unfinished_engines() -> Iterator[None]:
+    yield
+    while EngineProcess.started:
+        EngineProcess.started.pop().kill()
+
+
+def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) -> dict[str, Any]:
+    """Run one engine process; assert it exits by itself, cleanly, without connector threads left."""
+    return EngineProcess(tmp_path, name, multiprocess=multiprocess, **spec).finish()
 
 
 def _keys(store: str, prefix: str) -> list[str]:
@@ -139,7 +171,7 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
     # 200 ms a busy host sometimes returned from generate() after they had finished; the reset then
     # proved nothing). Settling waits up to 10 s.
     slow = f"faulty+file://{root}?capacity=256MiB&delay_ms=600"
-    other = run_engine(
+    other_run = EngineProcess(
         tmp_path,
         "other",
         multiprocess=False,
@@ -149,6 +181,14 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
         max_tokens=1,
         lookup_budget_ms=5000,  # every store call is slow on purpose: a default budget would read it as dead
     )  # one output token: the request ends in the step that enqueued its saves
+    # "mine" starts meanwhile; its first request waits until "other" has exited.
+    other_exited = tmp_path / "other.exited"
+    mine_run = EngineProcess(
+        tmp_path, "mine", multiprocess=False, store=f"file://{root}?capacity=256MiB", namespace="mine",
+        reset_connector=True, teardown="del", wait_for=str(other_exited),
+    )  # fmt: skip
+    other = other_run.finish()
+    other_exited.write_text("")
     assert other["pending_before_reset"] is True, "the slow store should still be writing at reset time"
     assert other["reset_ok"] is True, "an idle engine's prefix cache reset failed (save pins kept)"
     assert other["hit_sources"] == {"disk": 256}
@@ -158,10 +198,7 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
     other_keys = _keys(f"file://{root}", "hkv1/other/")
     assert len(other_keys) == 3
 
-    mine = run_engine(
-        tmp_path, "mine", multiprocess=False, store=f"file://{root}?capacity=256MiB", namespace="mine",
-        reset_connector=True, teardown="del",
-    )  # fmt: skip
+    mine = mine_run.finish()
     assert mine["cached"] == 0 and mine["reset_ok"] is True and mine["reset_connector_ok"] is True
     # The reset removed this namespace's entries: the resend misses the store and recomputes...
     assert mine["cached_after_reset"] == 0 and mine["tokens_after_reset"] == mine["tokens"]
