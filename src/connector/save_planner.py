@@ -238,13 +238,10 @@ class SavePlanner:
                 self._pool.free_blocks(list(reversed(j.pinned)))
             j.wave.drop(reason)
 
-    def rebind_scheme(self, geo: ConnectorGeometry) -> None:
-        """Plan with ``geo``'s key scheme from now on (a weights tag rotated at a reset)."""
-        self.geo = geo
-
     @property
     def scheme(self) -> KeyScheme:
-        return self.geo.scheme
+        """The engine's key scheme now (the lifecycle machine's: a reset rotates its weights tag there)."""
+        return self.machine.scheme
 
     def _saveable_tokens(self, request: Request) -> int:
         """The prompt positions a save may key: prompt tokens the block hashes cover."""

@@ -116,7 +116,8 @@ class SchedulerSide:
         self.geo = dataclasses.replace(self.geo, scheme=start_scheme(self.geo.scheme, cfg.weights_version))
         self.store = open_connector_store(cfg)
         self.audit: AuditSink | None = JsonLinesAuditSink(cfg.audit_log) if cfg.audit_log else None
-        self.machine = LifecycleMachine(self.scheme, sink=self.audit)
+        # From here the machine holds the engine's key scheme (``scheme``); the geometry keeps the start one.
+        self.machine = LifecycleMachine(self.geo.scheme, sink=self.audit)
         self.stats = StatsBox()
         self._injected_faults = InjectedFaults(self.stats, self.store)
         self._reqs: dict[str, RequestState] = {}
@@ -156,7 +157,7 @@ class SchedulerSide:
         self.layerwise_breaker = LayerwiseBreaker(self.stats)
         self.reset_wait_s = RESET_WAIT_S
         # Off the scheduler thread: engine start never waits on the store.
-        self.upkeep.submit(lambda: self.geo.publish_manifest(self.store), lambda _fut: None)
+        self.upkeep.submit(lambda: self.geo.publish_manifest(self.store, self.scheme), lambda _fut: None)
         self.can_save, self.can_load, loads_off = connector_roles(vllm_config)
         if loads_off is not None:
             log.warning(ConnectorLogEvent.LOADS_DISABLED, reason=loads_off, saves=self.can_save)
@@ -172,8 +173,9 @@ class SchedulerSide:
 
     @property
     def scheme(self) -> KeyScheme:
-        """This engine's key scheme (its geometry's; a reset rotates its weights tag)."""
-        return self.geo.scheme
+        """This engine's key scheme now: the lifecycle machine's, its one holder (the geometry's at start; a
+        reset rotates its weights tag there, ``NamespaceGate.rotate_weights``)."""
+        return self.machine.scheme
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         self.prefix_cache.block_pool = pool
@@ -541,7 +543,7 @@ class SchedulerSide:
         self.saves.drop_unsent("namespace reset")
         self._rotate_weights_tag()
 
-        fut = self.upkeep.remove_namespace(self.store, prefix, lambda: self.geo.publish_manifest(self.store))
+        fut = self.upkeep.remove_namespace(self.store, prefix, lambda: self.geo.publish_manifest(self.store, self.scheme))
         if fut is None:
             return False
         try:
@@ -563,9 +565,8 @@ class SchedulerSide:
         previous = self.scheme.fingerprint
         weights = weights_after_reset(self.scheme.weights_tag, self.cfg.weights_version_file)
         scheme = self.scheme.with_weights_tag(weights.tag)
-        self.geo = dataclasses.replace(self.geo, scheme=scheme)
+        # The one write: every reader (lookups, saves, the worker metadata, the manifest) follows the machine.
         self.gate.rotate_weights(scheme, weights_source=weights.source, reason=weights.reason)
-        self.saves.rebind_scheme(self.geo)
         log.info(
             ConnectorLogEvent.WEIGHTS_TAG_ROTATED,
             weights_tag=scheme.weights_tag,

@@ -45,6 +45,8 @@ class GroupInfo:
 
 @dataclass(frozen=True)
 class ConnectorGeometry:
+    #: The key scheme resolved at engine start. A running scheduler's scheme is its lifecycle machine's
+    #: (``LifecycleMachine.scheme``, rotated there by a reset); a worker's comes with each step's metadata.
     scheme: KeyScheme
     groups: tuple[GroupInfo, ...]
     identity: ModelIdentity
@@ -88,27 +90,28 @@ class ConnectorGeometry:
             for x in self.groups
         ]
 
-    def publish_manifest(self, store: Store) -> None:
-        """Record what this fingerprint's entries are (model, weights, dtypes, groups) for ``hybridkv store ls``.
+    def publish_manifest(self, store: Store, scheme: KeyScheme) -> None:
+        """Record what the entries of ``scheme`` (this geometry's, with the weights tag the engine runs with
+        now) are -- model, weights, dtypes, groups -- for ``hybridkv store ls``.
 
         Insert-if-absent under ``<key_prefix>manifest``; never a lookup key. Never raises: a store that fails
         here fails its lookups too, and those decline on their own.
         """
         try:
             status = write_manifest(
-                store, self.scheme, manifest(self.scheme, self.identity, self._group_lines())
+                store, scheme, manifest(scheme, self.identity, self._group_lines())
             )
         except Exception as exc:  # noqa: BLE001 -- the manifest is for people; the engine must start anyway
             log.warning(
                 ConnectorLogEvent.MANIFEST_NOT_WRITTEN,
-                key_prefix=self.scheme.geometry_prefix,
+                key_prefix=scheme.geometry_prefix,
                 error=repr(exc),
             )
             return
         if status is not Status.OK:
             log.warning(
                 ConnectorLogEvent.MANIFEST_NOT_WRITTEN,
-                key_prefix=self.scheme.geometry_prefix,
+                key_prefix=scheme.geometry_prefix,
                 status=status.value,
             )
 
