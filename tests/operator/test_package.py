@@ -61,6 +61,13 @@ def test_build_makes_an_sdist_and_a_wheel(dist: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "hybridkv/connector/connector.py" in names and "hybridkv/py.typed" in names
     assert not any(n.startswith(("tests/", "src/")) for n in names), "the wheel ships the test or source tree"
+    src = Path(__file__).resolve().parents[2] / "src"
+    packages = {
+        f"hybridkv/{init.parent.relative_to(src)}/__init__.py".replace("/./", "/")
+        for init in src.rglob("__init__.py")
+    }
+    missing = sorted(name for name in packages if name not in names)
+    assert not missing, f"packages under src/ the wheel leaves out (pyproject.toml's packages): {missing}"
     metadata = (
         zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     )
