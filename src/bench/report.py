@@ -31,6 +31,11 @@ def target_row(target: str, value: float | None, op: str, limit: float) -> dict[
     return {"target": target, "value": value, "limit": f"{op} {limit:g}", "met": met}
 
 
+def spread_text(values: Sequence[float], spec: str = ".3g") -> str:
+    """The spread of a bench's repeats as ``min..max`` (each value formatted by ``spec``)."""
+    return f"{min(values):{spec}}..{max(values):{spec}}"
+
+
 def format_targets(targets: Sequence[Mapping[str, Any]]) -> str:
     """A bench's ``targets`` rows (:func:`target_row`) as the text block its command prints."""
     return "targets:\n" + format_table(targets, TARGET_COLUMNS)

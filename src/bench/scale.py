@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
+from hybridkv.bench.report import pyplot_or_none, save_figure, spread_text, target_row
 from hybridkv.store import open_store
 from hybridkv.store.base import Store, find_layer
 from hybridkv.store.file import FileBackend
@@ -289,10 +289,6 @@ def _rss_of(sized: _SizedStore) -> dict[str, float]:
     return result
 
 
-def _spread(values: Sequence[float]) -> str:
-    return f"{min(values):.3g}..{max(values):.3g}"
-
-
 def _row(sized: _SizedStore, samples: list[dict[str, float]], rss: dict[str, float]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "entries": sized.entries,
@@ -312,7 +308,7 @@ def _row(sized: _SizedStore, samples: list[dict[str, float]], rss: dict[str, flo
     for name in _TIMED:
         values = [sample[name] for sample in samples]
         row[name] = statistics.median(values)
-        row[f"{name}_spread"] = _spread(values)
+        row[f"{name}_spread"] = spread_text(values)
     row.update(rss)
     row["samples"] = samples
     return row

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.bench.report import spread_text
+
 __all__ = ["INFLIGHT_COLUMNS", "InflightSettings", "inflight_unavailable_reason", "run_inflight_bench"]
 
 #: the table columns of the ``may_load_async`` axis
@@ -237,10 +239,6 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def _spread(values: Sequence[float]) -> str:
-    return f"{min(values):g}..{max(values):g}"
-
-
 def _summarize(arm: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row: medians over rounds of each run's median, their spread, and totals over every run."""
     medians = [_median([h["first_token_steps"] for h in run["hits"]]) for run in runs]
@@ -256,7 +254,7 @@ def _summarize(arm: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "hits": sum(len(run["hits"]) for run in runs),
         "hits_loaded": sum(1 for run in runs for h in run["hits"] if h["loaded_tokens"] > 0),
         "first_token_steps_p50": _median(medians),
-        "first_token_steps_p50_spread": _spread(medians),
+        "first_token_steps_p50_spread": spread_text(medians, "g"),
         "first_token_steps_max": max(h["first_token_steps"] for run in runs for h in run["hits"]),
         "load_start_steps_p50": _median(starts) if starts else None,
         "loads_started_batch_full": sum(
@@ -302,7 +300,7 @@ def run_inflight_bench(
         },
         "num_rounds": num_rounds,
         "steps_saved_p50": _median(saved),
-        "steps_saved_spread": _spread(saved),
+        "steps_saved_spread": spread_text(saved, "g"),
         "rows": rows,
         "runs": runs,
     }

@@ -50,6 +50,7 @@ host->device writes land after whatever the compute stream had queued for those 
 
 from __future__ import annotations
 
+import abc
 import sys
 from collections.abc import Sequence
 
@@ -112,7 +113,7 @@ def _row_view(t: torch.Tensor) -> np.ndarray | None:
     return rows
 
 
-class BlockMover:
+class BlockMover(abc.ABC):
     """Moves whole blocks of one store group between its layer caches and store parts: the contract both
     paths keep (:class:`DirectMover`, ``hybridkv.connector.staged_mover.StagedMover``); :func:`block_mover`
     picks one.
@@ -180,6 +181,7 @@ class BlockMover:
             raise ValueError(f"{len(block_ids)} blocks > max_blocks {self.max_blocks} per batch")
 
     # ------------------------------------------------------------------ public
+    @abc.abstractmethod
     def gather(
         self,
         block_ids: Sequence[int],
@@ -200,8 +202,8 @@ class BlockMover:
         reading after it answered, so that it never reads pages vLLM has reused). The staged path's slab is
         private already.
         """
-        raise NotImplementedError(type(self).__name__)
 
+    @abc.abstractmethod
     def scatter_targets(
         self,
         block_ids: Sequence[int],
@@ -219,19 +221,18 @@ class BlockMover:
         slices; commit copies them to the device after ``after`` and waits for completion. None when no
         slab frees up within ``timeout`` seconds.
         """
-        raise NotImplementedError(type(self).__name__)
 
+    @abc.abstractmethod
     def snapshot(self, block_id: int) -> list[np.ndarray]:
         """Direct path: a private copy of ``block_id``'s parts (one per layer tensor), taken now.
 
         For a block the engine may still write while the store reads it (a partial tail that the next
         steps append to): the checksum and the stored bytes must come from one consistent copy.
         """
-        raise NotImplementedError(type(self).__name__)
 
+    @abc.abstractmethod
     def _write_back(self, sb: StagedBlocks, keep: list[bool]) -> None:
         """:meth:`StagedBlocks.commit` of a batch of this mover: write its kept destination blocks."""
-        raise NotImplementedError(type(self).__name__)
 
 
 class DirectMover(BlockMover):

@@ -173,7 +173,7 @@ class SavePlanner:
         """
         # Under lookahead hashes the last L - 1 computed tokens are re-prefilled by the next chunk: their
         # KV is not final yet (0 otherwise).
-        num_final_tokens = max(0, num_done_tokens - self.scheme.geometry.num_unfinal_tokens)
+        num_final_tokens = self.scheme.geometry.num_final_tokens(num_done_tokens)
         items = self._positional_saves(saves, num_final_tokens, block_state)
         if saves.deferred_tails:
             items += self._due_tails(
@@ -216,9 +216,7 @@ class SavePlanner:
         a job sent with the next step's metadata."""
         items = self._boundary_saves(saves, tails, loading_boundary)
         if items:
-            num_final_tokens = max(
-                0, saves.request.num_computed_tokens - self.scheme.geometry.num_unfinal_tokens
-            )
+            num_final_tokens = self.scheme.geometry.num_final_tokens(saves.request.num_computed_tokens)
             items += self._tail_saves(saves, items, block_ids, num_final_tokens)
             self._unsent.append(self._new_job(saves, items))
 

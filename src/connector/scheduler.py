@@ -465,12 +465,11 @@ class SchedulerSide:
         """The request left vLLM (finished, aborted): stop following it. Under lookahead hashes
         (vLLM 0.34), first the prompt KV that only its last hash update made savable is queued
         (``SavePlanner.finished_lookahead_save``; ``block_ids``: its block table, by vLLM group)."""
-        r = self._reqs.get(request.request_id)
-        if r is not None and block_ids is not None and self.can_save and not self.namespace_closed:
-            self.saves.finished_lookahead_save(r.saves, block_ids, self._final_tokens(request))
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return
+        if block_ids is not None and self.can_save and not self.namespace_closed:
+            self.saves.finished_lookahead_save(r.saves, block_ids, self._final_tokens(request))
         r.abandon_search()  # a finished or aborted request's lookup stops (a queued one never runs)
         self.lookups.forget(request.request_id)
         if r.lc.current is not State.EVICTED:
@@ -486,7 +485,7 @@ class SchedulerSide:
             getattr(request, "num_stale_output_tokens", 0)
         )
         computed = request.num_computed_tokens - max(0, in_flight)
-        return max(0, computed - self.scheme.geometry.num_unfinal_tokens)
+        return self.scheme.geometry.num_final_tokens(computed)
 
     def has_pending_push_work(self) -> bool:
         return self.saves.has_work()
@@ -543,7 +542,9 @@ class SchedulerSide:
         self.saves.drop_unsent("namespace reset")
         self._rotate_weights_tag()
 
-        fut = self.upkeep.remove_namespace(self.store, prefix, lambda: self.geo.publish_manifest(self.store, self.scheme))
+        fut = self.upkeep.remove_namespace(
+            self.store, prefix, lambda: self.geo.publish_manifest(self.store, self.scheme)
+        )
         if fut is None:
             return False
         try:

@@ -194,6 +194,11 @@ class Geometry:
         0 without lookahead hashes (the legacy regime keeps its behaviour)."""
         return max(0, self.hash_lookahead - 1)
 
+    def num_final_tokens(self, num_computed_tokens: int) -> int:
+        """Of ``num_computed_tokens`` (a request's computed range), those whose KV is final: all of them
+        without lookahead hashes, all but the last :attr:`num_unfinal_tokens` with them."""
+        return max(0, num_computed_tokens - self.num_unfinal_tokens)
+
     @cached_property
     def hit_alignment(self) -> int:
         """Every hit vLLM reports is a multiple of this many tokens."""

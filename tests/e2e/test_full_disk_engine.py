@@ -9,13 +9,10 @@ prefix from the store, and its tokens are identical to the cold run's.
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.tmpfs import run_on_private_tmpfs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -26,11 +23,6 @@ import json, subprocess, sys
 from pathlib import Path
 
 root, tests_dir, tmpfs_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-try:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes}", "tmpfs", root], check=True)
-except (OSError, subprocess.CalledProcessError) as error:
-    print(json.dumps({"mount_error": str(error)}))
-    sys.exit(0)
 sys.path.insert(0, tests_dir)
 from hybridkv.devkit.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, audit, connectors, engine, flush_saves, generate, prompt, reset_local_cache
@@ -67,32 +59,17 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None, reason="needs unshare")
 def test_an_engine_keeps_saving_and_hitting_after_its_file_system_filled(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     root.mkdir()
     tests_dir = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--",
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(root),
-            str(tests_dir),
-            str(_TMPFS_BYTES),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_on_private_tmpfs(
+        _CHILD,
+        [str(root), str(tests_dir), str(_TMPFS_BYTES)],
+        mount_at=root,
+        tmpfs_bytes=_TMPFS_BYTES,
         timeout=900,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "mount_error" in result:
-        pytest.skip(f"cannot mount a tmpfs here: {result['mount_error']}")
     assert result["save_bytes"] > 2 * _TMPFS_BYTES, f"the file system never filled: {result}"
     assert result["save_failed_keys"] == 0, f"saves failed after the file system filled: {result}"
     assert result["failed_waves"] == 0, result

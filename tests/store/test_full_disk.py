@@ -14,13 +14,9 @@ of ``capacity=1GiB`` on it, so the file system, not the configured capacity, run
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from support.tmpfs import run_on_private_tmpfs
 
 _TMPFS_BYTES = 8 << 20
 _VALUE_BYTES = 192 << 10  # below RECYCLE_MIN_SIZE: removed entries leave no spares to write into
@@ -32,11 +28,6 @@ import structlog
 from structlog.testing import capture_logs
 
 root, tmpfs_bytes, value_bytes, num_values = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-try:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes}", "tmpfs", root], check=True)
-except (OSError, subprocess.CalledProcessError) as error:
-    print(json.dumps({"mount_error": str(error)}))
-    sys.exit(0)
 from hybridkv.store import open_store
 
 url = f"file://{root}/store?capacity=1GiB"
@@ -114,35 +105,16 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None, reason="needs unshare")
 def test_a_full_file_system_below_capacity_evicts_keeps_saving_and_describe_tells(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     root.mkdir()
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--",
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(root),
-            str(_TMPFS_BYTES),
-            str(_VALUE_BYTES),
-            str(_NUM_VALUES),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_on_private_tmpfs(
+        _CHILD,
+        [str(root), str(_TMPFS_BYTES), str(_VALUE_BYTES), str(_NUM_VALUES)],
+        mount_at=root,
+        tmpfs_bytes=_TMPFS_BYTES,
         timeout=300,
-        check=False,
     )
-    if proc.returncode != 0 and "unshare" in proc.stderr and "Operation not permitted" in proc.stderr:
-        pytest.skip(f"cannot make a mount namespace here: {proc.stderr.strip()[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "mount_error" in result:
-        pytest.skip(f"cannot mount a tmpfs here: {result['mount_error']}")
 
     assert result["put"] == ["ok"] * _NUM_VALUES, "a put failed after the file system filled"
     assert result["newest_reads"] == [["ok", True]] * 8, "the newest entries do not read back exact"

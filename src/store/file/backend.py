@@ -45,13 +45,13 @@ from pathlib import Path
 import structlog
 from hybridkv.store.base import Evictions, Status, StoreLogEvent, StoreStats, find_layer
 from hybridkv.store.file.deadline import DeadlineGuard
-from hybridkv.store.file.frame_io import read_all
+from hybridkv.store.file.frame_io import read_all, status_of
 from hybridkv.store.file.layout import RECYCLE_MIN_SIZE, FileLayout
 from hybridkv.store.file.mounts import directory_fstype, may_hang
 from hybridkv.store.file.probe import ReadProbe
 from hybridkv.store.file.tenants import FileTenants
 from hybridkv.store.file.usage import FileSpace, bytes_of_shard, shard_usage
-from hybridkv.store.file.writer import FrameWriter, status_of
+from hybridkv.store.file.writer import FrameWriter
 from hybridkv.store.framed import FrameParts, SealHook, VerifyHook
 from hybridkv.store.quotas import TenantCounters
 

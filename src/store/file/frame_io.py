@@ -1,9 +1,16 @@
-"""Moving one frame between a file and the caller's buffers: vectored writes and reads, no copy of our own."""
+"""Moving one frame between a file and the caller's buffers (vectored writes and reads, no copy of our own),
+and what a failed file-system call answers (``status_of``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
+
+import structlog
+from hybridkv.store.base import Status, StoreLogEvent
+
+log = structlog.get_logger(__name__)
 
 #: The most buffers one ``pwritev``/``readv`` takes (Linux's ``IOV_MAX``).
 _IOV_MAX = 1024
@@ -40,3 +47,12 @@ def read_all(fd: int, parts: Sequence[memoryview]) -> int:
         total += num_read
         _advance(pending, num_read)
     return total
+
+
+def status_of(error: OSError, op: str, key: str, *, url: str) -> Status:
+    """The status a failed file-system call answers: ``NO_SPACE`` for a full file system or quota, else
+    ``TRANSFER_FAILED`` (logged with the error)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Status.NO_SPACE
+    log.warning(StoreLogEvent.FILE_IO_ERROR, url=url, op=op, key=key, error=str(error))
+    return Status.TRANSFER_FAILED

@@ -292,16 +292,9 @@ class FileLayout:
     def iter_keyed_paths(self, include_unreadable: bool = False) -> Iterator[tuple[Path, str | None]]:
         """Each published file with the key its frame header names. A file whose header is unreadable, or
         holds a frame of another key, is logged and skipped -- or, with ``include_unreadable``, listed with
-        ``None``."""
-        for path in self.iter_object_paths():
-            found, key = self.key_of(str(path))
-            if not found:
-                continue
-            if key is None:
-                log.warning(StoreLogEvent.FILE_UNREADABLE_HEADER, path=str(path))
-                if not include_unreadable:
-                    continue
-            yield path, key
+        ``None``. A shard at a time (``keyed_paths_in``)."""
+        for shard in self.object_shards():
+            yield from self.keyed_paths_in(shard, include_unreadable)
 
     def key_of(self, path: str) -> tuple[bool, str | None]:
         """(whether the published file ``path`` is there, the key its frame header names): the key is

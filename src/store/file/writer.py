@@ -12,30 +12,17 @@ and is written once more. It reads no value and lists nothing.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 from collections.abc import Sequence
 
-import structlog
 from hybridkv.key_grammar import namespace_of
-from hybridkv.store.base import Status, StoreLogEvent
-from hybridkv.store.file.frame_io import write_all
+from hybridkv.store.base import Status
+from hybridkv.store.file.frame_io import status_of, write_all
 from hybridkv.store.file.layout import FileLayout
 from hybridkv.store.file.tenants import FileTenants
 from hybridkv.store.file.usage import FileSpace
 from hybridkv.store.framed import FrameParts, SealHook
-
-log = structlog.get_logger(__name__)
-
-
-def status_of(error: OSError, op: str, key: str, *, url: str) -> Status:
-    """The status a failed file-system call answers: ``NO_SPACE`` for a full file system or quota, else
-    ``TRANSFER_FAILED`` (logged with the error)."""
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return Status.NO_SPACE
-    log.warning(StoreLogEvent.FILE_IO_ERROR, url=url, op=op, key=key, error=str(error))
-    return Status.TRANSFER_FAILED
 
 
 class FrameWriter:
