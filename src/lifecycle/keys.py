@@ -146,6 +146,32 @@ class KeyScheme:
         """The hash that keys an entry ending at ``boundary_tokens`` (a multiple of the hash unit)."""
         return block_hashes[boundary_hash_index(boundary_tokens, self.geometry.hash_unit)]
 
+    def boundary_key(
+        self, group_index: int, tp_rank: int, block_hex: Sequence[str], boundary_tokens: int
+    ) -> str:
+        """``key`` of the entry of ``group_index`` on ``tp_rank`` ending at ``boundary_tokens``, from the
+        request's block hashes already in hex (``block_hex[i] == block_hashes[i].hex()``: a lookup makes
+        them once and builds thousands of keys from them)."""
+        hash_hex = block_hex[boundary_hash_index(boundary_tokens, self.geometry.hash_unit)]
+        return self.group_rank_prefixes[group_index][tp_rank] + hash_hex
+
+    def boundary_rank_keys(
+        self, group_index: int, block_hex: Sequence[str], boundary_tokens: int
+    ) -> list[str]:
+        """``boundary_key`` on every rank, in rank order."""
+        hash_hex = block_hex[boundary_hash_index(boundary_tokens, self.geometry.hash_unit)]
+        return [prefix + hash_hex for prefix in self.group_rank_prefixes[group_index]]
+
+    def boundaries_keys(
+        self, group_index: int, tp_rank: int, block_hex: Sequence[str], boundaries: Sequence[int]
+    ) -> list[str]:
+        """``boundary_key`` of each of ``boundaries`` (candidate boundaries: positive multiples of the hash
+        unit), in one call: a lookup probes thousands of boundaries, and a call per key would double the
+        cost of its probe. The rule of ``boundary_hash_index``, applied to a whole slice."""
+        prefix = self.group_rank_prefixes[group_index][tp_rank]
+        hash_unit = self.geometry.hash_unit
+        return [prefix + block_hex[boundary // hash_unit - 1] for boundary in boundaries]
+
     def entries(self, blocks: Sequence[PlannedBlock]) -> tuple[tuple[EntryId, str], ...]:
         """Every (entry, key) of ``blocks`` on every rank, rank-major."""
         return tuple(
