@@ -3,11 +3,14 @@
 - ``kinds``: one rules object per cache kind (full attention, sliding window, Mamba) in ``KIND_RULES``.
 - ``geometry``: the groups, the TP/DCP topology, spans, hash unit, scheduler block and hit alignment.
 - ``keys``: store keys and fingerprints, the namespace rule, the entry types plans share.
-- ``lookup``: the agreed boundary (vLLM's fixed point) from one batch of keys, or a bounded search.
+- ``lookup``: the agreed boundary (vLLM's fixed point) from one batch of keys, or a bounded search (a
+  package: the fixed point, the full scan, the search, an answer as plain data).
 - ``load``: load plans, load outcomes, the verdict of a finished load and the retry cap.
 - ``save``: save plans and which blocks count as stored.
 - ``table``: the transition table (data): states, triggers, ``TRANSITIONS``, ``TRIGGERS``.
 - ``machine``: the shared ``transitions`` driver that runs the table, and the per-request models.
+- ``engine``: the engine's own lifecycle (namespace gate, reset epochs, weights tag) on the engine table.
+- ``errors``: what both machines raise when a trigger does not happen.
 - ``sink``: what the machine emits its one-record-per-transition audit trail to (``AuditSink``), and an
   in-memory sink. The file sink, the replay checker, the trace export and the diagrams are tools over the
   table and live in ``hybridkv.audit``.
