@@ -1,4 +1,4 @@
-"""Throughput of the connector's block data path (``hybridkv.connector.datapath``) vs a plain copy.
+"""Throughput of the connector's block data path (``hybridkv.connector.datapath.movers``) vs a plain copy.
 
 torch + numpy only, so it runs on a bare GPU host::
 
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from hybridkv.bench.report import format_targets, target_row, write_json
-from hybridkv.connector.datapath import (
+from hybridkv.connector.datapath.movers import (
     DEFAULT_STAGE_BYTES,
     BlockMover,
     PinnedPool,
@@ -51,7 +51,7 @@ from hybridkv.connector.datapath import (
     block_mover,
     flatten_layers,
 )
-from hybridkv.connector.staged_mover import StagedMover
+from hybridkv.connector.datapath.staged_mover import StagedMover
 from hybridkv.tables import format_cell
 from hybridkv.tables import format_table as _format_table
 

@@ -147,7 +147,7 @@ def measure_lookup(
 ) -> list[dict[str, Any]]:
     """One row per prompt length: bare exists, lifecycle alone and the connector's lookup on ``store_url``."""
     from hybridkv.connector.config import ConnectorConfig
-    from hybridkv.connector.scheduler import SchedulerSide
+    from hybridkv.connector.scheduler.side import SchedulerSide
     from hybridkv.lifecycle.table import State
 
     vc, kv_cfg = _configs(geometry, store_url, models_dir)

@@ -54,7 +54,7 @@ from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 from hybridkv.bench.store import bench_scratch_dir, measure_memcpy, measure_put_get
-from hybridkv.connector.load_probe import LoadProbe
+from hybridkv.connector.worker.load_probe import LoadProbe
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.mooncake import MooncakeMaster, running_master
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model, tiny_config_kwargs

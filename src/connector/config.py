@@ -52,7 +52,7 @@ Keys (all optional):
 ``lookup_process``  (bool, default false) run the lookups (their searches and the store's existence calls)
                     in a process of the connector's own instead of a thread of the engine's, so that they
                     never hold the interpreter lock vLLM's scheduler needs
-                    (``hybridkv.connector.lookup_process``). Needs a store other processes can open
+                    (``hybridkv.connector.scheduler.lookup_process``). Needs a store other processes can open
                     (``file://``, ``mooncake://``); ``memory://`` is refused.
 ==================  =====================================================================================
 

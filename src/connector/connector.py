@@ -17,7 +17,11 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata
 from hybridkv.connector.stats import HybridStoreStats, build_stats, with_gauges
-from hybridkv.connector.vllm_compat import in_process_kv_cache_access
+from hybridkv.connector.vllm_compat import (
+    in_process_kv_cache_access,
+    settle_before_prefix_cache_reset,
+    this_process_connector,
+)
 from hybridkv.lifecycle.geometry import Geometry
 from hybridkv.lifecycle.table import State
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,8 +36,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     import torch
-    from hybridkv.connector.scheduler import SchedulerSide
-    from hybridkv.connector.worker import WorkerSide
+    from hybridkv.connector.scheduler.side import SchedulerSide
+    from hybridkv.connector.worker.side import WorkerSide
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -107,11 +111,11 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from hybridkv.connector.scheduler import SchedulerSide
+            from hybridkv.connector.scheduler.side import SchedulerSide
 
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.config)
         else:
-            from hybridkv.connector.worker import WorkerSide
+            from hybridkv.connector.worker.side import WorkerSide
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.config)
         self._source = hit_source(self.config.store)
@@ -271,26 +275,11 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        """Keep vLLM's manager and wrap its ``reset_prefix_cache`` so in-flight saves settle first.
-
-        Why a wrap: vLLM's ``reset_prefix_cache()`` succeeds only when no block is referenced, and this
-        connector pins the source blocks of its in-flight saves until every worker reported them, which
-        normally happens inside a later engine step -- one an idle engine never takes, so the reset would
-        fail for as long as the engine stays idle. vLLM 0.32 offers no hook before that check (the
-        connector's ``reset_cache`` runs after it), so the wrapper settles the saves
-        (:meth:`settle_saves`) and then calls the original. It is the only vLLM method this connector
-        replaces, and only on the manager vLLM bound it to.
-        """
+        """Keep vLLM's manager; its ``reset_prefix_cache`` settles in-flight saves first
+        (:func:`~hybridkv.connector.vllm_compat.settle_before_prefix_cache_reset` says why)."""
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
-        reset = kv_cache_manager.reset_prefix_cache
-
-        def reset_prefix_cache() -> bool:
-            self.settle_saves()
-            done: bool = reset()
-            return done
-
-        kv_cache_manager.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+        settle_before_prefix_cache_reset(kv_cache_manager, self.settle_saves)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.scheduler_side.bind_block_pool(gpu_block_pool)
@@ -501,9 +490,5 @@ def check_layerwise_supported(kv_cache_config: KVCacheConfig, async_scheduling: 
 
 def _local_worker() -> WorkerSide | None:
     """The worker half of this process's worker-role connector, if this process runs one."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    group = get_kv_transfer_group()
+    group = this_process_connector()
     return group.worker_side_if_any() if isinstance(group, HybridStoreConnector) else None

@@ -3,7 +3,7 @@
 All counter values are counts since the previous collection; ``aggregate`` sums them (scheduler + every
 worker). The names are data: ``PROM_COUNTERS`` (counters), ``GAUGES`` (states and what the connector holds
 now), the per-store-group counter ``loaded_blocks.g<N>`` (``PER_GROUP_LOADED_BLOCKS``) and the per-tenant
-series ``<name>.<tenant>`` (``PER_TENANT_COUNTERS``, ``PER_TENANT_GAUGES``; ``hybridkv.connector.tenant_metrics``
+series ``<name>.<tenant>`` (``PER_TENANT_COUNTERS``, ``PER_TENANT_GAUGES``; ``hybridkv.connector.worker.tenant_metrics``
 says which tenants). ``add`` refuses any other name, so these tables are the whole vocabulary
 (``docs/metrics.md`` lists them).
 
@@ -210,7 +210,7 @@ PER_RANK_GAUGES = frozenset(
 )
 
 #: Per-tenant gauges, stats key ``<name>.<tenant>`` (``tenant_key``): name -> (Prometheus metric name, help).
-#: Workers' gauges: every rank sends them (``hybridkv.connector.tenant_metrics``), ``aggregate`` keeps the
+#: Workers' gauges: every rank sends them (``hybridkv.connector.worker.tenant_metrics``), ``aggregate`` keeps the
 #: largest.
 PER_TENANT_GAUGES: dict[str, tuple[str, str]] = {
     "tenant_usage_bytes": (

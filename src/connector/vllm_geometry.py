@@ -98,9 +98,7 @@ class ConnectorGeometry:
         here fails its lookups too, and those decline on their own.
         """
         try:
-            status = write_manifest(
-                store, scheme, manifest(scheme, self.identity, self._group_lines())
-            )
+            status = write_manifest(store, scheme, manifest(scheme, self.identity, self._group_lines()))
         except Exception as exc:  # noqa: BLE001 -- the manifest is for people; the engine must start anyway
             log.warning(
                 ConnectorLogEvent.MANIFEST_NOT_WRITTEN,

@@ -207,7 +207,7 @@ class Cluster:
     def __init__(self, vc: Any, kv_cache_config: Any) -> None:
         from hybridkv.connector.config import ConnectorConfig
         from hybridkv.connector.connector import HybridStoreConnector
-        from hybridkv.connector.worker import WorkerSide
+        from hybridkv.connector.worker.side import WorkerSide
         from hybridkv.lifecycle.sink import MemoryAuditSink
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler

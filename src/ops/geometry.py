@@ -133,9 +133,9 @@ def stdout_to_stderr() -> Iterator[None]:
 def _entry_bytes(group_index: int, vllm_group: Any) -> int:
     """Payload bytes of one entry on one rank: what the engine's worker connector moves per block of the
     group (its registered KV-cache views); from vLLM's unpadded page sizes if that is not reachable."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from hybridkv.connector.vllm_compat import this_process_connector
 
-    worker_side = getattr(get_kv_transfer_group(), "worker_side", None)
+    worker_side = getattr(this_process_connector(), "worker_side", None)
     if worker_side is not None and hasattr(worker_side, "block_nbytes"):
         return int(worker_side.block_nbytes(group_index))
     spec = vllm_group.kv_cache_spec

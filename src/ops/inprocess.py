@@ -121,11 +121,11 @@ def connector_halves(llm: Any) -> tuple[HybridStoreConnector, HybridStoreConnect
     """(scheduler-role, worker-role) ``HybridStoreConnector`` of an in-process engine; ``TypeError`` when the
     engine runs another connector."""
     from hybridkv.connector.connector import HybridStoreConnector
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from hybridkv.connector.vllm_compat import this_process_connector
 
     # InprocClient: the engine core lives in this process.
     scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    worker_connector = get_kv_transfer_group()
+    worker_connector = this_process_connector()
     if not isinstance(scheduler_connector, HybridStoreConnector):
         raise TypeError(
             f"the engine's scheduler connector is {type(scheduler_connector).__name__}, not HybridStoreConnector"

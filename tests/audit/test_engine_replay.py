@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hybridkv.audit.replay import ViolationKind, replay_records
 from hybridkv.cli import main
-from hybridkv.connector.namespace_gate import GateState, NamespaceGate
+from hybridkv.connector.scheduler.namespace_gate import GateState, NamespaceGate
 from hybridkv.lifecycle.geometry import Geometry, Topology
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import GroupSpec

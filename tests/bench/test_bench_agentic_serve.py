@@ -89,7 +89,7 @@ def test_request_bodies_carry_the_tenant_and_only_the_sessions_configuration_a_h
         assert ("kv_transfer_params" in body) is (configuration == SESSIONS_CONFIGURATION), configuration
     hint = request_body(turn, SESSIONS_CONFIGURATION, setup)["kv_transfer_params"]["hybridkv_session"]
     assert hint == {"id": turn.session_id, "ttl_s": setup.session_ttl_s, "end": turn.session_end}
-    from hybridkv.connector.sessions import parse_session_hint
+    from hybridkv.connector.scheduler.sessions import parse_session_hint
 
     parsed, reason = parse_session_hint({"hybridkv_session": hint})
     assert reason is None and parsed is not None and parsed.session_id == turn.session_id

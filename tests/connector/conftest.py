@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.connector.lookup_process import ProcessLookupService
+from hybridkv.connector.scheduler.lookup_process import ProcessLookupService
 from hybridkv.devkit.cluster import make_vllm_objs
 
 
 def lookup_children() -> list[int]:
-    """The lookup processes (``python -m hybridkv.connector.lookup_process``) this process started and
+    """The lookup processes (``python -m hybridkv.connector.scheduler.lookup_process``) this process started and
     that still run (not zombies). Linux only (``/proc``); elsewhere none are seen."""
     found: list[int] = []
     if not sys.platform.startswith("linux"):
@@ -33,7 +33,11 @@ def lookup_children() -> list[int]:
             continue
         # After the command name in parentheses: state, ppid.
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == me and state not in ("Z", "X") and b"hybridkv.connector.lookup_process" in cmdline:
+        if (
+            int(ppid) == me
+            and state not in ("Z", "X")
+            and b"hybridkv.connector.scheduler.lookup_process" in cmdline
+        ):
             found.append(int(entry))
     return found
 

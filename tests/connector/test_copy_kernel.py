@@ -1,4 +1,4 @@
-"""The copy kernel (``hybridkv.connector.copy_kernels``) moves exactly what the ``index_select`` path moves,
+"""The copy kernel (``hybridkv.connector.datapath.copy_kernels``) moves exactly what the ``index_select`` path moves,
 straight between pages and slab and as the DMA path's packing of staging chunks.
 
 The kernel runs here on CPU tensors under Triton's interpreter, in a child process: ``TRITON_INTERPRET`` must
@@ -22,7 +22,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     import torch
-    from hybridkv.connector.datapath import PinnedPool, StagingContext, block_mover
+    from hybridkv.connector.datapath.movers import PinnedPool, StagingContext, block_mover
 
     torch.manual_seed(0)
     num_blocks = 12
@@ -114,12 +114,12 @@ def test_copy_kernel_matches_dma_path_and_skips_dropped_blocks() -> None:
 def test_cuda_copy_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kernel`` without Triton stops the engine at start naming the key; ``auto`` packs its DMA chunks by
     ``index_select`` instead of the kernel; ``dma`` never asks for Triton."""
-    from hybridkv.connector.worker_context import kernel_directions, packs_by_kernel
+    from hybridkv.connector.worker.context import kernel_directions, packs_by_kernel
 
     assert kernel_directions("auto") == frozenset() and packs_by_kernel("auto")
     assert kernel_directions("kernel") == {"save", "load"} and packs_by_kernel("kernel")
     assert kernel_directions("dma") == frozenset() and not packs_by_kernel("dma")
-    monkeypatch.delitem(sys.modules, "hybridkv.connector.copy_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "hybridkv.connector.datapath.copy_kernels", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" now raises ImportError
     with pytest.raises(ValueError, match=r"\['cuda_copy'\]: 'kernel' needs Triton"):
         kernel_directions("kernel")
@@ -131,8 +131,8 @@ def test_a_kernel_that_fails_to_build_leaves_the_dma_path(monkeypatch: pytest.Mo
     """A Triton that cannot compile the kernel (or any other failure building it) must not stop the engine:
     the group takes the DMA path and says why."""
     import torch
-    from hybridkv.connector import copy_kernels
-    from hybridkv.connector.datapath import PinnedPool, StagingContext, block_mover
+    from hybridkv.connector.datapath import copy_kernels
+    from hybridkv.connector.datapath.movers import PinnedPool, StagingContext, block_mover
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("compile failed: no such PTX version")

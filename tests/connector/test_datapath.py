@@ -1,4 +1,4 @@
-"""``hybridkv.connector.datapath``: block bytes through a real ``file://`` store, both paths, pool limits.
+"""``hybridkv.connector.datapath.movers``: block bytes through a real ``file://`` store, both paths, pool limits.
 
 CPU tests run everywhere (the staged path is exercised on CPU tensors with unpinned slabs). The CUDA tests
 run only on a GPU host.
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hybridkv.connector.datapath import (
+from hybridkv.connector.datapath.movers import (
     BlockMover,
     HostBufferPool,
     PinnedPool,

@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from hybridkv.connector.datapath.staging import HostBufferPool
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
-from hybridkv.connector.ownership import LateOwnership, Quarantine
-from hybridkv.connector.staging import HostBufferPool
 from hybridkv.connector.stats import GAUGES, PER_RANK_GAUGES, HybridStoreStats, with_gauges
+from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
 from support.worker import make_worker
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybridkv.connector import lookup_answers
+from hybridkv.connector.scheduler import lookup_answers
 from hybridkv.devkit.cluster import Cluster, hybrid_config
 from hybridkv.lifecycle.kinds import GroupKind
 from support.scheduler import tokens

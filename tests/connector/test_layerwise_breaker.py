@@ -1,5 +1,5 @@
 """Layer-wise hits on a store that misses the deadline: one stalled step, then no more layer-wise hits until a
-cool-down has passed (``hybridkv.connector.layerwise.LayerwiseBreaker``).
+cool-down has passed (``hybridkv.connector.scheduler.layerwise_breaker.LayerwiseBreaker``).
 
 vLLM's real ``Scheduler`` (one attention group, ``load_mode: layerwise``) and a real worker half, stepped the
 way vLLM's executor does: ``schedule`` -> ``start_load_kv`` -> the attention layer's ``wait_for_layer_load`` ->
@@ -16,12 +16,16 @@ from typing import Any
 
 import pytest
 import torch
-from hybridkv.connector import layerwise
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.layerwise import LAYERWISE_COOL_DOWN_S, LAYERWISE_MAX_COOL_DOWN_S, LayerwiseBreaker
 from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMetadata, LoadResult
+from hybridkv.connector.scheduler.layerwise_breaker import (
+    LAYERWISE_COOL_DOWN_S,
+    LAYERWISE_MAX_COOL_DOWN_S,
+    LayerwiseBreaker,
+)
 from hybridkv.connector.stats import StatsBox
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker import layerwise
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.lifecycle import LoadOutcome

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from hybridkv.connector import layerwise
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob, SaveOutcome
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker import layerwise
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import LoadOutcome
 

@@ -177,7 +177,7 @@ def test_replicas_whose_weights_files_name_one_version_share_across_resets(
 
 @both_lookup_modes
 def test_a_finished_request_stops_its_lookup(objs: dict[str, Any]) -> None:
-    from hybridkv.connector.lookups import LookupTask
+    from hybridkv.connector.scheduler.lookup_service import LookupTask
 
     sched = make_scheduler(objs["vc"])
     side = sched.connector.scheduler_side

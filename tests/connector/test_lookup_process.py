@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.lookup_process import RESTART_BACKOFF_S, ProcessLookupService
-from hybridkv.connector.lookups import LookupService, LookupTask
+from hybridkv.connector.scheduler.lookup_process import RESTART_BACKOFF_S, ProcessLookupService
+from hybridkv.connector.scheduler.lookup_service import LookupService, LookupTask
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology
 from hybridkv.lifecycle.lookup import LookupResult, LookupSearch, portable_result, result_from_portable
 from hybridkv.lifecycle.save import plan_save
@@ -322,7 +322,7 @@ def test_a_silent_lookup_process_is_stalled_counted_killed_and_replaced(tmp_path
 #: A stand-in for an engine: starts the lookup process as the connector does, prints its pid, waits.
 _ENGINE = """
 import sys, time
-from hybridkv.connector.lookup_process import ProcessLookupService
+from hybridkv.connector.scheduler.lookup_process import ProcessLookupService
 from hybridkv.store.breaker import CircuitBreaker
 
 lookups = ProcessLookupService(

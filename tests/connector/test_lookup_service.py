@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from hybridkv.connector.lookups import LookupService, LookupTask
+from hybridkv.connector.scheduler.lookup_service import LookupService, LookupTask
 from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme, Topology
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.store import open_store

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.metadata import SaveJob
-from hybridkv.connector.save_planner import RequestSaves, SavePlanner
-from hybridkv.connector.sessions import RequestSession
+from hybridkv.connector.scheduler.save_planner import RequestSaves, SavePlanner
+from hybridkv.connector.scheduler.sessions import RequestSession
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.devkit.cluster import hybrid_config

@@ -1,4 +1,4 @@
-"""Session hints (``hybridkv.connector.sessions``): every value a client can send parses or is refused by
+"""Session hints (``hybridkv.connector.scheduler.sessions``): every value a client can send parses or is refused by
 name, never raises; and what sessions retain in a real store: an entry stays retained while any live session
 holds it, and a session's end releases only what it alone held."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from hybridkv.connector.sessions import (
+from hybridkv.connector.scheduler.sessions import (
     MAX_SESSION_TTL_S,
     SESSION_PARAM,
     SessionHint,

@@ -1,4 +1,4 @@
-"""``hybridkv.connector.staging.HostBufferPool``: the host path's pre-faulted private buffers.
+"""``hybridkv.connector.datapath.staging.HostBufferPool``: the host path's pre-faulted private buffers.
 
 A buffer given back by a batch whose store calls returned on time is reused; one a late call holds leaves the
 pool for good; the pooled bytes stay within the budget, and a request beyond it gets a one-off buffer.
@@ -10,7 +10,7 @@ import resource
 
 import numpy as np
 import pytest
-from hybridkv.connector.staging import HostBufferPool, host_buffer_capacity
+from hybridkv.connector.datapath.staging import HostBufferPool, host_buffer_capacity
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.store import open_store
 

@@ -1,4 +1,4 @@
-"""Per-tenant metrics (hybridkv.connector.tenant_metrics): a real worker's saves past a tenant's quota show
+"""Per-tenant metrics (hybridkv.connector.worker.tenant_metrics): a real worker's saves past a tenant's quota show
 in its stats and in the exported Prometheus series; the labels stay bounded; ranks' reports aggregate."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
 from hybridkv.connector.stats import HybridStoreStats, StatsBox, build_prom, is_stat_name, with_gauges
-from hybridkv.connector.tenant_metrics import TenantMetrics
 from hybridkv.connector.vllm_geometry import resolve_geometry
+from hybridkv.connector.worker.tenant_metrics import TenantMetrics
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters
 from support.worker import make_worker

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.datapath import PinnedPool, StagingContext
+from hybridkv.connector.datapath.movers import PinnedPool, StagingContext
 from hybridkv.connector.metadata import (
     BlockRef,
     HybridStoreMetadata,
@@ -31,9 +31,9 @@ from hybridkv.connector.metadata import (
     SaveOutcome,
     SaveResult,
 )
-from hybridkv.connector.ownership import MAX_QUARANTINED_BATCHES, may_answer_late
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker.ownership import MAX_QUARANTINED_BATCHES, may_answer_late
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
@@ -457,7 +457,7 @@ def test_a_split_read_writes_the_on_time_share_and_never_the_late_one(
     its block is written into its page as it returns; the helper's share answers late, so its page is
     never written (not even after the late call scribbled its buffer and returned) and its buffer leaves the
     pool. The job is reported failed at once."""
-    from hybridkv.connector import load_pipeline
+    from hybridkv.connector.worker import load_pipeline
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     name = f"late-{uuid.uuid4().hex[:8]}"
@@ -520,7 +520,7 @@ def test_split_read_keeps_a_late_share_when_the_other_raises(
     """A batch read in two shares: one raises, the other's call answered TIMEOUT and goes on. The job fails
     at once, but the late call never writes a page of the reported job, and (staged) its slab stays out
     of the pool until it returned."""
-    from hybridkv.connector import load_pipeline
+    from hybridkv.connector.worker import load_pipeline
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)
     staging = StagingContext("cpu", PinnedPool(1 << 20, 3 << 20, pin=False)) if staged else None

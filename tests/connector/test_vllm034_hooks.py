@@ -139,7 +139,7 @@ def test_a_hit_held_back_by_the_inflight_cap_keeps_its_hit(monkeypatch: pytest.M
     """Two hits behind a full batch, cap 1: the first loads and waits for a slot (holding the cap); vLLM
     asks the second every step and cannot admit its load. It must still load once the cap frees, however
     long the batch runs (here past the connector's unallocated-ask limit, lowered to 8)."""
-    from hybridkv.connector import lookup_answers
+    from hybridkv.connector.scheduler import lookup_answers
 
     monkeypatch.setattr(lookup_answers, "MAX_UNALLOCATED_ASKS", 8)
     vc, kvc = hybrid_config("full_mamba", dcp=1, tp=1)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from support.scheduler import make_scheduler
 

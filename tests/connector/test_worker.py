@@ -19,7 +19,7 @@ from hybridkv.connector.metadata import (
     SaveResult,
 )
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
@@ -180,8 +180,8 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
     and the job's phases are timed (worker and file store)."""
     import threading
 
-    from hybridkv.connector import load_pipeline
-    from hybridkv.connector.load_probe import LoadProbe
+    from hybridkv.connector.worker import load_pipeline
+    from hybridkv.connector.worker.load_probe import LoadProbe
     from hybridkv.store.file.probe import ReadProbe
 
     monkeypatch.setattr(load_pipeline, "SPLIT_READ_MIN_BYTES", 0)

@@ -457,7 +457,7 @@ def audit_records() -> list[tuple[str, dict[str, Any]]]:
 
 def test_request_bodies_carry_session_hints_the_connector_takes() -> None:
     """A request body's ``kv_transfer_params`` shown in the docs: its session hint parses, unrefused."""
-    from hybridkv.connector.sessions import parse_session_hint
+    from hybridkv.connector.scheduler.sessions import parse_session_hint
 
     bodies = [
         (block.where, json.loads(block.text))

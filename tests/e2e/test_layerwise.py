@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.audit.replay import audit_file
-from hybridkv.connector.layerwise import LayerwiseLoads
+from hybridkv.connector.worker.layerwise import LayerwiseLoads
 from hybridkv.devkit import vllm_harness
 from hybridkv.devkit.tiny_models import build_tiny_model
 from hybridkv.ops import inprocess

@@ -10,6 +10,8 @@ is ``__init__``).
   (``hybridkv.devkit``, ``hybridkv.bench``, ``hybridkv.demo``), except the few CLI command functions in
   ``CLI_TOOLING_COMMANDS``.
 - ``hybridkv.bench`` never imports ``hybridkv.cli``.
+- Inside the connector, the scheduler, worker and data-path wings never import each other (the worker drives
+  the data path; ``CONNECTOR_WINGS``).
 - Each unit imports only the units below it (``ALLOWED``): the key grammar (``hybridkv.key_grammar``) on the
   ground floor, lifecycle above it, store beside lifecycle (it never imports it),
   connector above both, the operator wing (ops) above it, the CLI and the tooling on top; and the unit graph
@@ -278,3 +280,42 @@ def test_the_store_imports_neither_the_lifecycle_nor_the_connector() -> None:
     """Backends move bytes: what they must know of a key comes from the ground floor."""
     graph = _unit_graph(with_whitelisted=True)
     assert not graph.get("store", set()) & {"lifecycle", "connector"}, f"store imports {graph['store']}"
+
+
+#: The connector's wings (``hybridkv.connector.<wing>``) and the wings each may import. The scheduler and
+#: the worker halves run in different processes and talk only through the step's metadata, so neither
+#: imports the other; the data path (bytes between pages and values) is driven by the worker and imports
+#: neither. The shared modules (``config``, ``metadata``, ``stats``, ...) import no wing; only the facade
+#: vLLM instantiates (``hybridkv.connector.connector``, which the package's ``__init__`` hands out) assembles
+#: the two halves.
+CONNECTOR_WINGS: dict[str, set[str]] = {
+    "scheduler": set(),
+    "worker": {"datapath"},
+    "datapath": set(),
+    "shared": set(),
+    "facade": {"scheduler", "worker"},
+}
+
+
+def _wing(module: str) -> str | None:
+    """``hybridkv.connector.worker.side`` -> ``worker``; a shared module -> ``shared``; the package and its
+    facade module -> ``facade``; outside the connector -> None."""
+    parts = module.split(".")
+    if parts[:2] != ["hybridkv", "connector"]:
+        return None
+    if len(parts) == 2 or parts[2] == "connector":
+        return "facade"
+    return parts[2] if parts[2] in CONNECTOR_WINGS else "shared"
+
+
+def test_the_connector_wings_never_import_each_other() -> None:
+    wings = {_wing(_module_name(path)) for path in (SRC / "connector").rglob("*.py")}
+    assert {"scheduler", "worker", "datapath", "shared", "facade"} <= wings, f"the scan sees wings {wings}"
+    bad = []
+    for found in ALL_IMPORTS:
+        source, target = _wing(found.module), _wing(found.target)
+        if source is None or target is None or target in (source, "shared"):
+            continue
+        if target not in CONNECTOR_WINGS[source]:
+            bad.append(f"{source} -> {target}: {found}")
+    assert not bad, "imports across the connector's wings:\n" + "\n".join(bad)

@@ -253,7 +253,7 @@ def layer_value(value: int, layer: int) -> int:
 def _registration_deferred() -> Iterator[None]:
     """``Cluster.__init__`` registers its own toy caches; with real specs every layer is registered with the
     caches vLLM allocates instead (:class:`RealCacheCluster`)."""
-    from hybridkv.connector.worker import WorkerSide
+    from hybridkv.connector.worker.side import WorkerSide
 
     with mock.patch.object(WorkerSide, "register_kv_caches", lambda self, caches, **kw: None):
         yield

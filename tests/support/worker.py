@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.vllm_geometry import resolve_geometry
-from hybridkv.connector.worker import WorkerSide
+from hybridkv.connector.worker.side import WorkerSide
 from hybridkv.devkit.cluster import kv_cache_config
 
 

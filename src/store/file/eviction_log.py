@@ -1,7 +1,7 @@
 """The file store's eviction log: the digests of the keys every process's eviction removed.
 
 Why a log: several processes share one directory, and an engine publishes ``BlockRemoved`` for the blocks it
-published whenever *any* process evicts them (``hybridkv.connector.store_events``). An eviction pass knows
+published whenever *any* process evicts them (``hybridkv.connector.scheduler.store_events``). An eviction pass knows
 what it removed; the others learn it only if it is recorded. The names under objects/ are the key digests,
 so the pass records the digest of each file it took (no header read), in one append.
 

@@ -1,6 +1,6 @@
 """``get_num_new_matched_tokens`` for one request: answers from the lifecycle, never waiting on the store.
 
-The search runs on the lookup thread (:class:`~hybridkv.connector.lookups.LookupService`); this module
+The search runs on the lookup thread (:class:`~hybridkv.connector.scheduler.lookup_service.LookupService`); this module
 turns vLLM's repeated asks into the lifecycle's transitions:
 
 - the first ask of a lookup starts its search (``lookup_started`` / ``lookup_restarted``; asked with other
@@ -21,9 +21,9 @@ import time
 import structlog
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.lookups import LookupRunner, LookupTask
-from hybridkv.connector.namespace_gate import NamespaceGate
-from hybridkv.connector.request_state import LookupInputs, RequestState
+from hybridkv.connector.scheduler.lookup_service import LookupRunner, LookupTask
+from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
+from hybridkv.connector.scheduler.request_state import LookupInputs, RequestState
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine

@@ -76,7 +76,7 @@ class LookupTask:
 
 class LookupRunner(Protocol):
     """What the scheduler half calls on its lookups: ``LookupService`` (a thread of this process) or
-    ``hybridkv.connector.lookup_process.ProcessLookupService`` (a process of its own)."""
+    ``hybridkv.connector.scheduler.lookup_process.ProcessLookupService`` (a process of its own)."""
 
     #: Whether the searches' facts live in this process (the scheduler may answer from them).
     local_facts: bool

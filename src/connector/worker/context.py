@@ -2,11 +2,11 @@
 
 ``register_kv_caches`` learns, per group, each layer's per-block page (attention pages, raw Mamba state
 pages, or a list of tensors per layer sharing one storage) and builds one
-:class:`~hybridkv.connector.datapath.BlockMover` per group. Host (CPU) caches are read and written in place;
-CUDA caches get a :class:`~hybridkv.connector.staging.StagingContext` of :data:`STAGING_SLABS` pinned slabs
+:class:`~hybridkv.connector.datapath.movers.BlockMover` per group. Host (CPU) caches are read and written in place;
+CUDA caches get a :class:`~hybridkv.connector.datapath.staging.StagingContext` of :data:`STAGING_SLABS` pinned slabs
 of about one PUT wave each (:func:`staging_for`). Host caches whose store may answer late move their bytes
-through private buffers (:mod:`hybridkv.connector.ownership`) from a
-:class:`~hybridkv.connector.staging.HostBufferPool` of the same budget: :data:`STAGING_SLABS` PUT waves.
+through private buffers (:mod:`hybridkv.connector.worker.ownership`) from a
+:class:`~hybridkv.connector.datapath.staging.HostBufferPool` of the same budget: :data:`STAGING_SLABS` PUT waves.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import numpy as np
 import structlog
 import torch
 from hybridkv.connector.config import CUDA_COPY_DIRECTIONS, CUDA_COPY_PACKS, ConnectorConfig
-from hybridkv.connector.datapath import BlockMover, Fence, HostBufferPool, PinnedPool, StagingContext
-from hybridkv.connector.layerwise import LayerTensors
+from hybridkv.connector.datapath.movers import BlockMover, Fence, HostBufferPool, PinnedPool, StagingContext
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, SaveJob, SaveOutcome, SaveResult
-from hybridkv.connector.ownership import may_answer_late
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
+from hybridkv.connector.worker.layerwise import LayerTensors
+from hybridkv.connector.worker.ownership import may_answer_late
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Store, Value
@@ -199,7 +199,7 @@ def packs_by_kernel(cuda_copy: str) -> bool:
 
 def _copy_kernel_importable(cuda_copy: str) -> bool:
     try:
-        import hybridkv.connector.copy_kernels  # noqa: F401 -- Triton present?
+        import hybridkv.connector.datapath.copy_kernels  # noqa: F401 -- Triton present?
     except ImportError as exc:
         log.warning(ConnectorLogEvent.COPY_KERNEL_UNAVAILABLE, cuda_copy=cuda_copy, error=str(exc))
         return False

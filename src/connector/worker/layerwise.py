@@ -28,7 +28,7 @@ nothing of it may reach the store.
 
 A store that misses the deadline stalls every request of the step (their forward waits in
 ``wait_for_layer_load``), and a slow store misses it again at the next hit. So the scheduler half keeps a
-:class:`LayerwiseBreaker`, fed by the loads' outcomes (an entry answered ``TIMEOUT``: the step was
+``LayerwiseBreaker`` (:mod:`hybridkv.connector.scheduler.layerwise_breaker`), fed by the loads' outcomes (an entry answered ``TIMEOUT``: the step was
 abandoned, or the store's own deadline passed): one missed deadline opens it, and while it is open hits are
 withheld (the request computes its prefix, ``layerwise_hits_withheld``); after a cool-down the next hits are
 offered again (half-open) and the next outcome closes it or opens it for twice as long. So a store that stays
@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
 import torch
-from hybridkv.connector.datapath import BlockMover, Fence
+from hybridkv.connector.datapath.movers import BlockMover, Fence
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult
 from hybridkv.connector.outcomes import load_outcome
@@ -59,19 +59,12 @@ from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status, Store, collect_late_calls
-from hybridkv.store.breaker import BreakerState
 
 log = structlog.get_logger(__name__)
 
 #: The longest the engine waits for one step's layer-wise loads (summed over its waits). Past it, the
 #: step's jobs are abandoned: reported as load errors (vLLM recomputes), and nothing more is written.
 LAYERWISE_WAIT_S = 5.0
-#: After a layer-wise load missed its deadline, no layer-wise hit is offered for this long; each further
-#: miss right after a cool-down doubles it, up to ``LAYERWISE_MAX_COOL_DOWN_S``; a verified load resets it.
-LAYERWISE_COOL_DOWN_S = 10.0
-LAYERWISE_MAX_COOL_DOWN_S = 320.0
-#: The audit reason of a hit withheld while the breaker is open (``hit_declined``).
-LAYERWISE_PAUSED = "layer-wise hits paused: a load missed its deadline"
 #: The most host buffer bytes kept per group between steps (reused: no allocation and page faults per load).
 _MAX_SPARE_BYTES = 256 << 20
 
@@ -113,62 +106,6 @@ class _Step:
     failed_block_ids: set[int] = field(default_factory=set)
     #: seconds the engine thread waited for this step's loads (``wait_for_layer`` and the step's end)
     wait_s: float = 0.0
-
-
-class LayerwiseBreaker:
-    """The scheduler half's breaker on layer-wise hits, fed by the layer-wise loads' outcomes (scheduler
-    thread only).
-
-    ``CLOSED``: hits are offered. One load with an entry answered ``TIMEOUT`` (the step missed
-    ``LAYERWISE_WAIT_S`` and was abandoned, or the store's own deadline passed) opens it: ``OPEN``, hits
-    are withheld for the cool-down. Then ``HALF_OPEN``: hits are offered again; a verified load closes it
-    (and resets the cool-down), another miss opens it for twice as long (up to
-    ``LAYERWISE_MAX_COOL_DOWN_S``). No probe slot is held, so none can leak: a half-open breaker whose hit
-    never loads (declined, aborted) stays half-open. Outcomes other than ``TIMEOUT`` and ``OK`` (a missing or
-    corrupt entry, a transport error) say nothing about the store's speed and change nothing.
-    """
-
-    def __init__(self, stats: StatsBox, clock: Callable[[], float] = time.monotonic) -> None:
-        self._stats = stats
-        #: monotonic seconds; tests pass their own
-        self.clock = clock
-        self._state = BreakerState.CLOSED
-        self._cool_down_s = LAYERWISE_COOL_DOWN_S
-        self._open_until = 0.0
-
-    @property
-    def state(self) -> BreakerState:
-        """``OPEN`` until the cool-down has passed, then ``HALF_OPEN`` until the next outcome."""
-        if self._state is BreakerState.OPEN and self.clock() >= self._open_until:
-            return BreakerState.HALF_OPEN
-        return self._state
-
-    def may_offer(self) -> bool:
-        """Whether a layer-wise hit may be offered now (closed or half-open)."""
-        return self.state is not BreakerState.OPEN
-
-    def on_load_results(self, loads: Iterable[Sequence[LoadResult]]) -> None:
-        """One step's load results (each job's entries, any ranks): a deadline missed opens the breaker,
-        else a verified load closes it."""
-        missed = loaded = False
-        for results in loads:
-            if any(r.outcome is LoadOutcome.TIMEOUT for r in results):
-                missed = True
-            elif results and all(r.outcome is LoadOutcome.OK for r in results):
-                loaded = True
-        if missed:
-            self._open()
-        elif loaded:
-            self._state, self._cool_down_s = BreakerState.CLOSED, LAYERWISE_COOL_DOWN_S
-
-    def _open(self) -> None:
-        state = self.state
-        if state is BreakerState.OPEN:
-            return  # results of hits offered before it opened: the cool-down stands
-        if state is BreakerState.HALF_OPEN:
-            self._cool_down_s = min(2.0 * self._cool_down_s, LAYERWISE_MAX_COOL_DOWN_S)
-        self._state, self._open_until = BreakerState.OPEN, self.clock() + self._cool_down_s
-        self._stats.add("layerwise_breaker_opens")  # the workers logged the miss (``LAYERWISE_OVER_BUDGET``)
 
 
 class LayerwiseLoads:

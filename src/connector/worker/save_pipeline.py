@@ -15,8 +15,8 @@ Contracts:
   job is dropped and counted (``put_wave_drops``): a slow or full store never stalls the engine.
   ``NO_SPACE`` drops the wave; so does a staging pool that stays exhausted for
   :data:`SAVE_STAGING_WAIT_S`. Keys the store already has are not sent (``save_skipped_keys``).
-- Every job submitted is reported to the :class:`~hybridkv.connector.outbox.Outbox` (``save_finished``),
-  dropped jobs included. Buffer ownership follows :mod:`hybridkv.connector.ownership`: a put that may
+- Every job submitted is reported to the :class:`~hybridkv.connector.worker.outbox.Outbox` (``save_finished``),
+  dropped jobs included. Buffer ownership follows :mod:`hybridkv.connector.worker.ownership`: a put that may
   answer late reads a private copy (host path) or its slab; a job whose late put reads the KV pages
   themselves is reported, and its in-flight bytes freed, only once that put returned.
 """
@@ -29,13 +29,13 @@ import threading
 
 import numpy as np
 import structlog
-from hybridkv.connector.datapath import Fence, HostBufferPool, StagedBlocks
+from hybridkv.connector.datapath.movers import Fence, HostBufferPool, StagedBlocks
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import SaveJob, SaveOutcome, SaveResult
-from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.outcomes import save_outcome
-from hybridkv.connector.ownership import LateOwnership, Quarantine
-from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
+from hybridkv.connector.worker.context import WorkerContext, as_store_buffers
+from hybridkv.connector.worker.outbox import Outbox
+from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.kinds import KIND_RULES
 from hybridkv.store.base import Status, collect_late_calls
@@ -236,7 +236,7 @@ class SavePipeline:
         private: HostBufferPool | None,
     ) -> None:
         """Put the blocks at positions ``wave``, recording each one's outcome in ``status``; ``private``:
-        from a private copy in a buffer of that pool (see :mod:`hybridkv.connector.ownership`)."""
+        from a private copy in a buffer of that pool (see :mod:`hybridkv.connector.worker.ownership`)."""
         ctx = self._ctx
         for batches in ctx.batches(job.blocks, wave):
             if private is not None and self._quarantine.refuses_new_batch():

@@ -1,7 +1,7 @@
 """The save path of the scheduler half: which blocks to save when, save jobs and their pins, and the
 ``BlockStored`` events of the waves every rank stored.
 
-:class:`SavePlanner` is owned by :class:`~hybridkv.connector.scheduler.SchedulerSide`, which decides
+:class:`SavePlanner` is owned by :class:`~hybridkv.connector.scheduler.side.SchedulerSide`, which decides
 *whether* a request may save now (role, namespace state) and hands the planner the step's inputs. The
 planner decides *what* to save:
 
@@ -29,7 +29,7 @@ from hybridkv.connector.metadata import (
     SaveOutcome,
     SaveResult,
 )
-from hybridkv.connector.sessions import RequestSession
+from hybridkv.connector.scheduler.sessions import RequestSession
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
 from hybridkv.lifecycle.keys import KeyScheme
@@ -77,7 +77,7 @@ class RequestSaves:
     tails_saved: set[tuple[int, int]] = field(default_factory=set)
     #: EAGLE: (group_index, key boundary) of tails one margin past a saved state, not computed yet
     deferred_tails: set[tuple[int, int]] = field(default_factory=set)
-    #: the request's session hint (``hybridkv.connector.sessions``): what its waves store is retained
+    #: the request's session hint (``hybridkv.connector.scheduler.sessions``): what its waves store is retained
     session: RequestSession | None = None
 
     def restart(self) -> None:

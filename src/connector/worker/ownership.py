@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from hybridkv.connector.staging import StagedBlocks
+from hybridkv.connector.datapath.staging import StagedBlocks
 
 #: Host path: private load/save batches late store calls may keep at once.
 MAX_QUARANTINED_BATCHES = 8

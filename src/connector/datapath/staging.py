@@ -10,7 +10,7 @@ One object per device, :class:`StagingContext`, owns everything a staged transfe
 - per direction ("save": device -> host, "load": host -> device) a *lane*: a kernel stream that packs or
   unpacks device blocks, a copy stream for the PCIe copies, and two device staging buffers used in turn.
 
-The lane contract (what :class:`~hybridkv.connector.datapath.BlockMover` relies on):
+The lane contract (what :class:`~hybridkv.connector.datapath.movers.BlockMover` relies on):
 
 - :meth:`StagingContext.lane` serializes one direction's transfers: it holds that direction's lock while the
   caller enqueues, makes the kernel stream current, and queues it behind the caller's *fence* (the event of
@@ -23,7 +23,7 @@ The lane contract (what :class:`~hybridkv.connector.datapath.BlockMover` relies 
   synchronized before its slab or blocks were handed on.
 
 Host caches have no slabs, but a store call that may answer late must not be handed their pages
-(:mod:`hybridkv.connector.ownership`): its batch gets a private buffer instead, from the worker's
+(:mod:`hybridkv.connector.worker.ownership`): its batch gets a private buffer instead, from the worker's
 :class:`HostBufferPool` of pre-faulted buffers that on-time calls give back for reuse and late calls take out
 of the pool for good.
 
@@ -364,7 +364,7 @@ class StagingContext:
         self.device = torch.device(device)
         self.pool = pool
         #: Directions ("save": device -> host, "load": host -> device) whose batches one copy kernel moves
-        #: straight between the pages and the pinned slab (``hybridkv.connector.copy_kernels``), for the
+        #: straight between the pages and the pinned slab (``hybridkv.connector.datapath.copy_kernels``), for the
         #: movers whose pages it supports; the other directions pack into device staging and copy by DMA.
         self.kernel_directions = frozenset(kernel_directions)
         #: Whether the DMA path packs its staging chunks with the copy kernel where it can move the pages
@@ -468,7 +468,7 @@ class StagedBlocks:
     per slab and hands out again with that slab's next batch: read and write their bytes, never their shape
     or flags.
 
-    Built by a :class:`~hybridkv.connector.datapath.BlockMover` only: ``pool`` is where ``slab`` goes back
+    Built by a :class:`~hybridkv.connector.datapath.movers.BlockMover` only: ``pool`` is where ``slab`` goes back
     (a private host ``buffer`` knows its own pool), ``write_back`` how :meth:`commit` writes the kept blocks
     into the mover's caches.
     """

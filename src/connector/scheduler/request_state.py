@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridkv.connector.lookups import LookupTask
 from hybridkv.connector.metadata import LoadJob, LoadResult
-from hybridkv.connector.save_planner import RequestSaves
+from hybridkv.connector.scheduler.lookup_service import LookupTask
+from hybridkv.connector.scheduler.save_planner import RequestSaves
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import RequestLifecycle
 from hybridkv.lifecycle.table import State

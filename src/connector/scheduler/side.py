@@ -1,13 +1,13 @@
 """The scheduler half of ``HybridStoreConnector``: vLLM's scheduler hooks over the request lifecycle.
 
-This half keeps vLLM's hooks and the per-request state (:class:`~hybridkv.connector.request_state.
+This half keeps vLLM's hooks and the per-request state (:class:`~hybridkv.connector.scheduler.request_state.
 RequestState`: the lifecycle plus what the connector holds for it); the work lives in small modules:
 
-- lookup answering (``get_num_new_matched_tokens``): :mod:`hybridkv.connector.lookup_answers`;
-- the namespace gate and reset epochs: :mod:`hybridkv.connector.namespace_gate`;
-- store maintenance (invalidation removes, resets, the manifest): :mod:`hybridkv.connector.maintenance`;
+- lookup answering (``get_num_new_matched_tokens``): :mod:`hybridkv.connector.scheduler.lookup_answers`;
+- the namespace gate and reset epochs: :mod:`hybridkv.connector.scheduler.namespace_gate`;
+- store maintenance (invalidation removes, resets, the manifest): :mod:`hybridkv.connector.scheduler.maintenance`;
 - the save path (which blocks to save when, save jobs, pins, ``BlockStored``):
-  :class:`~hybridkv.connector.save_planner.SavePlanner`.
+  :class:`~hybridkv.connector.scheduler.save_planner.SavePlanner`.
 
 The lifecycle decides (``hybridkv.lifecycle``: candidate keys, agreed boundary, load plan, retry cap,
 invalid keys, the state machine and its audit); this half drives it from vLLM's hooks and moves the
@@ -21,7 +21,7 @@ Contracts:
   with unchanged inputs reuse the answer, within one reset epoch: nothing learnt before a namespace reset
   is loaded after it (``hit_revoked``, and the table's ``answer_current`` guard on ``start_load``).
 - Loads are async (``(n, True)``), or with ``load_mode: layerwise`` synchronous to the step that uses
-  them (``(n, False)``, one attention group only; see :mod:`hybridkv.connector.layerwise`); the
+  them (``(n, False)``, one attention group only; see :mod:`hybridkv.connector.worker.layerwise`); the
   per-group plan is bound to the request's real block table in ``update_state_after_alloc``.
 - Saves: full attention and SWA positionally from the current tables as prompt blocks complete; Mamba only
   from ``boundary_state_offloads`` and ``register_finished_partial_tail``. Source blocks are pinned
@@ -57,25 +57,25 @@ from hybridkv.audit.sinks import JsonLinesAuditSink
 from hybridkv.connector.capabilities import connector_roles
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.identity import start_scheme, weights_after_reset
-from hybridkv.connector.layerwise import LAYERWISE_PAUSED, LayerwiseBreaker
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.lookup_answers import LookupAnswers
-from hybridkv.connector.lookup_process import ProcessLookupService
-from hybridkv.connector.lookups import LookupRunner, LookupService
 from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
     LoadJob,
 )
-from hybridkv.connector.namespace_gate import NamespaceGate
-from hybridkv.connector.request_state import RequestState
-from hybridkv.connector.save_planner import RequestSaves, SavePlanner
-from hybridkv.connector.sessions import RequestSession, SessionRetention
+from hybridkv.connector.scheduler.layerwise_breaker import LAYERWISE_PAUSED, LayerwiseBreaker
+from hybridkv.connector.scheduler.lookup_answers import LookupAnswers
+from hybridkv.connector.scheduler.lookup_process import ProcessLookupService
+from hybridkv.connector.scheduler.lookup_service import LookupRunner, LookupService
+from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
+from hybridkv.connector.scheduler.request_state import RequestState
+from hybridkv.connector.scheduler.save_planner import RequestSaves, SavePlanner
+from hybridkv.connector.scheduler.sessions import RequestSession, SessionRetention
+from hybridkv.connector.scheduler.store_events import StoreEvents
+from hybridkv.connector.scheduler.store_upkeep import StoreUpkeep
+from hybridkv.connector.scheduler.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
 from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, InjectedFaults, StatsBox
-from hybridkv.connector.store_events import StoreEvents
-from hybridkv.connector.store_upkeep import StoreUpkeep
 from hybridkv.connector.stores import open_connector_store, store_url
-from hybridkv.connector.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.machine import LifecycleMachine, RequestLifecycle
@@ -151,7 +151,7 @@ class SchedulerSide:
         )
         # Store calls that may take long and nobody on the scheduler thread waits for (past a deadline).
         self.upkeep = StoreUpkeep(self.events, self.gate, self.stats)
-        #: session hints: what a session's requests store or load stays retained (``connector/sessions.py``)
+        #: session hints: what a session's requests store or load stays retained (``connector/scheduler/sessions.py``)
         self.sessions = SessionRetention(self.store, self.upkeep.submit, self.stats)
         #: layer-wise mode: hits are withheld for a while after a load missed its deadline (``layerwise.py``)
         self.layerwise_breaker = LayerwiseBreaker(self.stats)

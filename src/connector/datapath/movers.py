@@ -9,7 +9,7 @@ layer tensor), in that order -- exactly what ``Store.put`` takes as a value and 
 destination.
 
 The staged path's host side -- the pinned pool, the per-direction lanes (streams and device staging
-buffers), the batches themselves (:class:`StagedBlocks`) -- lives in :mod:`hybridkv.connector.staging`
+buffers), the batches themselves (:class:`StagedBlocks`) -- lives in :mod:`hybridkv.connector.datapath.staging`
 (re-exported here); this module lays blocks out in slabs and moves them through those lanes.
 
 Two paths, chosen by where the caches live:
@@ -39,7 +39,7 @@ the chunk. Measured ratios against one contiguous pinned copy: see docs/performa
 
 The copy kernel straight to the slab (``StagingContext.kernel_directions``, ``cuda_copy: kernel``): for a group
 whose pages are contiguous, one Triton launch moves the whole batch straight between the pages and the pinned
-slab over PCIe (same slab layout, no device staging, no DMA copy); see ``hybridkv.connector.copy_kernels``.
+slab over PCIe (same slab layout, no device staging, no DMA copy); see ``hybridkv.connector.datapath.copy_kernels``.
 
 Fences. On CUDA the forward runs asynchronously: when ``wait_for_save`` returns on the host, the kernels
 that write this step's blocks may still be queued. :meth:`StagingContext.fence` records an event on the
@@ -56,7 +56,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from hybridkv.connector.staging import (
+from hybridkv.connector.datapath.staging import (
     DEFAULT_STAGE_BYTES,
     Fence,
     HostBuffer,
@@ -115,7 +115,7 @@ def _row_view(t: torch.Tensor) -> np.ndarray | None:
 
 class BlockMover(abc.ABC):
     """Moves whole blocks of one store group between its layer caches and store parts: the contract both
-    paths keep (:class:`DirectMover`, ``hybridkv.connector.staged_mover.StagedMover``); :func:`block_mover`
+    paths keep (:class:`DirectMover`, ``hybridkv.connector.datapath.staged_mover.StagedMover``); :func:`block_mover`
     picks one.
 
     ``layers``: the group's per-layer caches in layer order; each a tensor or a list of tensors (sharing a
@@ -354,6 +354,7 @@ def block_mover(
     caches may use it, for tests), else direct."""
     if staging is None:
         return DirectMover(layers)
-    from hybridkv.connector.staged_mover import StagedMover  # the staged path imports the direct one's base
+    # the staged path imports the direct one's base, so it is imported here, when asked for
+    from hybridkv.connector.datapath.staged_mover import StagedMover
 
     return StagedMover(layers, staging=staging)

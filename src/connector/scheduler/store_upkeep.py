@@ -3,10 +3,10 @@
 Invalidation removes (``BlockRemoved`` once the removal returned; no ``BlockStored`` for a block while its
 removal is pending), a namespace reset's removal (``AllBlocksCleared`` and the namespace gate reopened
 once it returned; the gate stays closed when it failed), the manifest, and the store's evictions
-(``BlockRemoved`` for the published blocks it evicted, ``hybridkv.connector.store_events``): each
+(``BlockRemoved`` for the published blocks it evicted, ``hybridkv.connector.scheduler.store_events``): each
 ``take_events`` starts a drain of the store's eviction report unless one is queued, so what a step's drain
 found is published with a later step. Contract: every call runs on the one maintenance thread
-(``connector/maintenance.py``); a call the full queue refuses is counted (``maintenance_dropped``) and
+(``connector/scheduler/maintenance.py``); a call the full queue refuses is counted (``maintenance_dropped``) and
 logged, never waited for -- a refused drain is retried at the next step; a refused check of unsure blocks
 publishes nothing for them (the view may miss a block, never name one that is gone).
 """
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.maintenance import Maintenance
-from hybridkv.connector.namespace_gate import NamespaceGate
+from hybridkv.connector.scheduler.maintenance import Maintenance
+from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
+from hybridkv.connector.scheduler.store_events import StoreBlock, StoredBlock, StoreEvents
 from hybridkv.connector.stats import StatsBox
-from hybridkv.connector.store_events import StoreBlock, StoredBlock, StoreEvents
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.store.base import EvictionReporter, Evictions, Store, StoreLogEvent, find_layer
 from hybridkv.store.frame import key_digest

@@ -1,8 +1,8 @@
-"""The staged path of :class:`~hybridkv.connector.datapath.BlockMover` (CUDA caches; also CPU caches, for tests).
+"""The staged path of :class:`~hybridkv.connector.datapath.movers.BlockMover` (CUDA caches; also CPU caches, for tests).
 
 A batch is laid out in one host slab from a bounded :class:`PinnedPool` and moved through the staging context's
-lanes: device staging buffers, streams, events (``hybridkv.connector.staging``); see
-``hybridkv.connector.datapath`` for the layout, the chunking and the fences. torch + numpy only.
+lanes: device staging buffers, streams, events (``hybridkv.connector.datapath.staging``); see
+``hybridkv.connector.datapath.movers`` for the layout, the chunking and the fences. torch + numpy only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from hybridkv.connector.datapath import BlockMover, page_nbytes_of
-from hybridkv.connector.staging import (
+from hybridkv.connector.datapath.movers import BlockMover, page_nbytes_of
+from hybridkv.connector.datapath.staging import (
     ALIGN,
     Fence,
     HostBufferPool,
@@ -111,7 +111,7 @@ def _slab_segments(page_nbytes: Sequence[int], rows: int) -> list[int]:
 
 class StagedMover(BlockMover):
     """The staged path: every batch through a slab of the staging context's pinned pool (see the module
-    docstring of ``hybridkv.connector.datapath``)."""
+    docstring of ``hybridkv.connector.datapath.movers``)."""
 
     def __init__(
         self, layers: Sequence[torch.Tensor | Sequence[torch.Tensor]], *, staging: StagingContext
@@ -145,7 +145,7 @@ class StagedMover(BlockMover):
         wants_pack = staging.pack_by_kernel and _kernel_device(self.device)
         if staging.kernel_directions or wants_pack:
             try:
-                from hybridkv.connector import copy_kernels  # Triton: imported only when asked for
+                from hybridkv.connector.datapath import copy_kernels  # Triton: imported only when asked for
 
                 self._kernel = copy_kernels.KernelCopier(
                     self.tensors, self._segments, self.page_nbytes, self.max_blocks

@@ -1,7 +1,7 @@
 """One kernel launch moves a whole batch between paged CUDA KV caches and a pinned host slab, or packs one
 chunk of a batch into a device staging buffer for the DMA path.
 
-torch + Triton only (no vLLM). Imported only when a :class:`~hybridkv.connector.datapath.StagingContext`
+torch + Triton only (no vLLM). Imported only when a :class:`~hybridkv.connector.datapath.movers.StagingContext`
 routes a direction through the kernel or packs by it (``cuda_copy``), so ``cuda_copy: dma`` never imports it.
 
 Packing (:meth:`KernelCopier.stage_launches`, :meth:`KernelCopier.launch_staged`): the same kernel with the
@@ -17,7 +17,7 @@ storage. A fixed, small number of programs loops over the pages (``NUM_PROGRAMS`
 and the forward running beside a transfer keeps most of the GPU (see docs/performance.md, "One copy kernel
 instead of packing plus DMA").
 
-Slab layout: the one :class:`~hybridkv.connector.datapath.BlockMover` fixes (tensor k's pages from
+Slab layout: the one :class:`~hybridkv.connector.datapath.movers.BlockMover` fixes (tensor k's pages from
 ``segments[k]``, batch row r at ``segments[k] + r * page_nbytes[k]``), so the store sees the same parts
 whichever path filled them.
 

@@ -2,7 +2,7 @@
 
 Contracts:
 
-- Every load job queued here is reported to the :class:`~hybridkv.connector.outbox.Outbox` once done
+- Every load job queued here is reported to the :class:`~hybridkv.connector.worker.outbox.Outbox` once done
   (``load_finished``, failed when any block is not OK); a job that raised is reported failed
   (``TRANSPORT_ERROR``: the request recomputes). A store failure never reaches the engine.
 - A job's blocks go in batches (``WorkerContext.batches``): host caches, one batch per group; CUDA, one
@@ -11,7 +11,7 @@ Contracts:
   within :data:`LOAD_STAGING_WAIT_S` is not attempted (``NOT_ATTEMPTED`` keeps the entry).
 - A batch of at least :data:`SPLIT_READ_MIN_BYTES` is read by :data:`LOAD_READERS` threads at once, each its
   own contiguous share of the keys (:meth:`LoadPipeline._read_into`).
-- Buffer ownership follows :mod:`hybridkv.connector.ownership`: a store that may answer late reads into
+- Buffer ownership follows :mod:`hybridkv.connector.worker.ownership`: a store that may answer late reads into
   private buffers (host path: pooled, pre-faulted, in rounds of at most one PUT wave), and each share's
   thread copies its OK blocks into the pages once its own call returned on time; a buffer a late call
   still writes is never copied from (nor reused); a job whose late call writes the KV pages themselves is
@@ -31,14 +31,14 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
 import structlog
-from hybridkv.connector.datapath import Fence, StagedBlocks
-from hybridkv.connector.load_probe import LoadProbe
+from hybridkv.connector.datapath.movers import Fence, StagedBlocks
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult
-from hybridkv.connector.outbox import Outbox
 from hybridkv.connector.outcomes import load_outcome
-from hybridkv.connector.ownership import LateOwnership, Quarantine
-from hybridkv.connector.worker_context import WorkerContext, as_store_buffers
+from hybridkv.connector.worker.context import WorkerContext, as_store_buffers
+from hybridkv.connector.worker.load_probe import LoadProbe
+from hybridkv.connector.worker.outbox import Outbox
+from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status, Value, collect_late_calls
@@ -295,7 +295,7 @@ class LoadPipeline:
         on_time: Callable[[int, list[Status]], None] | None = None,
     ) -> list[Status]:
         """``store.get_into(keys, destinations)``: the statuses in key order. Appends to ``late`` the calls
-        that answered while still writing their destinations (see :mod:`hybridkv.connector.ownership`) --
+        that answered while still writing their destinations (see :mod:`hybridkv.connector.worker.ownership`) --
         every share's, also when some share raised. ``on_time(first key index, statuses)`` runs on a
         share's thread once its call returned leaving no late call (see :meth:`_share_writer`).
 

@@ -1,11 +1,11 @@
 """Lookups in a process of their own (``lookup_process: true``): off the engine's interpreter.
 
-:class:`~hybridkv.connector.lookups.LookupService` runs every search on a thread of the engine's own
+:class:`~hybridkv.connector.scheduler.lookup_service.LookupService` runs every search on a thread of the engine's own
 process, so its Python work and the store binding's (Mooncake converts thousands of keys while it holds the
 GIL) compete with vLLM's scheduler thread for one interpreter lock: a scheduler step that wants the GIL
 back may wait up to the interpreter's switch interval (docs/performance.md, "Lookups and vLLM's
 scheduler"). :class:`ProcessLookupService` answers to the same calls, and runs the same ``LookupService``
-in a child process (``python -m hybridkv.connector.lookup_process``) over its own client of the same store:
+in a child process (``python -m hybridkv.connector.scheduler.lookup_process``) over its own client of the same store:
 ``file://`` and ``mooncake://`` are shared across processes (the child's Mooncake client mounts no segment;
 ``memory://`` cannot be, and the configuration refuses it).
 
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.connector.lookups import GIL_HANDOFF_S, LookupService, LookupTask
+from hybridkv.connector.scheduler.lookup_service import GIL_HANDOFF_S, LookupService, LookupTask
 from hybridkv.lifecycle.lookup import LookupSearch, portable_result, result_from_portable
 from hybridkv.store.breaker import CircuitBreaker
 
@@ -262,7 +262,7 @@ class ProcessLookupService:
                 [
                     sys.executable,
                     "-m",
-                    "hybridkv.connector.lookup_process",
+                    "hybridkv.connector.scheduler.lookup_process",
                     str(child_sock.fileno()),
                     self.store_url,
                     repr(self.budget_s),

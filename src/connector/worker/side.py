@@ -2,24 +2,24 @@
 
 :class:`WorkerSide` is a facade over the worker's pipelines; each module states its own contract:
 
-- :mod:`~hybridkv.connector.worker_context`: ``register_kv_caches`` builds one
-  :class:`~hybridkv.connector.datapath.BlockMover` per group. A group block's value is the concatenation of
+- :mod:`~hybridkv.connector.worker.context`: ``register_kv_caches`` builds one
+  :class:`~hybridkv.connector.datapath.movers.BlockMover` per group. A group block's value is the concatenation of
   that block's bytes across the group's layers, in the group's layer order, passed to the store as per-layer
   parts. Host (CPU) caches: the parts are the pages themselves (zero copies for contiguous pages, one
   staging copy otherwise). CUDA caches: batches go through a bounded pool of pinned host slabs on side
-  streams (:mod:`~hybridkv.connector.staging`, :mod:`~hybridkv.connector.datapath`).
-- :mod:`~hybridkv.connector.load_pipeline`: async loads run on a thread. Every load job this rank receives
+  streams (:mod:`~hybridkv.connector.datapath.staging`, :mod:`~hybridkv.connector.datapath.movers`).
+- :mod:`~hybridkv.connector.worker.load_pipeline`: async loads run on a thread. Every load job this rank receives
   is reported in ``finished_recving`` once done; a job with any non-OK block is also in ``failed_recving``
   (request-level, safe for hybrid models). ``get_block_ids_with_load_errors`` is always empty.
-- :mod:`~hybridkv.connector.layerwise`: in ``load_mode: layerwise`` loads are instead synchronous to the
+- :mod:`~hybridkv.connector.worker.layerwise`: in ``load_mode: layerwise`` loads are instead synchronous to the
   step that uses them: never in ``finished_recving``; every block of a failed job is in
   ``get_block_ids_with_load_errors`` of that step.
-- :mod:`~hybridkv.connector.save_pipeline`: saves are enqueued in ``wait_for_save`` and go out in PUT waves
+- :mod:`~hybridkv.connector.worker.save_pipeline`: saves are enqueued in ``wait_for_save`` and go out in PUT waves
   on a thread, within an in-flight budget (a slow or full store never stalls the engine).
-- :mod:`~hybridkv.connector.ownership`: the late-call contract -- a buffer handed to a store call belongs to
+- :mod:`~hybridkv.connector.worker.ownership`: the late-call contract -- a buffer handed to a store call belongs to
   that call until it really returned; a late call never owns KV memory of a reported job.
-- :mod:`~hybridkv.connector.outbox`: what this rank still owes the scheduler.
-- :mod:`~hybridkv.connector.load_probe`: the load profile a benchmark may install
+- :mod:`~hybridkv.connector.worker.outbox`: what this rank still owes the scheduler.
+- :mod:`~hybridkv.connector.worker.load_probe`: the load profile a benchmark may install
   (:meth:`WorkerSide.install_load_probe`); production has none and times nothing.
 
 Sleep mode: while suspended (``suspend`` .. ``resume``) the KV cache memory is released, so no transfer
@@ -37,28 +37,28 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 from hybridkv.connector.config import LOAD_MODES, ConnectorConfig
-from hybridkv.connector.datapath import StagingContext, block_mover
+from hybridkv.connector.datapath.movers import StagingContext, block_mover
+from hybridkv.connector.datapath.staged_mover import StagedMover
 from hybridkv.connector.identity import start_scheme
-from hybridkv.connector.layerwise import LayerwiseLoads
-from hybridkv.connector.load_pipeline import LoadPipeline
-from hybridkv.connector.load_probe import LoadProbe
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata, HybridStoreWorkerMetadata
-from hybridkv.connector.outbox import Outbox
-from hybridkv.connector.ownership import LateOwnership, Quarantine
-from hybridkv.connector.save_pipeline import SavePipeline
-from hybridkv.connector.staged_mover import StagedMover
 from hybridkv.connector.stats import InjectedFaults, StatsBox
 from hybridkv.connector.stores import open_connector_store
-from hybridkv.connector.tenant_metrics import TenantMetrics
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
-from hybridkv.connector.worker_context import (
+from hybridkv.connector.worker.context import (
     WorkerContext,
     group_tensors,
     layer_tensors,
     read_ranks,
     staging_for,
 )
+from hybridkv.connector.worker.layerwise import LayerwiseLoads
+from hybridkv.connector.worker.load_pipeline import LoadPipeline
+from hybridkv.connector.worker.load_probe import LoadProbe
+from hybridkv.connector.worker.outbox import Outbox
+from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
+from hybridkv.connector.worker.save_pipeline import SavePipeline
+from hybridkv.connector.worker.tenant_metrics import TenantMetrics
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Store
 from hybridkv.store.file import effective_capacity_of
@@ -159,7 +159,7 @@ class WorkerSide:
         """This rank's gauges (``stats.PER_RANK_GAUGES``): save bytes in flight, staging bytes out (pinned
         slabs and private host buffers, late calls' included), late store calls not yet returned; a
         ``file://`` store's effective capacity; and, for a store with quotas, the per-tenant ones
-        (``hybridkv.connector.tenant_metrics``, which adds the per-tenant counters to ``stats`` at the same
+        (``hybridkv.connector.worker.tenant_metrics``, which adds the per-tenant counters to ``stats`` at the same
         time)."""
         ctx = self._ctx
         self._injected_faults.count()
