@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,19 @@ def register(
         "at the largest size within 1.5x of the smallest, opening <= 1 s per million entries, the same round "
         "trips); writes a JSON report and a PNG when matplotlib is present.",
     )
-    scale.add_argument("--axis", default="entries", choices=["entries"], help="the axis (%(default)s)")
+    scale.add_argument(
+        "--axis",
+        default="entries",
+        choices=["entries", *_AXIS_HANDLERS],
+        help="the axis (%(default)s); mooncake-entries: the same costs on a real mooncake_master "
+        "(run it under scripts/netns-run); prompt-length: the external hit's load job at 1K-64K tokens "
+        "against one memcpy of its bytes",
+    )
     scale.add_argument(
         "--sizes",
-        default="10000,100000,1000000",
-        help="entries per store, comma-separated (%(default)s)",
+        default=None,
+        help="entries per store (prompt-length: tokens per prompt), comma-separated (default: "
+        "10000,100000,1000000; prompt-length: 1024,4096,16384,65536)",
     )
     scale.add_argument("--repeats", type=int, default=5, help="interleaved repeats per size (%(default)s)")
     scale.add_argument(
@@ -51,8 +60,10 @@ def handle_scale(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import format_targets, save_report
     from hybridkv.bench.scale import format_scale_table, plot_report, run_entries_axis
 
+    if args.axis in _AXIS_HANDLERS:
+        return _AXIS_HANDLERS[args.axis](args)
     try:
-        sizes = [int(part) for part in args.sizes.split(",") if part.strip()]
+        sizes = [int(part) for part in (args.sizes or "10000,100000,1000000").split(",") if part.strip()]
     except ValueError:
         print(f"error: --sizes must be comma-separated integers, got {args.sizes!r}", flush=True)
         return ExitCode.USAGE
@@ -77,3 +88,91 @@ def handle_scale(args: argparse.Namespace) -> int:
         print(format_targets(report["targets"]))
     save_report(report, args.out, plot_report, no_plot=args.no_plot)
     return ExitCode.OK
+
+
+def _parse_sizes(text: str) -> list[int] | None:
+    """Comma-separated integers, or None (printed as a usage error) when malformed."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        print(f"error: --sizes must be comma-separated integers, got {text!r}", flush=True)
+        return None
+
+
+def _print_load(report: dict[str, Any], what: str) -> None:
+    load = ", ".join(f"{value:.2f}" for value in report["load_average_before"])
+    load_after = ", ".join(f"{value:.2f}" for value in report["load_average_after"])
+    print(
+        f"{what}, {report['repeats']} interleaved repeats per size; load average {load} before, "
+        f"{load_after} after ({report['cpu_count']} cores)"
+    )
+
+
+def handle_mooncake_entries(args: argparse.Namespace) -> int:
+    """``--axis mooncake-entries``: a master and a storage node per size (``hybridkv.bench.scale_mooncake``)."""
+    from hybridkv.bench.report import format_targets, save_report
+    from hybridkv.bench.scale_mooncake import (
+        MIN_ENTRIES,
+        format_mooncake_table,
+        namespace_problem,
+        plot_mooncake_report,
+        run_mooncake_entries_axis,
+    )
+
+    sizes = _parse_sizes(args.sizes or "10000,100000,1000000")
+    if not sizes or min(sizes) < MIN_ENTRIES or args.repeats < 1:
+        print(f"error: --sizes must be >= {MIN_ENTRIES} keys each and --repeats >= 1", flush=True)
+        return ExitCode.USAGE
+    problem = namespace_problem()
+    if problem is not None:
+        print(f"error: {problem}", flush=True)
+        return ExitCode.USAGE
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hybridkv-scale-mooncake-"))
+    report = run_mooncake_entries_axis(
+        root, sizes, repeats=args.repeats, progress=lambda line: print(line, flush=True)
+    )
+    if not args.keep and not args.dir:
+        shutil.rmtree(root, ignore_errors=True)  # the folder this command made (the processes' logs)
+    _print_load(report, f"mooncake, {report['value_bytes']} B values ({report['frame_bytes']} B objects)")
+    print(format_mooncake_table(report))
+    if report["targets"]:
+        print(format_targets(report["targets"]))
+    save_report(report, args.out, plot_mooncake_report, no_plot=args.no_plot)
+    return ExitCode.OK
+
+
+def handle_prompt_length(args: argparse.Namespace) -> int:
+    """``--axis prompt-length``: the worker's load job per prompt length (``hybridkv.bench.scale_prompt``)."""
+    from hybridkv.bench.report import format_targets, save_report
+    from hybridkv.bench.scale_prompt import (
+        BLOCK_TOKENS,
+        format_prompt_table,
+        plot_prompt_report,
+        run_prompt_length_axis,
+    )
+
+    sizes = _parse_sizes(args.sizes or "1024,4096,16384,65536")
+    if not sizes or any(size <= 0 or size % BLOCK_TOKENS for size in sizes) or args.repeats < 1:
+        print(f"error: --sizes must be multiples of {BLOCK_TOKENS} tokens and --repeats >= 1", flush=True)
+        return ExitCode.USAGE
+    report = run_prompt_length_axis(
+        args.dir, sizes, repeats=args.repeats, progress=lambda line: print(line, flush=True)
+    )
+    model = report["model"]
+    _print_load(
+        report,
+        f"file store, worker-level load job, {model['family']} {model['size']} {model['dtype']} "
+        f"({model['bytes_per_token']} B of KV per token)",
+    )
+    print(format_prompt_table(report))
+    if report["targets"]:
+        print(format_targets(report["targets"]))
+    save_report(report, args.out, plot_prompt_report, no_plot=args.no_plot)
+    return ExitCode.OK
+
+
+#: The axes with handlers of their own (``entries`` is ``handle_scale``'s).
+_AXIS_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "mooncake-entries": handle_mooncake_entries,
+    "prompt-length": handle_prompt_length,
+}

@@ -80,6 +80,14 @@ CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
     },
     ("hybridkv.cli.datapath_cmds", "handle_bench"): {"hybridkv.bench.datapath"},
     ("hybridkv.cli.scale_cmds", "handle_scale"): {"hybridkv.bench.scale", "hybridkv.bench.report"},
+    ("hybridkv.cli.scale_cmds", "handle_mooncake_entries"): {
+        "hybridkv.bench.scale_mooncake",
+        "hybridkv.bench.report",
+    },
+    ("hybridkv.cli.scale_cmds", "handle_prompt_length"): {
+        "hybridkv.bench.scale_prompt",
+        "hybridkv.bench.report",
+    },
     ("hybridkv.cli.demo_cmds", "handler"): {"hybridkv.demo", "hybridkv.bench.report"},
     ("hybridkv.cli.lifecycle_cmds", "_bench"): {"hybridkv.bench.lifecycle", "hybridkv.bench.report"},
     ("hybridkv.cli.mooncake_cmds", "handle_bench"): {"hybridkv.bench.crosshost", "hybridkv.bench.report"},
