@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from hybridkv import __version__
+from hybridkv.cli.bench_options import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "add_report_arguments", "build_parser", "main"]
@@ -79,15 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.register(subparsers, bench_subparsers)
     return parser
-
-
-def add_report_arguments(parser: argparse.ArgumentParser, default_out: str, *, plot: bool = True) -> None:
-    """A bench's ``--out`` (its JSON report) and, with ``plot``, ``--no-plot`` (the PNG next to it)."""
-    parser.add_argument("--out", default=default_out, help="JSON report path (%(default)s)")
-    if plot:
-        parser.add_argument(
-            "--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed"
-        )
 
 
 def _missing_subcommand(parser: argparse.ArgumentParser) -> int:

@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import (
+    add_report_arguments,
+    add_rounds_argument,
+    add_scratch_dir_argument,
+    add_seed_argument,
+)
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
 
@@ -31,10 +36,8 @@ def register(
         "hit, save of the rest): the share of prompt tokens each store configuration serves, the bytes it "
         "writes and each tenant's evicted bytes, over interleaved rounds (one seed per round).",
     )
-    bench.add_argument("--seed", type=int, default=0, help="seed of the first round's trace (%(default)s)")
-    bench.add_argument(
-        "--rounds", type=int, default=5, help="interleaved rounds, seed + r in round r (%(default)s)"
-    )
+    add_seed_argument(bench)
+    add_rounds_argument(bench, default=5, help="interleaved rounds, seed + r in round r")
     bench.add_argument(
         "--capacity-fraction",
         type=float,
@@ -62,9 +65,7 @@ def register(
         default=None,
         help="median turns per session (default: the workload's, 43)",
     )
-    bench.add_argument(
-        "--scratch-dir", default=None, help="directory for the file stores (default: /dev/shm when present)"
-    )
+    add_scratch_dir_argument(bench)
     add_report_arguments(bench, "bench-results/agentic.json")
     bench.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     bench.set_defaults(func=handle_agentic)
@@ -77,8 +78,8 @@ def register(
         "(no store: entries and their sizes only) at several capacities: the share of prompt tokens each "
         "serves, medians over seeds with [min, max], points against LRU per seed, and the 15-point target.",
     )
-    policies.add_argument("--seed", type=int, default=0, help="seed of the first round's trace (%(default)s)")
-    policies.add_argument("--rounds", type=int, default=5, help="seeds, seed + r in round r (%(default)s)")
+    add_seed_argument(policies)
+    add_rounds_argument(policies, default=5, help="seeds, seed + r in round r")
     policies.add_argument(
         "--capacity-fractions",
         default="0.02,0.05,0.1",

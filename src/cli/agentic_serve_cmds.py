@@ -10,7 +10,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import (
+    add_models_dir_argument,
+    add_report_arguments,
+    add_rounds_argument,
+    add_scratch_dir_argument,
+    add_seed_argument,
+    add_workdir_argument,
+)
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
 
@@ -57,8 +64,8 @@ def register(
         default=",".join(_CONFIGURATIONS),
         help=f"comma-separated, of {', '.join(_CONFIGURATIONS)} (default: %(default)s)",
     )
-    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds, seed + r (%(default)s)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the first round's trace (%(default)s)")
+    add_rounds_argument(bench, default=3, help="interleaved rounds, seed + r")
+    add_seed_argument(bench)
     bench.add_argument("--sessions", type=int, default=None, help="agent sessions (default: the bench's, 16)")
     bench.add_argument(
         "--max-requests",
@@ -115,13 +122,9 @@ def register(
         default=None,
         help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server (default: the bench's, 1)",
     )
-    bench.add_argument(
-        "--models-dir", default=None, help="where the model is built (default: $HYBRIDKV_TEST_MODELS)"
-    )
-    bench.add_argument("--workdir", default=None, help="server and master logs (default: a temp dir)")
-    bench.add_argument(
-        "--scratch-dir", default=None, help="directory for the file stores (default: /dev/shm when present)"
-    )
+    add_models_dir_argument(bench, "where the model is built (default: $HYBRIDKV_TEST_MODELS)")
+    add_workdir_argument(bench, "server and master logs")
+    add_scratch_dir_argument(bench)
     add_report_arguments(bench, "bench-results/agentic-serve.json")
     bench.set_defaults(func=handle_agentic_serve)
 

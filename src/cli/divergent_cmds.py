@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import add_report_arguments, add_rounds_argument, add_scratch_dir_argument
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
 
@@ -31,13 +31,11 @@ def register(
         default="qwen3_next",
         help="tiny model family with full attention and a recurrent group (%(default)s; also lfm2)",
     )
-    bench.add_argument("--rounds", type=int, default=3, help="rounds, alternating the order (%(default)s)")
+    add_rounds_argument(bench, default=3, help="rounds, alternating the order")
     bench.add_argument(
         "--scenarios", type=int, default=4, help="branched conversations per engine (%(default)s)"
     )
-    bench.add_argument(
-        "--scratch-dir", default=None, help="directory for the file stores (default: a temp dir)"
-    )
+    add_scratch_dir_argument(bench, "directory for the file stores (default: a temp dir)")
     add_report_arguments(bench, "bench-results/divergent.json", plot=False)
     bench.set_defaults(func=handle_divergent)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
 

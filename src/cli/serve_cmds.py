@@ -9,6 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridkv.cli.bench_options import (
+    add_family_argument,
+    add_models_dir_argument,
+    add_report_arguments,
+    add_workdir_argument,
+)
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 _DEFAULT_CONFIGS = "none,hybridkv-file,hybridkv-mooncake,mooncake-store"
@@ -38,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         default=_DEFAULT_CONFIGS,
         help=f"comma-separated, of {', '.join(CONFIGS)}, run in this order (default: %(default)s)",
     )
-    serve.add_argument("--family", default="qwen3_next", choices=FAMILIES, help="model family (%(default)s)")
+    add_family_argument(serve, FAMILIES)
     serve.add_argument(
         "--size",
         default="tiny",
@@ -108,12 +114,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "with a no-connector server whose local cache holds it all: hybridkv's greedy tokens must be equal; "
         "0 skips it (%(default)s)",
     )
-    serve.add_argument(
-        "--models-dir", default=None, help="where models are built (default: $HYBRIDKV_TEST_MODELS)"
-    )
-    serve.add_argument(
-        "--workdir", default=None, help="server logs, stores, audit logs (default: a temp dir)"
-    )
+    add_models_dir_argument(serve)
+    add_workdir_argument(serve, "server logs, stores, audit logs")
     serve.add_argument(
         "--runs",
         type=int,
@@ -129,8 +131,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         default=None,
         help="run nothing: summarize these reports of earlier runs (their --out JSON) as --runs does",
     )
-    serve.add_argument("--out", default="bench-results/serve.json", help="JSON report path (%(default)s)")
-    serve.add_argument("--no-plot", action="store_true", help="skip the PNG even if matplotlib is installed")
+    add_report_arguments(serve, "bench-results/serve.json")
     serve.set_defaults(func=handle_serve)
 
 

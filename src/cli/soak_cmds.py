@@ -11,7 +11,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import (
+    add_family_argument,
+    add_models_dir_argument,
+    add_report_arguments,
+    add_workdir_argument,
+)
 from hybridkv.cli.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 #: ``--family`` choices (``hybridkv.devkit.tiny_models.FAMILIES``, repeated so that building the parser loads
@@ -38,7 +43,7 @@ def register(
     )
     soak.add_argument("--requests", type=int, default=1000, help="requests of the load, N (%(default)s)")
     soak.add_argument("--sample-every", type=int, default=25, help="K: a sample per K requests (%(default)s)")
-    soak.add_argument("--family", default="qwen3_next", choices=_FAMILIES, help="model family (%(default)s)")
+    add_family_argument(soak, _FAMILIES)
     soak.add_argument("--sessions", type=int, default=4, help="conversations open at once (%(default)s)")
     soak.add_argument("--turns", type=int, default=3, help="turns per conversation (%(default)s)")
     soak.add_argument("--concurrency", type=int, default=2, help="client threads (%(default)s)")
@@ -91,10 +96,8 @@ def register(
         default=120.0,
         help="a request unanswered this long fails the run (a stranded request must not hang it) (%(default)s)",
     )
-    soak.add_argument(
-        "--models-dir", default=None, help="where models are built (default: $HYBRIDKV_TEST_MODELS)"
-    )
-    soak.add_argument("--workdir", default=None, help="server log, store, audit log (default: a temp dir)")
+    add_models_dir_argument(soak)
+    add_workdir_argument(soak, "server log, store, audit log")
     add_report_arguments(soak, "bench-results/soak.json")
     soak.set_defaults(func=handle_soak)
 

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import add_report_arguments
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.ops import store_admin
 from hybridkv.store import StoreError

@@ -11,13 +11,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import add_report_arguments
+from hybridkv.cli.bench_options import add_models_dir_argument, add_report_arguments, add_rounds_argument
 from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_cell, format_table
 
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+#: ``--models-dir`` of the benches that only read a tiny model's config.
+_TINY_CONFIG_MODEL = "where the tiny model for vLLM's config is built"
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -42,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="comma-separated model families, of llama, gemma3, qwen3_next, lfm2 (default: %(default)s)",
     )
     ttft.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length (%(default)s)")
-    ttft.add_argument("--rounds", type=int, default=3, help="rounds, each on a fresh prompt (%(default)s)")
+    add_rounds_argument(ttft, default=3, help="rounds, each on a fresh prompt")
     ttft.add_argument(
         "--size",
         default="bench",
@@ -111,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "--prompt-tokens", default="1024,4096,16384", help="comma-separated prompt lengths (%(default)s)"
     )
     lookup.add_argument("--iterations", type=int, default=300, help="timed calls per measure (%(default)s)")
-    lookup.add_argument("--models-dir", default=None, help="where the tiny model for vLLM's config is built")
+    add_models_dir_argument(lookup, _TINY_CONFIG_MODEL)
     add_report_arguments(lookup, "bench-results/lookup.json")
     lookup.set_defaults(func=handle_lookup)
 
@@ -143,9 +147,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "MS one way to every master call (repeatable; needs the private namespace: scripts/netns-run)",
     )
     scheduler.add_argument("--requests", type=int, default=24, help="requests in the stream (%(default)s)")
-    scheduler.add_argument(
-        "--rounds", type=int, default=5, help="interleaved rounds; medians and spread over them (%(default)s)"
-    )
+    add_rounds_argument(scheduler, default=5, help="interleaved rounds; medians and spread over them")
     scheduler.add_argument(
         "--forward-ms",
         type=float,
@@ -204,9 +206,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     )
     scheduler.add_argument("--max-tokens", type=int, default=131072, help="longest prompt (%(default)s)")
     scheduler.add_argument("--per-step", type=int, default=2, help="requests added per step (%(default)s)")
-    scheduler.add_argument(
-        "--models-dir", default=None, help="where the tiny model for vLLM's config is built"
-    )
+    add_models_dir_argument(scheduler, _TINY_CONFIG_MODEL)
     add_report_arguments(scheduler, "bench-results/scheduler.json", plot=False)
     scheduler.set_defaults(func=handle_scheduler)
 
