@@ -215,3 +215,28 @@ def test_quota_machine_replays_retention_yielding_to_the_quota(machine_class: ty
         machine.exists([small])
     finally:
         machine.teardown()
+
+
+def test_hypothesis_collects_every_rule_and_invariant() -> None:
+    """The rules live on the machine, the checks of the store's answers on its base
+    (``hybridkv.testing.store_model.StoreModel``): Hypothesis still collects every rule."""
+    machine = make_store_machine(_memory, allows_eviction=True)
+    collected = machine.setup_state()
+    assert sorted(r.function.__name__ for r in collected.rules) == [
+        "concurrent_writers_of_one_key",
+        "exists",
+        "flood",
+        "get_into",
+        "get_into_wrong_size",
+        "iter_keys",
+        "pinned_entries_are_listed_and_read",
+        "put",
+        "put_one_tenants_batch",
+        "remove",
+        "remove_prefix",
+        "retain",
+        "retain_stored",
+        "set_quotas_mid_run",
+    ]
+    assert [r.function.__name__ for r in collected.initializers] == ["store_starts_empty"]
+    assert [i.function.__name__ for i in collected.invariants] == ["bytes_within_capacity"]
