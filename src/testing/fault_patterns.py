@@ -19,7 +19,8 @@ from hybridkv.connector.outcomes import STATUS_MEANINGS
 from hybridkv.lifecycle.geometry import Geometry
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status, StoreStats
-from hybridkv.store.faulty import PATTERN_OPS, FaultPatterns, FaultScope, FaultyBackend, OpPattern
+from hybridkv.store.faulty import FaultyBackend
+from hybridkv.store.faulty_patterns import PATTERN_OPS, FaultPatterns, FaultScope, OpPattern
 from hybridkv.store.framed import FrameParts
 from hypothesis import strategies as st
 
