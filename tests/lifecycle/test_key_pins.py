@@ -93,6 +93,28 @@ def test_keys_and_fingerprints_are_pinned(name: str) -> None:
     assert (len(candidates.keys), _digest(list(candidates.keys))) == (num_keys, keys_digest)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_every_key_builder_follows_the_one_rule(name: str) -> None:
+    """The lookup's key builders (from hex hashes, one rank, every rank, a slice of boundaries) give the
+    bytes ``KeyScheme.key`` gives for the hash ``KeyScheme.boundary_hash`` picks."""
+    scheme = SCHEMES[name]
+    geometry = scheme.geometry
+    block_hex = [block_hash.hex() for block_hash in BLOCK_HASHES]
+    boundaries = [geometry.hash_unit * (i + 1) for i in range(len(BLOCK_HASHES))]
+    for g in range(geometry.num_groups):
+        for r in range(len(geometry.topology.ranks)):
+            expected = [scheme.key(g, r, scheme.boundary_hash(BLOCK_HASHES, b)) for b in boundaries]
+            assert [scheme.boundary_key(g, r, block_hex, b) for b in boundaries] == expected
+            assert scheme.boundaries_keys(g, r, block_hex, boundaries) == expected
+        assert [scheme.boundary_rank_keys(g, block_hex, b) for b in boundaries] == [
+            [
+                scheme.key(g, r, scheme.boundary_hash(BLOCK_HASHES, b))
+                for r in range(len(geometry.topology.ranks))
+            ]
+            for b in boundaries
+        ]
+
+
 #: name -> (agreed boundary with every candidate present, number and digest of the load plan's
 #: (entry, key) pairs, number and digest of the save plan's)
 PINNED_PLANS = {
