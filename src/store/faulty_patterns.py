@@ -108,7 +108,8 @@ class FaultScope:
 
 @dataclass(frozen=True)
 class FaultPatterns:
-    """Every positional fault of a ``faulty+`` view (see the module docstring); the default has none."""
+    """Every positional fault of a ``faulty+`` view (their meanings: ``hybridkv.store.faulty``); the
+    default has none."""
 
     exists: OpPattern = OpPattern()
     get: OpPattern = OpPattern()
