@@ -37,7 +37,8 @@ class EngineLifecycle:
     Created ``STARTING`` and started at once (``engine_started``, with ``weights_source``: ``"checkpoint"``
     or ``"declared"``). Not thread-safe on its own (this package starts no threads and takes no locks): its
     owner serializes the calls (``hybridkv.connector.scheduler.namespace_gate.NamespaceGate`` holds one lock
-    around each); the reset epoch is the ``LifecycleMachine``'s (``begin_epoch``), the fingerprint its ``scheme``'s.
+    around each); the reset epoch is the ``LifecycleMachine``'s (``begin_epoch``), the fingerprint its
+    ``scheme``'s.
     """
 
     def __init__(self, lifecycle: LifecycleMachine, *, weights_source: str) -> None:

@@ -225,8 +225,9 @@ class StoreModel(RuleBasedStateMachine):
         if not self.config.tenant_quotas or not self.quotas_set:
             return
         tenants = self.store.stats().extra.get("tenants")
-        assert isinstance(tenants, dict) and set(tenants) == set(self.config.tenant_quotas), (
-            f"{self.store.url}: stats name the tenants {tenants}, the store was opened with {self.config.tenant_quotas}"
+        tenant_quotas = self.config.tenant_quotas
+        assert isinstance(tenants, dict) and set(tenants) == set(tenant_quotas), (
+            f"{self.store.url}: stats name the tenants {tenants}, the store was opened with {tenant_quotas}"
         )
         slack = (
             self.config.num_writer_threads * (self.config.max_value_size + FRAME_OVERHEAD)

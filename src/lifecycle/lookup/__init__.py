@@ -1,10 +1,11 @@
 """A lookup in a bounded number of batched existence checks: probe, confirm, and (rarely) scan.
 
-``plan_lookup(...) -> LookupCandidates`` (``scan.py``) lists every key a lookup may need -- every candidate boundary
-x every group x every rank -- for ONE ``store.exists``; ``LookupCandidates.resolve(exists)`` gives the
-agreed boundary (the same fixed point as vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``,
-each group's contribution by its kind's rules) and the exact ``LoadPlan``. At production geometry (a
-128K-token prompt, hash unit 64, DCP 8, two groups) that is ~32K keys. ``LookupSearch`` finds the same
+``plan_lookup(...) -> LookupCandidates`` (``scan.py``) lists every key a lookup may need -- every
+candidate boundary x every group x every rank -- for ONE ``store.exists``;
+``LookupCandidates.resolve(exists)`` gives the agreed boundary (the same fixed point as vLLM's
+``HybridKVCacheCoordinator.find_longest_cache_hit``, each group's contribution by its kind's rules; it is
+computed in ``agreement.py``) and the exact ``LoadPlan``. At production geometry (a 128K-token prompt, hash
+unit 64, DCP 8, two groups) that is ~32K keys. ``LookupSearch`` finds the same
 agreed boundary and the same load plan from far fewer keys, in a few rounds (``search.py``):
 
 1. **probe** (one round): one key per (lookup unit, candidate boundary) -- the unit's first group on
