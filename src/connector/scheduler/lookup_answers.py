@@ -23,7 +23,7 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.scheduler.lookup_service import LookupRunner, LookupTask
 from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
-from hybridkv.connector.scheduler.request_state import LookupInputs, RequestState
+from hybridkv.connector.scheduler.request_state import Answered, LookupInputs, RequestState, Searching
 from hybridkv.connector.stats import StatsBox
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine
@@ -106,40 +106,41 @@ class LookupAnswers:
                 log.warning(ConnectorLogEvent.LOOKUP_WHILE_LOADING, request_id=request.request_id)
             r.lc.evict("preempted" if r.lc.current is State.VERIFIED else "load abandoned")
             r.lc = self.machine.new_request(request.request_id, r.lc.session)
-            r.memo, r.load = None, None
+            r.load = None
             # Its facts stay: the new incarnation answers from them without a round trip when they
             # suffice (confirmed entries are as good as a fresh check: every load is verified anyway).
-            r.abandon_search()
+            r.forget_ask()
         lc = r.lc
         inputs: LookupInputs = (request.num_tokens, num_computed_tokens, lc.max_boundary)
-        task = r.task
+        task, searching = r.task, r.searching
         if (
             task is not None
             and not task.done
-            and r.search_inputs == inputs
-            and r.waiting_since is not None  # the first ask starts the wait (``_answer``)
+            and searching is not None
+            and searching.inputs == inputs
+            and searching.waiting_since is not None  # the first ask starts the wait (``_answer``)
             and lc.current is State.LOOKUP
             and not self.gate.closed
-            and not self._expired(r, task, time.monotonic())
+            and not self._expired(searching, task, time.monotonic())
         ):
             # vLLM asks every waiting request again every step: while its search is in flight the answer
             # is "ask again", given before any other work (``_answer`` reaches the same).
             return None, False
+        answered = r.answered
         if (
-            r.memo is not None
-            and r.memo[0] == inputs
+            answered is not None
+            and answered.inputs == inputs
             and lc.current in (State.PARTIAL_HIT, State.MISS)
             and not self.gate.closed
         ):
-            boundary = r.memo[1]
+            boundary = answered.boundary
             if lc.current is State.PARTIAL_HIT and boundary > num_computed_tokens:
-                r.num_unallocated_asks += 1
-                if r.num_unallocated_asks > MAX_UNALLOCATED_ASKS:
+                answered.num_unallocated_asks += 1
+                if answered.num_unallocated_asks > MAX_UNALLOCATED_ASKS:
                     reason = f"vLLM did not allocate the hit in {MAX_UNALLOCATED_ASKS} asks"
                     self.stats.add("hit_declined")
                     log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
-                    r.memo = None
-                    r.abandon_search()
+                    r.forget_ask()
                     lc.refuse(reason)
                     return 0, False
         else:
@@ -148,7 +149,7 @@ class LookupAnswers:
                 return None, False
             boundary = answer
             self.stats.add("lookups")
-            r.memo, r.num_unallocated_asks = (inputs, boundary), 0
+            r.ask = Answered(inputs, boundary)
             if lc.current is State.PARTIAL_HIT:
                 self.stats.add("lookup_hits")
         ext = boundary - num_computed_tokens
@@ -161,19 +162,20 @@ class LookupAnswers:
         lc = r.lc
         request = r.request
         now = time.monotonic()
-        if lc.current is not State.LOOKUP or r.search_inputs != inputs:
+        searching = r.searching
+        if lc.current is not State.LOOKUP or searching is None or searching.inputs != inputs:
             if lc.current is State.TRUNCATED and lc.resolution is not None:
                 # The truncation removed these from the store; the rest of the facts still stand.
                 r.known.update(dict.fromkeys(lc.resolution.invalid_keys, False))
-            r.search = None
-            search = lc.start_search(
+            r.ask = None  # a store round still in flight (``r.task``) stays: its facts serve any search
+            started = lc.start_search(
                 request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
             )
-            if search is None:
+            if started is None:
                 return 0  # retries exhausted: REFUSED for the rest of this incarnation
-            r.search, r.search_inputs, r.waiting_since = search, inputs, None
-        search = r.search
-        assert search is not None, f"request {request.request_id}: LOOKUP without a search"
+            r.ask = searching = Searching(started, inputs)
+        assert lc.current is State.LOOKUP, f"request {request.request_id}: a search outside LOOKUP"
+        search = searching.search
         if self.gate.closed:
             # Facts learnt before the reset may name removed entries: no answer until it has finished.
             return self._unavailable(r, "namespace reset in progress")
@@ -201,29 +203,29 @@ class LookupAnswers:
                 return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
             r.task = task = LookupTask(request.request_id, search, inputs, facts_epoch=r.facts_epoch)
             self.lookups.submit(task)
-        if r.waiting_since is None:
-            r.waiting_since = now
-        elif self._expired(r, task, now):
+        if searching.waiting_since is None:
+            searching.waiting_since = now
+        elif self._expired(searching, task, now):
             self.stats.add("lookup_errors")
             log.warning(
                 ConnectorLogEvent.LOOKUP_OVER_BUDGET,
                 request_id=request.request_id,
                 budget_ms=self.cfg.lookup_budget_ms,
                 store_ms=round(task.store_s * 1000.0, 1),
-                waited_ms=round((now - r.waiting_since) * 1000.0, 1),
+                waited_ms=round((now - searching.waiting_since) * 1000.0, 1),
                 store_call_hung=self.lookups.stalled(now),
             )
             return self._unavailable(r, "over lookup budget")
         return None
 
-    def _expired(self, r: RequestState, task: LookupTask, now: float) -> bool:
+    def _expired(self, searching: Searching, task: LookupTask, now: float) -> bool:
         """Whether a search in flight must end as a miss: its store time is over ``lookup_budget_ms``, a
-        store call hangs, or the request has waited (since ``r.waiting_since``) longer than any request may."""
-        assert r.waiting_since is not None, f"request {r.request.request_id}: its wait has not started"
+        store call hangs, or the ask has waited (since ``searching.waiting_since``) longer than any may."""
+        assert searching.waiting_since is not None, f"task {task.request_id}: its ask's wait has not started"
         return (
             task.store_s > self.budget_s
             or self.lookups.stalled(now)
-            or now - r.waiting_since > max(_MAX_WAIT_BUDGETS * self.budget_s, _MIN_WAIT_S)
+            or now - searching.waiting_since > max(_MAX_WAIT_BUDGETS * self.budget_s, _MIN_WAIT_S)
         )
 
     def _unavailable(self, r: RequestState, reason: str) -> int:

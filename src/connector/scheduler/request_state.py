@@ -6,10 +6,11 @@ its states and is cleared when the lifecycle leaves it:
 ==========================  =====================================================================
 field                       meaningful while the lifecycle is
 ==========================  =====================================================================
-``task``                    ``NEW`` (the prefetch) or ``LOOKUP`` (the search in flight)
-``search``, ``search_inputs``, ``waiting_since``  ``LOOKUP`` (the ask it answers; vLLM was told to ask again)
-``memo``                    ``PARTIAL_HIT`` / ``MISS`` (the answer repeated asks reuse), of the current
-                            reset epoch only
+``task``                    ``NEW`` (the prefetch) or ``LOOKUP`` (the store round in flight on the
+                            lookup worker)
+``ask``                     :class:`Searching` in ``LOOKUP`` (the ask a search answers; vLLM was told
+                            to ask again); :class:`Answered` in ``PARTIAL_HIT`` / ``MISS`` (the answer
+                            repeated asks reuse, of the current reset epoch only); else None
 ``load``, ``load_results``, ``load_ranks``        ``LOADING`` (waiting for every rank's report)
 ``known``, ``block_hex``,   any live state: existence facts of this incarnation's searches, of the
 ``facts_epoch``             current reset epoch only (a reset drops them: ``forget_facts``; the epoch
@@ -34,10 +35,36 @@ from hybridkv.lifecycle.table import State
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["LookupInputs", "RequestState"]
+__all__ = ["Answered", "LookupInputs", "RequestState", "Searching"]
 
 #: What an answer depends on: (num_tokens, num_computed_tokens, retry cap)
 LookupInputs = tuple[int, int, int | None]
+
+
+@dataclass
+class Searching:
+    """vLLM's current ask, not answered yet (the lifecycle in ``LOOKUP``): the search that answers it, the
+    inputs it answers, and when vLLM was first told to ask again (None until then; the wait is bounded
+    from there, ``LookupAnswers``)."""
+
+    search: LookupSearch
+    inputs: LookupInputs
+    waiting_since: float | None = None
+
+
+@dataclass
+class Answered:
+    """The answer vLLM's asks with ``inputs`` get again without a store call (the lifecycle in
+    ``PARTIAL_HIT`` / ``MISS``): the agreed ``boundary``, and how many asks it answered with a hit vLLM
+    has not allocated (``LookupAnswers``' watchdog)."""
+
+    inputs: LookupInputs
+    boundary: int
+    num_unallocated_asks: int = 0
+
+
+#: The ask sub-state: no ask, a search in flight, or an answer.
+Ask = Searching | Answered | None
 
 
 @dataclass
@@ -45,27 +72,30 @@ class RequestState:
     request: Request
     lc: RequestLifecycle
     saves: RequestSaves
-    #: inputs of the last answered lookup and its answer (asks may repeat while vLLM waits for blocks)
-    memo: tuple[LookupInputs, int] | None = None
-    #: asks answered from ``memo`` with a hit vLLM has not allocated (``LookupAnswers``' watchdog)
-    num_unallocated_asks: int = 0
+    #: where vLLM's current ask stands: searching, answered, or none (asks repeat while vLLM waits)
+    ask: Ask = None
     #: existence facts (key -> present) gathered by this incarnation's searches
     known: dict[str, bool] = field(default_factory=dict)
     #: bumped each time ``known`` is dropped (``drop_facts``): a lookup process keeps the facts of the
     #: current epoch only
     facts_epoch: int = 0
-    #: the search answering the current ask (lifecycle in LOOKUP), and its inputs
-    search: LookupSearch | None = None
-    search_inputs: LookupInputs | None = None
-    #: the search in flight on the lookup worker (the prefetch, or ``search``)
+    #: the store round in flight on the lookup worker (the prefetch, or the search of ``ask``)
     task: LookupTask | None = None
     #: the request's block hashes in hex (key suffixes), shared by its searches
     block_hex: list[str] | None = None
-    #: when vLLM first asked for the current lookup and got "ask again"
-    waiting_since: float | None = None
     load: LoadJob | None = None
     load_results: list[LoadResult] = field(default_factory=list)
     load_ranks: set[int] = field(default_factory=set)
+
+    @property
+    def searching(self) -> Searching | None:
+        """The ask in flight, if any."""
+        return self.ask if isinstance(self.ask, Searching) else None
+
+    @property
+    def answered(self) -> Answered | None:
+        """The answered ask, if any."""
+        return self.ask if isinstance(self.ask, Answered) else None
 
     @property
     def loading_boundary(self) -> int:
@@ -73,13 +103,21 @@ class RequestState:
         return self.load.boundary if self.load is not None else 0
 
     def abandon_search(self) -> None:
-        """Stop the search in flight (a queued one never runs; a running one's answer is ignored). The facts
-        stay, but not shared with a task still running: it writes its answers into the old dict from the
-        lookup thread, and a search on the scheduler thread must not see facts change under it."""
+        """Stop the search in flight (a queued one never runs; a running one's answer is ignored); an
+        answer stays. The facts stay, but not shared with a task still running: it writes its answers into
+        the old dict from the lookup thread, and a search on the scheduler thread must not see facts change
+        under it."""
         if self.task is not None:
             self.task.cancelled = True
             self.known = dict(self.known)  # whether or not it has finished: a copy costs little
-        self.task, self.search, self.search_inputs, self.waiting_since = None, None, None, None
+        self.task = None
+        if isinstance(self.ask, Searching):
+            self.ask = None
+
+    def forget_ask(self) -> None:
+        """No ask at all: the search in flight stops (``abandon_search``) and the answer is dropped."""
+        self.abandon_search()
+        self.ask = None
 
     def drop_facts(self) -> None:
         """Start over with no existence facts (a new dict: an abandoned task may still write to the old
@@ -91,9 +129,8 @@ class RequestState:
         """Drop everything the request learnt about the store (a namespace reset): its search in flight,
         its existence facts, its memo; a hit answered from them is revoked (``hit_revoked``) and a lookup
         in flight ends as a miss, so nothing from before the reset is ever loaded after it."""
-        self.abandon_search()
+        self.forget_ask()
         self.drop_facts()
-        self.memo = None
         if self.lc.current is State.PARTIAL_HIT:
             self.lc.revoke(reason)
         elif self.lc.current is State.LOOKUP:
@@ -114,5 +151,7 @@ class RequestState:
         """The load was judged (or abandoned): nothing more is collected for it."""
         job = self.load
         assert job is not None, f"request {self.request.request_id}: end_load without a load"
-        self.load, self.memo = None, None
+        self.load = None
+        if isinstance(self.ask, Answered):
+            self.ask = None
         return job

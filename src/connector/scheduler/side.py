@@ -290,7 +290,8 @@ class SchedulerSide:
         Empty in async mode, where a declined hit fails request-level."""
         if not self.cfg.layerwise:
             return ()
-        num_local = r.memo[0][1] if r is not None and r.memo is not None else 0
+        answered = r.answered if r is not None else None
+        num_local = answered.inputs[1] if answered is not None else 0
         return external_block_ids(self.geo, blocks, num_local, num_external_tokens)
 
     def _decline_allocated(
@@ -308,8 +309,8 @@ class SchedulerSide:
         log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
         if r is None:
             return
-        r.memo, r.load = None, None
-        r.abandon_search()
+        r.load = None
+        r.forget_ask()
         if r.lc.may_hit:
             r.lc.refuse(reason)
 
