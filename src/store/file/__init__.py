@@ -6,6 +6,8 @@ One class per strategy:
   calls (each frame between the caller's buffers and one file).
 - ``layout.FileLayout``: the directory's protocol every process sharing it follows: names, the shared usage
   estimate, LRU eviction, recycling of files and its locks.
+- ``eviction.CapacityEvictor``: one process's capacity passes: the put's, bounded by what it evicts, and the
+  background top-up to the low watermark.
 - ``ledger``: the tenants' shared ledger under the directory's quotas (estimates, reservations of puts in
   flight, the tenant eviction pass).
 - ``tenants.FileTenants``: one handle's quotas, reservations and counters per tenant.

@@ -46,8 +46,11 @@ its old name must never see the new bytes, so for recyclable files:
 
 LRU across processes: a file's mtime is its last use. Reads and ``exists`` touch it (at most once a second
 per file, to keep hits cheap). Accounting: every put adds its size to ``usage`` and every remove subtracts
-it, under an flock; when a put would exceed ``capacity`` the putter takes ``evict.lock``, scans the
-objects, deletes oldest-mtime first down to 90 % of capacity, and rewrites ``usage`` with the real total
+it, under an flock; when a put would exceed ``capacity`` the putter takes ``evict.lock`` and evicts
+oldest-mtime first what it needs, from the process's index of the oldest files or from a sample of shards,
+taking exactly what it removed off ``usage``; a thread of the process tops the store up to 90 % of capacity
+in the background (``hybridkv.store.file.eviction``: a put's cost is bounded by what it evicts, not by the
+entries the store holds). ``make_room``, the whole-store pass, rewrites ``usage`` with the real total
 (correcting drift from crashed writers). The bound is approximate only by the values in flight at once.
 
 Retention (``Store.retain``, ``hybridkv.store.retention``): a retained file's mtime is set to the time its
@@ -80,11 +83,11 @@ from typing import overload
 
 import structlog
 from hybridkv.store.base import StoreError, StoreLogEvent
-from hybridkv.store.file.eviction_log import EvictionLog, digest_of_name
-from hybridkv.store.file.ledger import SharedLedger, TenantTally
-from hybridkv.store.file.policy import LOW_WATERMARK, STALE_TMP_S, eviction_order
+from hybridkv.store.file.eviction import CapacityEvictor
+from hybridkv.store.file.eviction_log import EvictionLog
+from hybridkv.store.file.ledger import SharedLedger
+from hybridkv.store.file.policy import LOW_WATERMARK, STALE_TMP_S
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
-from hybridkv.store.retention import RETAIN_FRACTION
 
 log = structlog.get_logger(__name__)
 
@@ -151,8 +154,16 @@ class FileLayout:
         self._evict_thread_lock = threading.Lock()
         #: Files this process's eviction passes evicted (moved to spare/ or unlinked).
         self.num_evicted = 0
+        #: Seconds this process's threads waited for the usage lock and for ``evict.lock`` (the blocking
+        #: holds: ``usage_locked``, ``evict_locked``), and how many times each was taken.
+        self.usage_lock_wait_s = 0.0
+        self.num_usage_locks = 0
+        self.evict_lock_wait_s = 0.0
+        self.num_evict_locks = 0
         #: What every process's eviction passes removed (``hybridkv.store.file.eviction_log``).
         self.eviction_log = EvictionLog(directory)
+        #: This process's capacity passes: the put path's, bounded, and the background top-up.
+        self.evictor = CapacityEvictor(self, _SUFFIX)
 
     def set_effective_capacity(self, num_bytes: int) -> None:
         """Hold eviction (and the spares' budget) to ``num_bytes``, at most ``capacity_bytes``: the bytes the
@@ -162,7 +173,9 @@ class FileLayout:
         self.spare_budget_bytes = int(effective * _SPARE_FRACTION)
 
     def close(self) -> None:
-        """Close the shared descriptors (the caller makes sure no call still uses them)."""
+        """Stop the top-up thread, then close the shared descriptors (the caller makes sure no call still
+        uses them)."""
+        self.evictor.close()
         os.close(self._usage_fd)
         os.close(self._evict_fd)
         self.ledger.close()
@@ -172,8 +185,11 @@ class FileLayout:
         """Hold the usage estimate's lock: ``usage``'s flock across processes, and a lock of this process's
         own (flock is per open file description, so it does not tell this process's threads apart). The
         tenants' ledger is read and written under it too."""
+        started = time.perf_counter()
         with self._usage_lock:
             fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            self.usage_lock_wait_s += time.perf_counter() - started  # under the lock: no race
+            self.num_usage_locks += 1
             try:
                 yield
             finally:
@@ -183,8 +199,11 @@ class FileLayout:
     def evict_locked(self) -> Iterator[None]:
         """Hold ``evict.lock`` (waiting for it): one eviction pass at a time, across processes and across this
         process's threads (a capacity pass takes it without waiting: ``make_room``)."""
+        started = time.perf_counter()
         with self._evict_thread_lock:
             fcntl.flock(self._evict_fd, fcntl.LOCK_EX)
+            self.evict_lock_wait_s += time.perf_counter() - started  # under the lock: no race
+            self.num_evict_locks += 1
             try:
                 yield
             finally:
@@ -228,7 +247,7 @@ class FileLayout:
         stamp = max(now, until)
         os.utime(path, (now, stamp))
 
-    def _is_recyclable(self, size: int) -> bool:
+    def is_recyclable(self, size: int) -> bool:
         """Whether a file of ``size`` bytes may be recycled (readers lock exactly these)."""
         return _size_class(size) >= self.recycle_min_size
 
@@ -327,7 +346,7 @@ class FileLayout:
             return None
         try:
             info = os.fstat(fd)
-            if self._is_recyclable(info.st_size):
+            if self.is_recyclable(info.st_size):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -385,7 +404,7 @@ class FileLayout:
         """Add ``delta`` to the usage estimate (and ``spare_delta`` to the spare estimate); returns the usage."""
         return self.update_usage(lambda usage, spare: (usage + delta, spare + spare_delta))[0]
 
-    def _set_usage(self, usage: int, spare: int) -> None:
+    def set_usage(self, usage: int, spare: int) -> None:
         self.update_usage(lambda _usage, _spare: (usage, spare))
 
     # -- retiring, spares, eviction ----------------------------------------------------------------------
@@ -393,7 +412,7 @@ class FileLayout:
     def retire(self, path: str, size: int) -> bool:
         """Take the published file ``path`` (``size`` bytes) out of the store: keep it as a spare when it is
         recyclable and the spares have room, else unlink it. Accounts for it; ``False`` if it was gone."""
-        if self._is_recyclable(size):
+        if self.is_recyclable(size):
             kept = False
 
             def reserve(usage: int, spare: int) -> tuple[int, int]:
@@ -404,7 +423,7 @@ class FileLayout:
             self.update_usage(reserve)
             if kept:
                 try:
-                    self._move_to_spare(path, size)
+                    self.move_to_spare(path, size)
                 except FileNotFoundError:
                     self.add_usage(0, -size)
                     return False
@@ -416,7 +435,7 @@ class FileLayout:
         self.add_usage(-size)
         return True
 
-    def _move_to_spare(self, path: str, size: int) -> None:
+    def move_to_spare(self, path: str, size: int) -> None:
         """Rename ``path`` into its size class under spare/ (no accounting)."""
         shard = f"{self._spare_str}/{_size_class(size)}"
         spare = f"{shard}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}{_SUFFIX}"
@@ -434,7 +453,7 @@ class FileLayout:
         claims: list[tuple[str, int] | None] = [None] * len(sizes)
         class_to_candidates: dict[int, list[str]] = {}
         for index, size in enumerate(sizes):
-            if size is None or not self._is_recyclable(size):
+            if size is None or not self.is_recyclable(size):
                 continue
             size_class = _size_class(size)
             candidates = class_to_candidates.get(size_class)
@@ -463,8 +482,10 @@ class FileLayout:
         return claims
 
     def make_room(self, size: int, namespaces: Collection[str] = ()) -> bool:
-        """Evict oldest files until ``size`` more bytes fit under the low watermark of the effective capacity
-        (``set_effective_capacity``; one process at a time).
+        """The whole-store pass (``CapacityEvictor.full_pass``): evict oldest files until ``size`` more bytes
+        fit under the low watermark of the effective capacity (``set_effective_capacity``), rewrite ``usage``
+        from the files and remove crashed writers' temp files. Without waiting: one process (and one thread)
+        at a time. O(N): for operators, tests and benches; the put path runs ``make_room_for_put``.
 
         ``namespaces``: the directory's namespaces under a quota. With any, the pass reads the header of each
         file it evicts, counts it for its tenant (``SharedLedger.namespace_to_capacity_evicted``; ``OTHER_TENANTS`` for
@@ -479,67 +500,27 @@ class FileLayout:
             self._evict_thread_lock.release()
             return False  # another process is evicting right now; its pass makes room for us too
         try:
-            now = time.time()
-            entries: list[tuple[float, int, Path]] = []
-            for path in self.iter_object_paths():
-                try:
-                    info = path.stat()
-                except FileNotFoundError:
-                    continue
-                entries.append((info.st_mtime, info.st_size, path))
-            spares: list[tuple[float, int, Path]] = []
-            for path in self.iter_spare_paths():
-                try:
-                    info = path.stat()
-                except FileNotFoundError:
-                    continue
-                spares.append((info.st_mtime, info.st_size, path))
-            spare_total = sum(size_ for _mtime, size_, _path in spares)
-            total = sum(size_ for _mtime, size_, _path in entries) + spare_total
-            # Spares count toward capacity: evicting a file into spare/ frees nothing, so the pass goes on to
-            # older files until objects + spares fit under the watermark (spares stay within their budget).
-            target = int(self.effective_capacity_bytes * LOW_WATERMARK) - size
-            entries = eviction_order(entries, now, self.effective_capacity_bytes * RETAIN_FRACTION)
-            num_evicted = 0
-            tally = TenantTally(self, self.ledger, namespaces)
-            evicted: list[bytes | None] = []
-            for _mtime, file_size, path in entries:
-                if total <= target:
-                    break
-                tally.note(str(path), file_size)
-                evicted.append(digest_of_name(path.name))
-                if self._is_recyclable(file_size) and spare_total + file_size <= self.spare_budget_bytes:
-                    try:
-                        self._move_to_spare(str(path), file_size)
-                        spare_total += file_size
-                    except FileNotFoundError:
-                        total -= file_size
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
-                    total -= file_size
-                num_evicted += 1
-            spares.sort(key=lambda entry: entry[0])
-            for _mtime, file_size, path in spares:  # only when objects alone do not fit: drop spares too
-                if total <= target:
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                total -= file_size
-                spare_total -= file_size
-            self._set_usage(total, spare_total)
-            self.eviction_log.append([digest for digest in evicted if digest is not None])
-            tally.settle()
-            with self._counters_lock:
-                self.num_evicted += num_evicted
-            self._remove_stale_temp_files(now)
-            log.debug(StoreLogEvent.FILE_EVICTED, url=self.url, num_evicted=num_evicted, num_bytes=total)
+            self.evictor.full_pass(size, namespaces)
             return True
         finally:
             fcntl.flock(self._evict_fd, fcntl.LOCK_UN)
             self._evict_thread_lock.release()
 
-    def _remove_stale_temp_files(self, now: float) -> None:
+    def make_room_for_put(self, size: int, namespaces: Collection[str] = ()) -> int:
+        """The put path's pass (``CapacityEvictor.make_room_for_put``): evicts what the put needs, bounded by
+        what it evicts, not by the store's entries; waits for ``evict.lock``; takes off ``usage`` exactly
+        what it removed (the put's own bytes stay counted). Returns the files it evicted."""
+        return self.evictor.make_room_for_put(size, namespaces)
+
+    def read_usage(self) -> tuple[int, int]:
+        """The shared estimates: (bytes under objects/ and spare/, bytes under spare/)."""
+        return self.update_usage(lambda usage, spare: (usage, spare))
+
+    def count_evicted(self, num_evicted: int) -> None:
+        with self._counters_lock:
+            self.num_evicted += num_evicted
+
+    def remove_stale_temp_files(self, now: float) -> None:
         with os.scandir(self._tmp) as entries:
             for entry in entries:
                 try:

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import TypeVar
 
 from hybridkv.store.retention import protected_keys
+
+#: A file's path: ``Path`` (the tenant pass) or ``str`` (the capacity passes, which scan a million files).
+P = TypeVar("P", str, Path)
 
 #: Evict down to this fraction of capacity (of the quota, in a tenant's pass), so eviction scans run once per
 #: 10 % written.
@@ -18,8 +23,8 @@ STALE_TMP_S = 600.0
 
 
 def eviction_order(
-    entries: list[tuple[float, int, Path]], now: float, retain_budget_bytes: float
-) -> list[tuple[float, int, Path]]:
+    entries: list[tuple[float, int, P]], now: float, retain_budget_bytes: float
+) -> list[tuple[float, int, P]]:
     """``(mtime, size, path)`` entries in the order eviction takes them (``hybridkv.store.retention``).
 
     A file whose mtime is in the future is retained until then (``FileLayout.retain``). Retained files
@@ -27,16 +32,18 @@ def eviction_order(
     file, the one expiring first first; the other retained files are ordinary files last used when they were
     retained (or read since: their atime). The rest is least recently used first."""
     retained = {str(path): mtime for mtime, _size, path in entries if mtime > now}
-    sizes = {str(path): size for _mtime, size, path in entries}
-    protected = protected_keys(retained, sizes, retain_budget_bytes) if retained else set()
+    if not retained:
+        return sorted(entries, key=lambda entry: entry[0])
+    sizes = {str(path): size for mtime, size, path in entries if mtime > now}
+    protected = protected_keys(retained, sizes, retain_budget_bytes)
 
-    def last_use(path: Path) -> float:
+    def last_use(path: P) -> float:
         try:
-            return min(path.stat().st_atime, now)
+            return min(os.stat(path).st_atime, now)
         except FileNotFoundError:
             return now
 
-    def order(entry: tuple[float, int, Path]) -> tuple[int, float]:
+    def order(entry: tuple[float, int, P]) -> tuple[int, float]:
         mtime, _size, path = entry
         if str(path) in protected:
             return (1, mtime)

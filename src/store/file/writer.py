@@ -87,12 +87,8 @@ class FrameWriter:
         num_unclaimed_bytes = num_new_bytes - num_claimed_frame_bytes
         capacity = self.space.effective_capacity(force=False)
         usage = layout.add_usage(num_new_bytes - num_spare_bytes, -num_spare_bytes)
-        if (
-            num_unclaimed_bytes
-            and usage > capacity
-            and layout.make_room(num_unclaimed_bytes, self.tenants.quotas)
-        ):
-            layout.add_usage(num_new_bytes)  # the eviction pass rewrote usage without this batch
+        if num_unclaimed_bytes and usage > capacity:
+            layout.make_room_for_put(num_unclaimed_bytes, self.tenants.quotas)  # this batch stays counted
         num_unpublished_bytes = 0
         namespace_to_unpublished_bytes: dict[str, int] = {}
         num_unwritten_bytes = num_new_bytes  # counted in usage, not written yet (see _publish_with_room)
@@ -144,8 +140,8 @@ class FrameWriter:
         ``num_unwritten_bytes`` is given: re-read the free space (the effective capacity drops to what the
         file system holds), evict to make room as at capacity (least recently used first, retention and
         quotas as usual) and write the frame once more, into a new file. ``num_unwritten_bytes``: the
-        batch's bytes counted in ``usage`` but not on disk (this frame's included), added back when the
-        eviction pass rewrote ``usage`` to the bytes on disk; ``None``: no retry.
+        batch's bytes counted in ``usage`` but not on disk (this frame's included), which the effective
+        capacity must not take for bytes the file system holds; ``None``: no retry.
 
         Returns (status, whether this call published, whether the batch's next frames may still retry):
         not after a retry that met ``ENOSPC`` again, which also marks the store ``cannot_write`` (until a
@@ -154,8 +150,7 @@ class FrameWriter:
         if status is Status.NO_SPACE and num_unwritten_bytes is not None:
             self.space.effective_capacity(force=True, num_unwritten_bytes=num_unwritten_bytes)
             size = sum(part.nbytes for part in frame)
-            if self.layout.make_room(size, self.tenants.quotas):
-                self.layout.add_usage(num_unwritten_bytes)
+            self.layout.make_room_for_put(size, self.tenants.quotas)  # the unwritten bytes stay counted
             status, published = self._publish(key, frame, path, None, seal, index)
             if not published and status is Status.NO_SPACE:
                 self.cannot_write = True
