@@ -16,11 +16,11 @@ from hybridkv.bench.agentic.replay import (
     DEFAULT_STATE_VALUE_BYTES,
     NUM_WINDOWS,
     ReplayResult,
-    _windows,
     replay_trace,
+    window_fractions,
 )
 from hybridkv.bench.agentic.stores import CONFIGURATIONS, StoreConfiguration, opened_store
-from hybridkv.bench.agentic.table import _row, _targets
+from hybridkv.bench.agentic.table import agentic_targets, config_row
 from hybridkv.bench.agentic.trace import AgenticTrace, AgenticWorkload, generate_trace
 from hybridkv.bench.harness import rotated
 from hybridkv.store.base import StoreError
@@ -101,7 +101,9 @@ def run_agentic_bench(
         for trace in traces
     )
     rows = [
-        _row(c, config_to_runs[c.name], config_to_runs[baseline] if baseline else [], baseline, first.tenants)
+        config_row(
+            c, config_to_runs[c.name], config_to_runs[baseline] if baseline else [], baseline, first.tenants
+        )
         for c in measured
     ]
     return {
@@ -122,10 +124,10 @@ def run_agentic_bench(
         "ideal_hit_fraction": ideal_hit_fraction,
         "rows": rows,
         "unavailable": [{"configuration": name, "error": error} for name, error in unavailable.items()],
-        "targets": _targets(rows, baseline),
+        "targets": agentic_targets(rows, baseline),
         "windows": {
             "num_requests": len(first.requests),
-            "ideal": _windows(
+            "ideal": window_fractions(
                 first.ideal_hit_tokens(), [r.num_prompt_tokens for r in first.requests], NUM_WINDOWS
             ),
             **{name: runs[0].window_hit_fractions for name, runs in config_to_runs.items() if runs},

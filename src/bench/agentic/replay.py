@@ -107,7 +107,7 @@ def _framed_holdings(store: Store, group_to_value_bytes: Sequence[int]) -> dict[
     return holdings
 
 
-def _windows(hits: Sequence[int], prompts: Sequence[int], num_windows: int) -> list[float]:
+def window_fractions(hits: Sequence[int], prompts: Sequence[int], num_windows: int) -> list[float]:
     """Hit tokens over prompt tokens in ``num_windows`` consecutive windows of requests."""
     size = max(1, -(-len(prompts) // max(1, num_windows)))
     return [
@@ -323,6 +323,6 @@ def replay_trace(
         num_put_failures=replay.num_put_failures,
         num_exists_calls=replay.num_exists_calls,
         seconds=seconds,
-        window_hit_fractions=_windows(hits, prompts, NUM_WINDOWS),
+        window_hit_fractions=window_fractions(hits, prompts, NUM_WINDOWS),
         store_tenants=dict(tenant_stats) if isinstance(tenant_stats, dict) else {},
     )

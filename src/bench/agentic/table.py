@@ -16,7 +16,7 @@ from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 _MIB = float(1 << 20)
 
 
-def _row(
+def config_row(
     configuration: StoreConfiguration,
     runs: Sequence[ReplayResult],
     baseline_runs: Sequence[ReplayResult],
@@ -83,7 +83,7 @@ def _row(
     }
 
 
-def _targets(rows: Sequence[Mapping[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+def agentic_targets(rows: Sequence[Mapping[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
     """The issue's target per configuration (>= 15 points over the baseline), and for the configurations
     that set a quota: 0 bytes of any tenant evicted by the background's puts while it was over its quota
     (what the store did: listings around each of its puts)."""

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.agentic_serve.replay import run_configuration
-from hybridkv.bench.agentic_serve.table import _row, _targets
+from hybridkv.bench.agentic_serve.table import agentic_serve_targets, configuration_row
 from hybridkv.bench.agentic_serve.trace import (
-    _MIB,
     BASELINE,
     CONFIGURATIONS,
+    MIB,
     MOONCAKE_CONFIGURATION,
     NUM_WINDOWS,
     ServeSetup,
@@ -64,7 +64,7 @@ def run_agentic_serve_bench(
     capacities = [max(1, int(setup.capacity_fraction * t.working_set_blocks() * block_bytes)) for t in traces]
     if MOONCAKE_CONFIGURATION in ordered and min(capacities) < MIN_SEGMENT_BYTES:
         raise ValueError(
-            f"store capacity {min(capacities) / _MIB:.1f} MiB ({setup.capacity_fraction:g} of the working set) "
+            f"store capacity {min(capacities) / MIB:.1f} MiB ({setup.capacity_fraction:g} of the working set) "
             f"is below Mooncake's smallest global segment ({MIN_SEGMENT_BYTES >> 20} MiB): raise the capacity "
             "fraction or the trace (sessions, requests), or leave mooncake-store out"
         )
@@ -88,7 +88,7 @@ def run_agentic_serve_bench(
                 runs[configuration].append(run)
                 if progress is not None:
                     progress(_progress_line(run, round_index, num_rounds))
-    rows = [_row(c, runs[c], runs.get(BASELINE, [])) for c in ordered]
+    rows = [configuration_row(c, runs[c], runs.get(BASELINE, [])) for c in ordered]
     first = traces[0]
     first_runs = {c: rs[0] for c, rs in runs.items() if rs and "error" not in rs[0]}
     ideal = first.ideal_hit_tokens()
@@ -114,7 +114,7 @@ def run_agentic_serve_bench(
         "shapes": [t.shape() for t in traces],
         "store_ceiling_share": _store_ceiling(traces, runs.get("none", [])),
         "rows": rows,
-        "targets": _targets(rows, runs),
+        "targets": agentic_serve_targets(rows, runs),
         "windows": {
             "num_requests": len(first.requests),
             "window_requests": size,

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.agentic_serve.trace import (
-    _FIRST_TOKEN_ID,
-    _NAMESPACE,
-    _START_TIMEOUT_S,
     CONFIGURATIONS,
+    FIRST_TOKEN_ID,
     HYBRIDKV_CONFIGURATIONS,
     MOONCAKE_CONFIGURATION,
+    NAMESPACE,
     NUM_WINDOWS,
+    START_TIMEOUT_S,
     ReplayRequest,
     ServeSetup,
     ServeTrace,
@@ -143,7 +143,7 @@ def _warm_up(base_url: str, setup: ServeSetup) -> None:
     for index in range(2):
         body = {
             "model": "tiny",
-            "prompt": [_FIRST_TOKEN_ID + (index * 7 + k) % 100 for k in range(length)],
+            "prompt": [FIRST_TOKEN_ID + (index * 7 + k) % 100 for k in range(length)],
             "max_tokens": setup.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -166,7 +166,7 @@ def _start_server(
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(setup.reserved_cpus)}
     kv: dict[str, Any] | None = None
     if configuration in HYBRIDKV_CONFIGURATIONS:
-        kv = hybridkv_transfer_config(f"file://{store_dir}?capacity={capacity_bytes}", namespace=_NAMESPACE)
+        kv = hybridkv_transfer_config(f"file://{store_dir}?capacity={capacity_bytes}", namespace=NAMESPACE)
     elif configuration == MOONCAKE_CONFIGURATION:
         assert master is not None, "mooncake-store needs its master"
         mooncake_config = rundir / "mooncake-store.json"
@@ -197,7 +197,7 @@ def _start_server(
         kv_cache_memory_bytes=int(setup.kv_cache_mib * (1 << 20)),
         extra_args=("--block-size", str(setup.block_tokens)),
         extra_env=env,
-        start_timeout_s=_START_TIMEOUT_S,
+        start_timeout_s=START_TIMEOUT_S,
     )
 
 

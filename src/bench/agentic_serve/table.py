@@ -10,12 +10,12 @@ from typing import Any
 from hybridkv.bench.agentic import (
     TARGET_POINTS_OVER_LRU,
 )
-from hybridkv.bench.agentic_serve.trace import _MIB, BASELINE, MOONCAKE_CONFIGURATION, SESSIONS_CONFIGURATION
+from hybridkv.bench.agentic_serve.trace import BASELINE, MIB, MOONCAKE_CONFIGURATION, SESSIONS_CONFIGURATION
 from hybridkv.bench.harness import median_or_none, spread_or_none
 from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 
 
-def _row(
+def configuration_row(
     configuration: str, runs: Sequence[Mapping[str, Any]], base_runs: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """One configuration's table row: medians over its measured rounds, [min, max], the points against the
@@ -55,7 +55,7 @@ def _row(
         "ttft_p99_ms_spread": _ms_spread([r["ttft_p99_s"] for r in measured]),
         "written_mib": None
         if not written or written[0] is None
-        else _scaled(median_or_none(written), 1 / _MIB),
+        else _scaled(median_or_none(written), 1 / MIB),
         "written_source": measured[0]["store_bytes_written_source"] if measured else None,
         "session_retained_keys": median_or_none([h.get("hybridkv_session_retained_keys") for h in hybridkv])
         if hybridkv
@@ -80,7 +80,7 @@ def _ms_spread(values: Sequence[float | None]) -> str | None:
     return f"[{min(present):.0f}, {max(present):.0f}]" if present else None
 
 
-def _targets(
+def agentic_serve_targets(
     rows: Sequence[Mapping[str, Any]], runs: Mapping[str, Sequence[Mapping[str, Any]]]
 ) -> list[dict[str, Any]]:
     """The issue's target (``file-lru+sessions`` >= 15 points over ``file-lru``), its share against
@@ -140,10 +140,10 @@ def describe_report(report: Mapping[str, Any]) -> str:
     s = report["shape"]
     setup = report["setup"]
     kinds = s["num_requests_by_kind"]
-    working = statistics.median(report["working_set_bytes"]) / _MIB
+    working = statistics.median(report["working_set_bytes"]) / MIB
     blocks = statistics.median(shape["working_set_blocks"] for shape in report["shapes"])
-    capacity = statistics.median(report["capacity_bytes"]) / _MIB
-    local = report["local_cache_bytes"] / _MIB
+    capacity = statistics.median(report["capacity_bytes"]) / MIB
+    local = report["local_cache_bytes"] / MIB
     last_seed = report["seed"] + report["num_rounds"] - 1
     trace = (
         f"trace (seed {s['seed']}; tokens scaled 1/{s['token_scale']}, blocks of {s['block_tokens']}): "
@@ -204,7 +204,7 @@ def plot_report(report: Mapping[str, Any], path: Path) -> Path | None:
     axes.set_xlabel(f"request (trace order, seed {report['seed']}, windows of {size})")
     axes.set_ylabel("prompt tokens served from the store")
     axes.set_ylim(0, 1)
-    capacity = statistics.median(report["capacity_bytes"]) / _MIB
+    capacity = statistics.median(report["capacity_bytes"]) / MIB
     axes.set_title(
         f"agentic trace on real engines, store {capacity:.1f} MiB "
         f"({report['setup']['capacity_fraction']:g} x working set)"

@@ -26,17 +26,17 @@ _WORKLOAD_TOKEN_SCALE = 64
 _WORKLOAD_SESSIONS = 24
 _WORKLOAD_ARRIVAL_S = 1800.0
 #: Token ids 0..2 are the tiny models' pad/bos/eos.
-_FIRST_TOKEN_ID = 3
+FIRST_TOKEN_ID = 3
 #: Windows of the hit share over the trace (the plot).
 NUM_WINDOWS = 20
-_NAMESPACE = "bench-agentic-serve"
+NAMESPACE = "bench-agentic-serve"
 #: The tiny Llama with 4 KV heads of 128 (4 KiB of KV per token, 128 KiB per 32-token block; 2 layers,
 #: hidden 128): a working set of a few hundred requests is then over 64 MiB, so a quarter of it reaches
 #: Mooncake's smallest global segment (16 MiB), and the compute stays that of the tiny model.
 MODEL_OVERRIDES: dict[str, Any] = {"num_key_value_heads": 4, "head_dim": 128}
-_MIB = float(1 << 20)
+MIB = float(1 << 20)
 #: A server not healthy by then failed (vLLM's API server can outlive an engine core that died at start).
-_START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +204,7 @@ def build_serve_trace(setup: ServeSetup, seed: int, vocab_size: int) -> ServeTra
             children_of.setdefault(chain.parent, []).append(chain.chain)
     #: the replay index of the latest request of each chain so far
     latest: dict[int, int] = {}
-    modulus = vocab_size - _FIRST_TOKEN_ID
+    modulus = vocab_size - FIRST_TOKEN_ID
     requests: list[ReplayRequest] = []
     for position, r in enumerate(kept):
         related = [r.chain, *children_of.get(r.chain, ())]
@@ -221,7 +221,7 @@ def build_serve_trace(setup: ServeSetup, seed: int, vocab_size: int) -> ServeTra
                 chain=r.chain,
                 kind=r.kind,
                 tenant=r.tenant,
-                prompt=tuple(_FIRST_TOKEN_ID + t % modulus for t in trace.prompt_tokens(r)),
+                prompt=tuple(FIRST_TOKEN_ID + t % modulus for t in trace.prompt_tokens(r)),
                 block_hashes=r.block_hashes,
                 session_id=None if one_off else f"{r.tenant}/chain-{r.chain}",
                 session_end=not one_off and chain_to_last[r.chain] == position,

@@ -21,12 +21,12 @@ from hybridkv.bench.datapath.cases import (
     Buffers,
     Case,
     MiB,
-    _gbps,
-    _timed,
     build_layers,
+    gb_per_s,
     make_case,
+    timed_seconds,
 )
-from hybridkv.bench.datapath.table import _fmt_row
+from hybridkv.bench.datapath.table import row_text
 from hybridkv.bench.report import target_row
 from hybridkv.connector.datapath.movers import (
     DEFAULT_STAGE_BYTES,
@@ -56,8 +56,8 @@ def summarize(case: Case) -> dict[str, Any]:
         "kernel": case.kernel,
     }
     for m, secs in case.seconds.items():
-        gbps = [_gbps(case.nbytes, s) for s in secs]
-        row[f"{m}_gbps"] = statistics.median(gbps)
+        gbps = [gb_per_s(case.nbytes, s) for s in secs]
+        row[f"{m}gb_per_s"] = statistics.median(gbps)
         row[f"{m}_gbps_spread"] = _spread(gbps)
         row[f"{m}_gbps_all"] = gbps
     for name, (ours, base) in RATIOS.items():
@@ -171,10 +171,10 @@ def run_bench(
             # land on one path in every round.
             order = list(case.timers.items())
             for m, fn in order[r % len(order) :] + order[: r % len(order)]:
-                case.seconds[m].append(_timed(fn, dev))
+                case.seconds[m].append(timed_seconds(fn, dev))
     rows = [summarize(case) for case in cases]
     for row in rows:
-        print(_fmt_row(row), file=sys.stderr, flush=True)
+        print(row_text(row), file=sys.stderr, flush=True)
     beside: list[dict[str, Any]] = []
     if dev.type == "cuda" and beside_compute:
         attn = [c for c in cases if c.geometry == "attn"] or cases

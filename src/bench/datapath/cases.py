@@ -70,7 +70,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
+def timed_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of one call of ``fn``, device work included (synchronized before and after)."""
     _sync(device)
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
+def gb_per_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 

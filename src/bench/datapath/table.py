@@ -48,5 +48,5 @@ def write_report(report: dict[str, Any], out: str) -> Path:
     return write_json(target, report)
 
 
-def _fmt_row(row: dict[str, Any]) -> str:
+def row_text(row: dict[str, Any]) -> str:
     return "  ".join(f"{c}={format_cell(row.get(c))}" for c in COLUMNS if c in row)

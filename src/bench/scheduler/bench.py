@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.harness import rotated, spread_text
-from hybridkv.bench.scheduler.drive import PeerSpec, _Config, _drive, _fresh_url, _Settings, _stream
+from hybridkv.bench.scheduler.drive import (
+    PeerSpec,
+    RunConfig,
+    RunSettings,
+    drive_config,
+    fresh_url,
+    request_stream,
+)
 from hybridkv.bench.scheduler.k3 import K3_BLOCK, K3_DCP, peer_modes
 from hybridkv.bench.scheduler.summary import (
     LOOKUP_PROCESS_SUFFIX,
-    _round_ratios,
-    _summarize,
+    round_ratios,
     scheduler_targets,
+    summarize_config,
 )
 from hybridkv.bench.scheduler_peer import (
     PEER_CONNECTOR,
@@ -53,36 +60,36 @@ def run_scheduler_bench(
     assert num_rounds >= 1, "num_rounds must be >= 1"
     assert idle_steps >= 0, "idle_steps must be >= 0"
     names = labels or {}
-    stream = _stream(num_requests, max_tokens, seed)
+    stream = request_stream(num_requests, max_tokens, seed)
     prefixes = {fam: random.Random(seed + fam).choice([0.5, 0.75, 1.0]) for fam, _, _ in stream}
-    configs = [_Config("(no connector)", "none")]
-    configs += [_Config(names.get(url, url), "hybridkv", url) for url in store_urls]
+    configs = [RunConfig("(no connector)", "none")]
+    configs += [RunConfig(names.get(url, url), "hybridkv", url) for url in store_urls]
     configs += [
-        _Config(names.get(url, url) + LOOKUP_PROCESS_SUFFIX, "hybridkv", url, lookup_process=True)
+        RunConfig(names.get(url, url) + LOOKUP_PROCESS_SUFFIX, "hybridkv", url, lookup_process=True)
         for url in lookup_process_urls
     ]
     if peer is not None:
         assert peer.store_url in store_urls, "the peer's like-for-like hybridkv row must be measured"
         configs += [
-            _Config(f"{PEER_CONNECTOR} {mode} ({peer.where})", "peer", None, lookup_async, prefetch)
+            RunConfig(f"{PEER_CONNECTOR} {mode} ({peer.where})", "peer", None, lookup_async, prefetch)
             for mode, lookup_async, prefetch in peer_modes()
         ]
-    settings = _Settings(stream, prefixes, models_dir, per_step, forward_ms / 1e3, idle_steps)
+    settings = RunSettings(stream, prefixes, models_dir, per_step, forward_ms / 1e3, idle_steps)
     by_config: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
     for round_index in range(num_rounds):
         for i in rotated(range(len(configs)), round_index):
             config = configs[i]
             if config.url is not None and round_index > 0:
                 # every round starts from an empty store of the same kind
-                config = dataclasses.replace(config, url=_fresh_url(config.url))
-            by_config[i].append(_drive(config, settings, peer.server if peer is not None else None))
+                config = dataclasses.replace(config, url=fresh_url(config.url))
+            by_config[i].append(drive_config(config, settings, peer.server if peer is not None else None))
     base = by_config[0]
-    rows = [_summarize(c.label, by_config[i], None if i == 0 else base) for i, c in enumerate(configs)]
+    rows = [summarize_config(c.label, by_config[i], None if i == 0 else base) for i, c in enumerate(configs)]
     if peer is not None:
         for ours in (i for i, c in enumerate(configs) if c.kind == "hybridkv" and c.url == peer.store_url):
             first_peer = len(configs) - len(peer_modes())
             for index, (mode, _, _) in enumerate(peer_modes(), start=first_peer):
-                ratios = _round_ratios(by_config[ours], by_config[index], "connector_p99_ms")
+                ratios = round_ratios(by_config[ours], by_config[index], "connector_p99_ms")
                 if ratios:
                     rows[ours][f"connector_p99_over_peer_{mode}"] = statistics.median(ratios)
                     rows[ours][f"connector_p99_over_peer_{mode}_spread"] = spread_text(ratios)

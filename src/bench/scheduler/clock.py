@@ -14,7 +14,7 @@ def _percentile(samples: Sequence[float], q: float) -> float:
 
 
 @dataclass
-class _Step:
+class Step:
     """One step: ``schedule()``'s wall time, whether it scheduled tokens, and the connector's share."""
 
     total_s: float
@@ -40,17 +40,17 @@ class _Step:
         return self.connector_s + self.wait_s
 
 
-def _p99(samples: Sequence[float]) -> float:
+def percentile_99(samples: Sequence[float]) -> float:
     return _percentile(samples, 0.99)
 
 
-def _ms(
-    stat: Callable[[list[float]], float], steps: Sequence[_Step], value: Callable[[_Step], float]
+def ms_of(
+    stat: Callable[[list[float]], float], steps: Sequence[Step], value: Callable[[Step], float]
 ) -> float:
     return stat([value(s) for s in steps]) * 1e3
 
 
-class _ConnectorClock:
+class ConnectorClock:
     """Times the connector's scheduler-side calls of one step (``own_s``, ``wait_s``; ``reset`` by the caller).
 
     Every hook vLLM's scheduler calls on the connector object (``HOOKS``, those it has), timed at the outermost
@@ -133,9 +133,9 @@ class _ConnectorClock:
             name: {
                 "calls": len(samples),
                 "total_ms": sum(w for w, _ in samples) * 1e3,
-                "p99_ms": _p99([w for w, _ in samples]) * 1e3,
+                "p99_ms": percentile_99([w for w, _ in samples]) * 1e3,
                 "max_ms": max(w for w, _ in samples) * 1e3,
-                "cpu_p99_ms": _p99([c for _, c in samples]) * 1e3,
+                "cpu_p99_ms": percentile_99([c for _, c in samples]) * 1e3,
             }
             for name, samples in self.calls.items()
             if samples

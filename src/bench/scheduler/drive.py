@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.scheduler.clock import _ConnectorClock, _ms, _p99, _Step
+from hybridkv.bench.scheduler.clock import ConnectorClock, Step, ms_of, percentile_99
 from hybridkv.bench.scheduler.k3 import (
     K3_BLOCK,
     K3_DCP,
@@ -30,7 +30,7 @@ from hybridkv.bench.scheduler_peer import (
 )
 
 
-def _stream(num_requests: int, max_tokens: int, seed: int) -> list[tuple[int, int, bool]]:
+def request_stream(num_requests: int, max_tokens: int, seed: int) -> list[tuple[int, int, bool]]:
     """(family, prompt tokens, hit?) per request: half hit a stored prefix, half miss; long prompts."""
     rng = random.Random(seed)
     sizes = [max_tokens, max_tokens // 4] + [
@@ -51,7 +51,7 @@ class PeerSpec:
 
 
 @dataclass(frozen=True)
-class _Config:
+class RunConfig:
     label: str
     kind: str  # "none", "hybridkv" or "peer"
     url: str | None = None
@@ -63,7 +63,7 @@ class _Config:
 
 
 @dataclass(frozen=True)
-class _Settings:
+class RunSettings:
     """What every run of a bench shares: the stream, its stored prefixes, the pacing."""
 
     stream: list[tuple[int, int, bool]]
@@ -74,7 +74,7 @@ class _Settings:
     idle_steps: int
 
 
-def _drive(config: _Config, settings: _Settings, peer: PeerLookupServer | None) -> dict[str, Any]:
+def drive_config(config: RunConfig, settings: RunSettings, peer: PeerLookupServer | None) -> dict[str, Any]:
     """One run of ``config``: fill the store with the stream's stored prefixes, serve the stream (and the
     idle steps after it), and return the run's row."""
     import gc
@@ -117,7 +117,7 @@ def _drive(config: _Config, settings: _Settings, peer: PeerLookupServer | None) 
     # vLLM's EngineCore freezes its start-up heap (``freeze_gc_heap``) so that collections while serving
     # do not walk it. Without the freeze, one collection here walks every object of the imported vLLM
     # (tens of ms) and the p99 of either configuration measures when the collector happened to run.
-    clock = _ConnectorClock(sched.connector) if sched.connector is not None else None
+    clock = ConnectorClock(sched.connector) if sched.connector is not None else None
     freeze_gc_heap()
     try:
         steps, hit_tokens, wall_s = _serve(sched, requests, settings, clock, config.kind)
@@ -139,7 +139,7 @@ def _drive(config: _Config, settings: _Settings, peer: PeerLookupServer | None) 
 
 
 def _fill_hybridkv(
-    config: _Config, side: Any, requests: Sequence[Any], stored: Sequence[tuple[Any, int]]
+    config: RunConfig, side: Any, requests: Sequence[Any], stored: Sequence[tuple[Any, int]]
 ) -> dict[str, Any]:
     """Store the stream's stored prefixes under hybridkv's keys; the full scan's hit tokens over them."""
     from hybridkv.store import open_store
@@ -155,15 +155,15 @@ def _fill_hybridkv(
 
 
 def _serve(
-    sched: Any, requests: Sequence[Any], settings: _Settings, clock: _ConnectorClock | None, kind: str
-) -> tuple[list[_Step], int, float]:
+    sched: Any, requests: Sequence[Any], settings: RunSettings, clock: ConnectorClock | None, kind: str
+) -> tuple[list[Step], int, float]:
     """Add ``per_step`` requests a step and time every ``schedule()`` until the stream drained, then
     ``idle_steps`` more; scheduled requests and loads are finished at once. (steps, hit tokens, wall s)"""
     from vllm.v1.request import RequestStatus
 
     connector = sched.connector
     num_workers = sched.vllm_config.parallel_config.world_size
-    steps: list[_Step] = []
+    steps: list[Step] = []
     hit_tokens = 0
     pending = list(requests)
 
@@ -177,7 +177,7 @@ def _serve(
         before_own, before_wait = (clock.own_s, clock.wait_s) if clock is not None else (0.0, 0.0)
         t0 = time.perf_counter()
         out = sched.schedule()
-        record = _Step(time.perf_counter() - t0, out.total_num_scheduled_tokens > 0)
+        record = Step(time.perf_counter() - t0, out.total_num_scheduled_tokens > 0)
         if clock is not None:
             record.in_schedule_s = clock.own_s - before_own
             record.in_schedule_wait_s = clock.wait_s - before_wait
@@ -209,7 +209,7 @@ def _serve(
     return steps, hit_tokens, time.monotonic() - started
 
 
-def _run_row(config: _Config, steps: Sequence[_Step], wall_s: float, num_requests: int) -> dict[str, Any]:
+def _run_row(config: RunConfig, steps: Sequence[Step], wall_s: float, num_requests: int) -> dict[str, Any]:
     """The step times of one run: all, busy and idle steps, and the connector's split."""
     busy = [s for s in steps if s.busy]
     idle = [s for s in steps if not s.busy]
@@ -219,30 +219,30 @@ def _run_row(config: _Config, steps: Sequence[_Step], wall_s: float, num_request
         "store_url": config.url,
         "num_requests": num_requests,
         "num_steps": len(steps),
-        "schedule_p50_ms": _ms(statistics.median, steps, _Step.total),
-        "schedule_p99_ms": _ms(_p99, steps, _Step.total),
-        "schedule_max_ms": _ms(max, steps, _Step.total),
+        "schedule_p50_ms": ms_of(statistics.median, steps, Step.total),
+        "schedule_p99_ms": ms_of(percentile_99, steps, Step.total),
+        "schedule_max_ms": ms_of(max, steps, Step.total),
         "num_busy_steps": len(busy),
-        "busy_schedule_p50_ms": _ms(statistics.median, busy, _Step.total),
-        "busy_schedule_p99_ms": _ms(_p99, busy, _Step.total),
+        "busy_schedule_p50_ms": ms_of(statistics.median, busy, Step.total),
+        "busy_schedule_p99_ms": ms_of(percentile_99, busy, Step.total),
         "num_idle_steps": len(idle),
         "wall_s": wall_s,
     }
     if idle:
-        row["idle_schedule_p50_ms"] = _ms(statistics.median, idle, _Step.total)
-        row["idle_schedule_p99_ms"] = _ms(_p99, idle, _Step.total)
+        row["idle_schedule_p50_ms"] = ms_of(statistics.median, idle, Step.total)
+        row["idle_schedule_p99_ms"] = ms_of(percentile_99, idle, Step.total)
     if config.kind != "none":
         # The split of a step: the connector's own calls, and vLLM's work around them (which grows with
         # the connector too: a hit's blocks are allocated in one step, a request waiting for its lookup is
         # matched against the local prefix cache again every step). ``busy_connector``: its calls inside
         # the busy steps' schedule(); ``connector``: all its calls of a step (schedule(), and the finish
         # and output hooks after it), every step.
-        row["busy_connector_p99_ms"] = _ms(_p99, busy, _Step.in_schedule)
-        row["busy_vllm_p99_ms"] = _ms(_p99, busy, _Step.vllm)
-        row["connector_p50_ms"] = _ms(statistics.median, steps, _Step.connector)
-        row["connector_p99_ms"] = _ms(_p99, steps, _Step.connector)
-        row["connector_with_wait_p99_ms"] = _ms(_p99, steps, _Step.connector_with_wait)
-        row["vllm_p99_ms"] = _ms(_p99, steps, _Step.vllm)
+        row["busy_connector_p99_ms"] = ms_of(percentile_99, busy, Step.in_schedule)
+        row["busy_vllm_p99_ms"] = ms_of(percentile_99, busy, Step.vllm)
+        row["connector_p50_ms"] = ms_of(statistics.median, steps, Step.connector)
+        row["connector_p99_ms"] = ms_of(percentile_99, steps, Step.connector)
+        row["connector_with_wait_p99_ms"] = ms_of(percentile_99, steps, Step.connector_with_wait)
+        row["vllm_p99_ms"] = ms_of(percentile_99, steps, Step.vllm)
     return row
 
 
@@ -289,7 +289,7 @@ def _filler_url(url: str) -> str:
     return url
 
 
-def _fresh_url(url: str) -> str:
+def fresh_url(url: str) -> str:
     """The same store URL with a new ``memory://`` name (other stores are shared: their keys of earlier
     rounds only add hits the full scan also sees)."""
     marker = "memory://"

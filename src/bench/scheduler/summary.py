@@ -75,7 +75,7 @@ _RATIOS = (
 )
 
 
-def _round_ratios(
+def round_ratios(
     rounds: Sequence[dict[str, Any]], others: Sequence[dict[str, Any]], name: str
 ) -> list[float]:
     """``name`` of each round over the same round's ``name`` in ``others`` (rounds where both have it)."""
@@ -86,7 +86,7 @@ def _round_ratios(
     ]
 
 
-def _summarize(
+def summarize_config(
     label: str, rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
     """One table row from the rounds of one configuration: medians over rounds, with the spread.
@@ -110,7 +110,7 @@ def _summarize(
     if base_rounds is None:
         return row
     for name, ratio in _RATIOS:
-        ratios = _round_ratios(rounds, base_rounds, name)
+        ratios = round_ratios(rounds, base_rounds, name)
         if ratios:
             row[ratio] = statistics.median(ratios)
             row[f"{ratio}_spread"] = spread_text(ratios)

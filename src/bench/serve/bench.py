@@ -13,11 +13,11 @@ from typing import Any
 from hybridkv.bench.harness import load_average
 from hybridkv.bench.harness.record import RequestRecord
 from hybridkv.bench.serve.configuration import (
-    _divergence_columns,
     agreement,
     audit_summary,
     check_after_load,
     divergence,
+    divergence_columns,
     summarize,
 )
 from hybridkv.bench.serve.load import LoadResult, run_load
@@ -290,10 +290,10 @@ def build_report(
         if reference is not None and reference.records and run.records:
             if config == "none" and run.self_records is not None:
                 row["agreement"] = agreement(run.self_records, run.records)
-                row.update(_divergence_columns(divergence(run.self_records, run.records)))
+                row.update(divergence_columns(divergence(run.self_records, run.records)))
             elif config != "none":
                 row["agreement"] = agreement(run.records, reference.records)
-                row.update(_divergence_columns(divergence(run.records, reference.records)))
+                row.update(divergence_columns(divergence(run.records, reference.records)))
         if serial_reference and run.serial_records is not None:
             serial = divergence(run.serial_records, serial_reference)
             row["serial_requests"] = serial.num_compared

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.harness.record import RequestRecord
-from hybridkv.bench.serve.load import _VLLM_PHASES, LoadResult
+from hybridkv.bench.serve.load import VLLM_PHASES, LoadResult
 from hybridkv.devkit.openai_server import (
     OpenAIServer,
     metric,
@@ -59,7 +59,7 @@ def summarize(load: LoadResult) -> dict[str, Any]:
             f"engine_{phase}_mean_s": (load.totals[f"{phase}_s_sum"] / load.totals[f"{phase}_s_count"])
             if load.totals.get(f"{phase}_s_count")
             else None
-            for phase in _VLLM_PHASES
+            for phase in VLLM_PHASES
         },
     }
 
@@ -130,7 +130,7 @@ def divergence(records: Sequence[RequestRecord], reference: Sequence[RequestReco
     return Divergence(num_compared, num_equal, num_diverged, tuple(differing))
 
 
-def _divergence_columns(d: Divergence) -> dict[str, Any]:
+def divergence_columns(d: Divergence) -> dict[str, Any]:
     return {
         "agreement_same_prompt": d.agreement,
         "same_prompt_requests": d.num_compared,

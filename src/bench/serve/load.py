@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.bench.harness.record import RequestRecord, request_record
-from hybridkv.bench.serve.workload import Workload, _words, conversation_messages
+from hybridkv.bench.serve.workload import Workload, conversation_messages, seeded_words
 from hybridkv.devkit.openai_server import (
     metric,
     metrics_samples,
@@ -35,7 +35,7 @@ _VLLM_COUNTERS = {
 
 
 #: vLLM's per-request phase histograms (sum and count): where a request's time goes, seen by the engine.
-_VLLM_PHASES = {
+VLLM_PHASES = {
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
     "decode": "vllm:request_decode_time_seconds",
@@ -47,7 +47,7 @@ def counters(samples: Mapping[str, float]) -> dict[str, float]:
     """vLLM's prefix-cache counters, its per-request phase histograms (``<phase>_s_sum``/``_count``) and every
     ``vllm:hybridkv_*_total`` counter, by short name."""
     out = {short: metric(samples, name) for short, name in _VLLM_COUNTERS.items()}
-    for phase, name in _VLLM_PHASES.items():
+    for phase, name in VLLM_PHASES.items():
         out[f"{phase}_s_sum"] = metric(samples, f"{name}_sum")
         out[f"{phase}_s_count"] = metric(samples, f"{name}_count")
     names = {re.sub(r"\{.*", "", key) for key in samples}
@@ -137,7 +137,7 @@ def _eviction_probe(
     """The seed protocol, one request at a time: target, unique long prompts, target again. Returns the
     counter deltas of the final reuse request."""
     rng = random.Random(f"probe-{workload.seed}")
-    target = "Probe target. " + _words(rng, workload.evict_prompt_words)
+    target = "Probe target. " + seeded_words(rng, workload.evict_prompt_words)
     body: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": workload.max_tokens,
@@ -159,7 +159,9 @@ def _eviction_probe(
     sent_before = counters(metrics_samples(base_url))["requests_succeeded"]
     send("probe-target", 0, target)
     for index in range(workload.num_evict_prompts):
-        send("probe-evict", index, f"Unique prompt {index}. " + _words(rng, workload.evict_prompt_words))
+        send(
+            "probe-evict", index, f"Unique prompt {index}. " + seeded_words(rng, workload.evict_prompt_words)
+        )
     before = _settled_counters(base_url, sent_before + 1 + workload.num_evict_prompts)
     send("probe-reuse", 0, target)
     after = _settled_counters(base_url, sent_before + 2 + workload.num_evict_prompts)

@@ -37,11 +37,11 @@ def _spread(values: Sequence[float | None]) -> dict[str, float] | None:
 
 #: Per turn, where a request's time goes: the client's TTFT (mean over the turn's requests), vLLM's queue and
 #: prefill time per request, and hybridkv's load job seconds per request (0 for the other configurations).
-_TURN_METRICS = ("ttft_mean_s", "engine_queue_s", "engine_prefill_s", "load_job_s")
+TURN_METRICS = ("ttft_mean_s", "engine_queue_s", "engine_prefill_s", "load_job_s")
 
 
 def turn_breakdown(report: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Per configuration and turn of one run: ``_TURN_METRICS`` (the client's TTFTs only where every request
+    """Per configuration and turn of one run: ``TURN_METRICS`` (the client's TTFTs only where every request
     of the run had one: the report lists them in turn order)."""
     sessions = report["workload"]["num_sessions"]
     out: dict[str, list[dict[str, Any]]] = {}
@@ -123,7 +123,7 @@ def summarize_runs(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         per_turn[config] = [
             {
                 "turn": index + 1,
-                **{name: _spread([turns[index][name] for turns in runs_turns]) for name in _TURN_METRICS},
+                **{name: _spread([turns[index][name] for turns in runs_turns]) for name in TURN_METRICS},
             }
             for index in range(num_turns)
         ]

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.serve.runs import _TURN_METRICS, RUN_METRICS
+from hybridkv.bench.serve.runs import RUN_METRICS, TURN_METRICS
 
 TABLE_COLUMNS = (
     "config",
@@ -107,13 +107,13 @@ def format_runs_table(summary: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(format_table(rows, ("config", *RUN_METRICS[6:])))
     turn_rows = [
-        {"config": config, "turn": turn["turn"], **{name: _cell(turn[name], 3) for name in _TURN_METRICS}}
+        {"config": config, "turn": turn["turn"], **{name: _cell(turn[name], 3) for name in TURN_METRICS}}
         for config, turns in summary["per_turn"].items()
         for turn in turns
     ]
     if turn_rows:
         lines += ["", "per turn, every session's request (medians [min, max] over runs):"]
-        lines.append(format_table(turn_rows, ("config", "turn", *_TURN_METRICS)))
+        lines.append(format_table(turn_rows, ("config", "turn", *TURN_METRICS)))
     ratio_rows = [
         {"config": config, "ratio": name, "median [min, max] over runs": _cell(spread, 3)}
         for config, spreads in summary["ratios"].items()

@@ -94,18 +94,18 @@ class Workload:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _words(rng: random.Random, n: int) -> str:
+def seeded_words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
 def system_prompt(workload: Workload, index: int) -> str:
     rng = random.Random(f"system-{workload.seed}-{index}")
-    return f"You are assistant number {index}. " + _words(rng, workload.system_prompt_words)
+    return f"You are assistant number {index}. " + seeded_words(rng, workload.system_prompt_words)
 
 
 def user_turn(workload: Workload, session: int, turn: int) -> str:
     rng = random.Random(f"user-{workload.seed}-{session}-{turn}")
-    return f"Session {session}, question {turn}: " + _words(rng, workload.user_turn_words) + "?"
+    return f"Session {session}, question {turn}: " + seeded_words(rng, workload.user_turn_words) + "?"
 
 
 def conversation_messages(workload: Workload, session: int, answers: Sequence[str]) -> list[dict[str, str]]:

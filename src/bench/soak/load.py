@@ -68,7 +68,7 @@ def aborted_request(base_url: str, body: Mapping[str, Any], *, timeout: float = 
     return result
 
 
-def _chat_body(plan: SoakPlan, workload: Any, session: int, answers: Sequence[str]) -> dict[str, Any]:
+def chat_body(plan: SoakPlan, workload: Any, session: int, answers: Sequence[str]) -> dict[str, Any]:
     from hybridkv.bench.serve import conversation_messages
 
     return {
@@ -84,7 +84,7 @@ def send_soak_request(
 ) -> SoakRequest:
     """Request ``index`` of the load: ``session``'s next turn after ``answers``, aborted after its first
     chunk when its index says so, followed by a reset when its index says so (``SoakPlan``)."""
-    body = _chat_body(plan, workload, session, answers)
+    body = chat_body(plan, workload, session, answers)
     aborted = plan.abort_every > 0 and index % plan.abort_every == plan.abort_every - 1
     if aborted:
         result = aborted_request(base_url, body, timeout=plan.request_timeout_s)
@@ -205,7 +205,7 @@ def run_soak_load(
 PROCESS_SERIES = ("rss_mib", "num_threads", "num_fds", "num_processes")
 
 
-def _timed_out(error: str | None) -> bool:
+def is_timeout(error: str | None) -> bool:
     """Whether a request's error is its deadline (the ``openai`` SDK's ``APITimeoutError``)."""
     return error is not None and "Timeout" in error
 
@@ -225,6 +225,6 @@ def request_summary(requests: Sequence[SoakRequest]) -> dict[str, Any]:
         "resets_refused": sum(1 for r in resets if not r.reset_success),
         "output_tokens": sum(r.completion_tokens for r in requests),
         # Unanswered within ``request_timeout_s``: stranded in the server until the client gave up.
-        "timed_out": sum(1 for r in failed if _timed_out(r.error)),
+        "timed_out": sum(1 for r in failed if is_timeout(r.error)),
         "first_failures": [(r.index, r.session, r.turn, r.error) for r in failed[:10]],
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.harness.record import RequestRecord, request_record
-from hybridkv.bench.soak.load import PROCESS_SERIES, LoadOutcome, _chat_body, run_soak_load
+from hybridkv.bench.soak.load import PROCESS_SERIES, LoadOutcome, chat_body, run_soak_load
 from hybridkv.bench.soak.plan import SoakPlan
 from hybridkv.bench.soak.samples import settle
 from hybridkv.bench.soak.table import build_soak_report
@@ -102,7 +102,7 @@ def _serial_pass(server: OpenAIServer, plan: SoakPlan) -> tuple[list[RequestReco
     records: list[RequestRecord] = []
     for turn in range(plan.workload.num_turns):
         for session, answers in session_to_answers.items():
-            body = {**_chat_body(plan, workload, session, answers), "ignore_eos": True}
+            body = {**chat_body(plan, workload, session, answers), "ignore_eos": True}
             result = stream_request(
                 server.base_url, "/v1/chat/completions", body, timeout=plan.request_timeout_s
             )

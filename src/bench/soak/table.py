@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.soak.load import PROCESS_SERIES, LoadOutcome, _timed_out, request_summary
+from hybridkv.bench.soak.load import PROCESS_SERIES, LoadOutcome, is_timeout, request_summary
 from hybridkv.bench.soak.plan import SoakPlan
 
 
@@ -33,7 +33,7 @@ def build_soak_report(
     # Settled after the load: vLLM's requests and the connector's, lifecycles the audit left open, and the
     # requests (of the load or a serial pass) the server never answered before their deadline.
     num_timed_out = summary["timed_out"] + sum(
-        1 for *_, error in (serial or {}).get("failures", ()) if _timed_out(error)
+        1 for *_, error in (serial or {}).get("failures", ()) if is_timeout(error)
     )
     num_stranded = (
         None

@@ -15,28 +15,28 @@ from typing import Any
 from hybridkv.bench.harness import load_average, load_change
 from hybridkv.bench.store import measure_memcpy
 from hybridkv.bench.ttft.connectors import (
-    _torch_threads,
     measure_example_connector,
     measure_hybridkv,
     measure_mooncake_store_connector,
+    num_torch_threads,
 )
 from hybridkv.bench.ttft.engine import (
-    _EXAMPLE_FAMILIES,
     DEFAULT_FAMILIES,
-    _model_facts,
-    _mooncake_master,
-    _num_params,
+    EXAMPLE_FAMILIES,
     cpu_has_fast_bf16,
     measure_store_path,
+    model_facts,
+    num_params,
     resolve_dtype,
+    started_mooncake_master,
 )
 from hybridkv.bench.ttft.rows import (
     PEER_CONNECTOR,
     PROFILE_SOURCES,
-    _median,
-    _profile,
-    _ratio,
     _row,
+    hit_profile,
+    median_if_any,
+    ratio_or_none,
     ttft_targets,
 )
 from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
@@ -81,7 +81,9 @@ def run_ttft_bench(
     load_before = os.getloadavg()
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        master = stack.enter_context(_mooncake_master(scratch / "mooncake")).address if mooncake else None
+        master = (
+            stack.enter_context(started_mooncake_master(scratch / "mooncake")).address if mooncake else None
+        )
         rows, details, profiles, not_measured = _measure_families(
             families,
             scratch=scratch,
@@ -146,7 +148,7 @@ def _set_compute_threads(reserved_cpus: int) -> int:
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
-    return _torch_threads()
+    return num_torch_threads()
 
 
 #: The row of ``keyed``: the file store in keyed-integrity mode.
@@ -207,7 +209,7 @@ def _measure_families(
     not_measured: list[str] = []
     for family in families:
         model_dir = build_tiny_model(family, models_dir, size=size)
-        facts = _model_facts(family, size, dtype)
+        facts = model_facts(family, size, dtype)
         per_prompt = prompt_tokens * max(1, facts["kv_bytes_per_token_full_attention"])
         # Room for a few prompts in vLLM's cache (hybrids: the state groups take as much again).
         kv_bytes = kv_cache_bytes or max(64 << 20, 6 * per_prompt)
@@ -246,29 +248,29 @@ def _measure_families(
                 loaded_bytes=med_bytes,
                 loaded_keys=med_keys,
                 memcpy_gbps=memcpy_gbps,
-                load_job=_median(ours["load_job_s"]),
+                load_job=median_if_any(ours["load_job_s"]),
             ) | {"loadavg_1m": load_change(load_at_start)}
             family_rows.append(row)
             first_local = first_local or ours["samples_s"]["local"]
             profiles.append(
                 {"family": family, "connector": label}
-                | _profile(
+                | hit_profile(
                     row["overhead_ms"],
                     ours["load_profile"],
                     store_path,
-                    _median(ours["load_job_s"]),
+                    median_if_any(ours["load_job_s"]),
                     ours["load_phases_ms"],
                 )
             )
             details[f"{family}/{label}"] = {
                 "model": str(model_dir),
                 "model_facts": facts,
-                "params": _num_params(model_dir),
+                "params": num_params(model_dir),
                 "kv_cache_memory_bytes": kv_bytes,
                 "store_path": store_path,
                 **ours,
             }
-        peer_ok = master_address is not None and family in _EXAMPLE_FAMILIES
+        peer_ok = master_address is not None and family in EXAMPLE_FAMILIES
         if master_address is not None and not peer_ok:
             not_measured.append(
                 f"{family}: MooncakeStoreConnector not run (hybrids need mamba_cache_mode=align there)"
@@ -303,7 +305,7 @@ def _measure_families(
                     )
                     | {"loadavg_1m": load_change(load_at_start)}
                 )
-        if baseline and family in _EXAMPLE_FAMILIES:
+        if baseline and family in EXAMPLE_FAMILIES:
             load_at_start = load_average()
             example = measure_example_connector(
                 model_dir,
@@ -343,6 +345,6 @@ def _measure_families(
             )
         for row in family_rows:
             if peer_overhead is not None and peer_overhead > 0:
-                row["overhead_over_peer"] = _ratio(row["overhead_ms"], peer_overhead)
+                row["overhead_over_peer"] = ratio_or_none(row["overhead_ms"], peer_overhead)
         rows.extend(family_rows)
     return rows, details, profiles, not_measured

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.ttft.engine import _engine_kwargs, _load_profile_from_audit, _RoundHooks, _ttft_rounds
+from hybridkv.bench.ttft.engine import RoundHooks, _load_profile_from_audit, engine_kwargs, ttft_rounds
 from hybridkv.connector.worker.load_probe import LoadProbe
 from hybridkv.devkit import vllm_harness
 from hybridkv.ops import inprocess
@@ -46,7 +46,7 @@ def measure_hybridkv(
         model_dir,
         prefix_caching=True,
         transfer=transfer,
-        **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
+        **engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     ) as llm:
         engine_start_s = time.perf_counter() - start
         sched, worker = inprocess.connector_halves(llm)
@@ -84,13 +84,13 @@ def measure_hybridkv(
                     }
                 )
 
-        hooks = _RoundHooks(
+        hooks = RoundHooks(
             after_cold=lambda _counted: vllm_harness.settle(llm),
             drop_local_cache=lambda: vllm_harness.drop_local_cache(llm),
             before_external=before_external,
             after_external=after_external,
         )
-        samples, cached = _ttft_rounds(
+        samples, cached = ttft_rounds(
             llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
         )
         sched_totals = dict(sched.scheduler_side.stats.totals)
@@ -106,7 +106,7 @@ def measure_hybridkv(
         "loaded_keys": loaded_keys,
         "load_job_s": load_job_s,
         "load_phases_ms": phases_ms,
-        "torch_threads": _torch_threads(),
+        "torch_threads": num_torch_threads(),
         "cpus": sorted(os.sched_getaffinity(0)),
         "scheduler_totals": {k: v for k, v in sched_totals.items() if not k.startswith("hit_tokens.")},
     }
@@ -128,7 +128,7 @@ def _load_phase_seconds(probe: LoadProbe, store: Any) -> dict[str, float]:
     return out
 
 
-def _torch_threads() -> int:
+def num_torch_threads() -> int:
     import torch
 
     return int(torch.get_num_threads())
@@ -165,14 +165,14 @@ def measure_example_connector(
         if counted:
             file_bytes.append(_dir_bytes(storage_dir) - before[-1])
 
-    hooks = _RoundHooks(before_cold=lambda: before.append(_dir_bytes(storage_dir)), after_cold=after_cold)
+    hooks = RoundHooks(before_cold=lambda: before.append(_dir_bytes(storage_dir)), after_cold=after_cold)
     with inprocess.inprocess_engine(
         model_dir,
         prefix_caching=False,
         transfer=transfer,
-        **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
+        **engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     ) as llm:
-        samples, cached = _ttft_rounds(
+        samples, cached = ttft_rounds(
             llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
         )
     return {"samples_s": samples, "num_cached_tokens": cached, "file_bytes": file_bytes}
@@ -246,7 +246,7 @@ def _mooncake_store_connector_rounds(
         model=str(model_dir),
         enable_prefix_caching=True,
         kv_transfer_config=transfer,
-        **_engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
+        **engine_kwargs(prompt_tokens, kv_cache_bytes, dtype),
     )
     settle_steps: list[int] = []
 
@@ -256,15 +256,15 @@ def _mooncake_store_connector_rounds(
             settle_steps.append(steps)
 
     # Its drop succeeds only once its saves have been reported (until then they pin the blocks): untimed.
-    hooks = _RoundHooks(after_cold=after_cold, drop_local_cache=lambda: _drop_local_cache_any_connector(llm))
-    samples, cached = _ttft_rounds(
+    hooks = RoundHooks(after_cold=after_cold, drop_local_cache=lambda: _drop_local_cache_any_connector(llm))
+    samples, cached = ttft_rounds(
         llm, hooks, prompt_tokens=prompt_tokens, rounds=rounds, warmup_tokens=warmup_tokens, seed=seed
     )
     return {
         "samples_s": samples,
         "num_cached_tokens": cached,
         "steps_until_saves_done": settle_steps,
-        "torch_threads": _torch_threads(),
+        "torch_threads": num_torch_threads(),
         "cpus": sorted(os.sched_getaffinity(0)),
     }
 
@@ -326,7 +326,7 @@ def measure_mooncake_store_connector(
         "warmup_tokens": warmup_tokens,
         "seed": seed,
         # The same cores and thread count as the hybridkv engines of this (parent) process.
-        "torch_threads": _torch_threads(),
+        "torch_threads": num_torch_threads(),
         "cpus": sorted(os.sched_getaffinity(0)),
     }
     process = multiprocessing.get_context("spawn").Process(

@@ -24,7 +24,7 @@ from hybridkv.store.url import open_store
 
 DEFAULT_FAMILIES = ("llama", "lfm2")
 #: Families vLLM's ExampleConnector can serve (it does not support the hybrid KV-cache manager).
-_EXAMPLE_FAMILIES = ("llama",)
+EXAMPLE_FAMILIES = ("llama",)
 
 
 def default_scratch_dir(parent: str | None = None) -> Any:
@@ -38,7 +38,7 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(num_tokens)]
 
 
-def _engine_kwargs(prompt_tokens: int, kv_cache_bytes: int, dtype: str) -> dict[str, Any]:
+def engine_kwargs(prompt_tokens: int, kv_cache_bytes: int, dtype: str) -> dict[str, Any]:
     return inprocess.engine_kwargs(
         max_model_len=max(2048, prompt_tokens + 64), kv_cache_bytes=kv_cache_bytes, dtype=dtype
     )
@@ -61,7 +61,7 @@ def _nothing_counted(_counted: bool) -> None:
 
 
 @dataclass(frozen=True)
-class _RoundHooks:
+class RoundHooks:
     """What one connector's engine does around the timed requests of a round (all untimed). ``counted`` is
     False in the warm-up round."""
 
@@ -74,8 +74,8 @@ class _RoundHooks:
     after_external: Callable[[bool], None] = _nothing_counted
 
 
-def _ttft_rounds(
-    llm: Any, hooks: _RoundHooks, *, prompt_tokens: int, rounds: int, warmup_tokens: int, seed: int
+def ttft_rounds(
+    llm: Any, hooks: RoundHooks, *, prompt_tokens: int, rounds: int, warmup_tokens: int, seed: int
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """The protocol every connector runs: per round a fresh prompt, cold; again (local hit); again after
     ``hooks.drop_local_cache`` (external hit). Round 0 warms every code path on a prompt of at most
@@ -121,7 +121,7 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
-def _mooncake_master(log_dir: Path) -> contextlib.AbstractContextManager[MooncakeMaster]:
+def started_mooncake_master(log_dir: Path) -> contextlib.AbstractContextManager[MooncakeMaster]:
     """A ``mooncake_master`` child on 127.0.0.1 for the bench's lifetime (the product's argv and lease).
 
     ``RuntimeError`` outside a loopback-only namespace (``scripts/netns-run``) or without the binary."""
@@ -206,7 +206,7 @@ def measure_store_path(
     return out
 
 
-def _model_facts(family: str, size: str, dtype: str) -> dict[str, Any]:
+def model_facts(family: str, size: str, dtype: str) -> dict[str, Any]:
     _, kw = tiny_config_kwargs(family, size=size)
     layer_types = kw.get("layer_types") or ["full_attention"] * kw["num_hidden_layers"]
     num_full = sum(1 for t in layer_types if t == "full_attention")
@@ -224,7 +224,7 @@ def _model_facts(family: str, size: str, dtype: str) -> dict[str, Any]:
     }
 
 
-def _num_params(model_dir: Path) -> int | None:
+def num_params(model_dir: Path) -> int | None:
     try:
         from safetensors import safe_open
     except ImportError:  # pragma: no cover -- vLLM depends on safetensors

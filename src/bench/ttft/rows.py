@@ -28,11 +28,11 @@ TABLE_COLUMNS = [
 ]
 
 
-def _median(values: Sequence[float]) -> float | None:
+def median_if_any(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio_or_none(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
@@ -62,10 +62,14 @@ def _row(
     on its own prompt; its spread is [min, max] over rounds."""
     local_samples = samples_s.get("local") or local_s or []
     ext_samples = samples_s.get("external", [])
-    cold, local, ext = (_median(samples_s.get("cold", [])), _median(local_samples), _median(ext_samples))
+    cold, local, ext = (
+        median_if_any(samples_s.get("cold", [])),
+        median_if_any(local_samples),
+        median_if_any(ext_samples),
+    )
     overheads_ms = [(e - lo) * 1e3 for e, lo in zip(ext_samples, local_samples, strict=False)]
     floor_ms = loaded_bytes / memcpy_gbps / 1e6 if memcpy_gbps and loaded_bytes else None
-    overhead_ms = _median(overheads_ms)
+    overhead_ms = median_if_any(overheads_ms)
     return {
         "family": family,
         "connector": connector,
@@ -80,11 +84,11 @@ def _row(
         "load_job_ms": _ms(load_job),
         "memcpy_gbps": memcpy_gbps,
         "copy_floor_ms": floor_ms,
-        "external_over_local": _ratio(ext, local),
-        "cold_over_external": _ratio(cold, ext),
+        "external_over_local": ratio_or_none(ext, local),
+        "cold_over_external": ratio_or_none(cold, ext),
         "overhead_ms": overhead_ms,
         "overhead_ms_spread": _spread(overheads_ms),
-        "overhead_over_floor": _ratio(overhead_ms, floor_ms),
+        "overhead_over_floor": ratio_or_none(overhead_ms, floor_ms),
         "overhead_over_floor_spread": (
             [v / floor_ms for v in _spread(overheads_ms) or []] or None if floor_ms else None
         ),
@@ -96,7 +100,7 @@ def _row(
 PEER_CONNECTOR = "MooncakeStoreConnector (vLLM)"
 
 
-def _profile(
+def hit_profile(
     overhead_ms: float | None,
     load_profile: Sequence[dict[str, float]],
     store_path: dict[str, Any] | None,
@@ -105,11 +109,11 @@ def _profile(
 ) -> dict[str, Any]:
     """Where a hybridkv hit's time above the local hit goes (ms, medians over rounds); see
     ``PROFILE_SOURCES``."""
-    lookup_ms = _median([p["lookup_ms"] for p in load_profile if not math.isnan(p["lookup_ms"])])
-    load_ms = _median([p["load_ms"] for p in load_profile if not math.isnan(p["load_ms"])])
+    lookup_ms = median_if_any([p["lookup_ms"] for p in load_profile if not math.isnan(p["lookup_ms"])])
+    load_ms = median_if_any([p["load_ms"] for p in load_profile if not math.isnan(p["load_ms"])])
 
     def phase(name: str) -> float | None:
-        return _median([p[name] for p in phases_ms if name in p])
+        return median_if_any([p[name] for p in phases_ms if name in p])
 
     out: dict[str, Any] = {
         "overhead_ms": overhead_ms,
