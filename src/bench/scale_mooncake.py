@@ -120,6 +120,7 @@ TABLE_COLUMNS = [
     "put_ms",
     "put_us_per_key",
     "get_us_per_key",
+    "get_found_min",
     "evict_observed_ms",
     "evict_evicted",
     "evict_us_per_evicted",
@@ -261,7 +262,9 @@ def _stop_node(node: subprocess.Popen[str]) -> None:
 
 
 @contextmanager
-def _deployment(root: Path, entries: int, value_bytes: int) -> Iterator[_Deployment]:
+def _deployment(
+    root: Path, entries: int, value_bytes: int, eviction_ratio: float | None
+) -> Iterator[_Deployment]:
     """A started master and storage node for ``entries`` keys (stopped on exit)."""
     frame_bytes = _frame_bytes(value_bytes)
     segment_bytes = max(MIN_SEGMENT_BYTES, _segment_bytes(entries, frame_bytes))
@@ -269,7 +272,10 @@ def _deployment(root: Path, entries: int, value_bytes: int) -> Iterator[_Deploym
         master = stack.enter_context(
             running_master(
                 root / f"master-{entries}.log",
-                extra_args=[f"--eviction_high_watermark_ratio={HIGH_WATERMARK}"],
+                extra_args=[
+                    f"--eviction_high_watermark_ratio={HIGH_WATERMARK}",
+                    *([f"--eviction_ratio={eviction_ratio}"] if eviction_ratio is not None else []),
+                ],
             )
         )
         log = stack.enter_context(open(root / f"node-{entries}.log", "w"))
@@ -493,9 +499,13 @@ def run_mooncake_entries_axis(
     sizes: Sequence[int],
     *,
     repeats: int,
+    eviction_ratio: float | None = None,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> dict[str, Any]:
     """The ``mooncake-entries`` axis (see the module docstring); logs under ``root``; returns the report.
+
+    ``eviction_ratio``: the masters' ``--eviction_ratio`` (the fraction of the keys one eviction pass
+    evicts; None: Mooncake's default, 0.05).
 
     ``RuntimeError`` outside a loopback-only network namespace (``scripts/netns-run``)."""
     sizes = sorted(set(sizes))
@@ -510,7 +520,7 @@ def run_mooncake_entries_axis(
     with ExitStack() as stack:
         deployments: list[_Deployment] = []
         for entries in sizes:
-            deployment = stack.enter_context(_deployment(root, entries, value_bytes))
+            deployment = stack.enter_context(_deployment(root, entries, value_bytes, eviction_ratio))
             _populate(deployment)
             deployments.append(deployment)
             progress(
@@ -535,6 +545,7 @@ def run_mooncake_entries_axis(
         "value_bytes": value_bytes,
         "frame_bytes": _frame_bytes(value_bytes),
         "high_watermark": HIGH_WATERMARK,
+        "eviction_ratio": eviction_ratio,
         "repeats": repeats,
         "lookup": {
             "keys": LOOKUP_KEYS,
