@@ -51,6 +51,16 @@ def register(
         "first: each entry takes a file (about 4 KiB on disk)",
     )
     scale.add_argument("--keep", action="store_true", help="leave the stores on disk")
+    scale.add_argument(
+        "--value-kib", type=int, default=None, help="shared/concurrent: KiB per block (256; 1024)"
+    )
+    scale.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="shared: blocks per save and load (8); concurrent: per hit (64)",
+    )
+    scale.add_argument("--rounds", type=int, default=None, help="shared: save+load rounds per engine (40)")
     add_report_arguments(scale, "bench-scale.json")
     scale.set_defaults(func=handle_scale)
 
@@ -176,3 +186,66 @@ _AXIS_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "mooncake-entries": handle_mooncake_entries,
     "prompt-length": handle_prompt_length,
 }
+
+
+def handle_shared(args: argparse.Namespace) -> int:
+    """``--axis shared``: 1 -> 4 engine processes on one file store (``hybridkv.bench.scale_shared``)."""
+    from hybridkv.bench.report import format_targets, write_json
+    from hybridkv.bench.scale_concurrent import default_root
+    from hybridkv.bench.scale_shared import format_shared_table, run_shared_axis
+
+    engines = _parse_sizes(args.sizes or "1,2,3,4")
+    if not engines or min(engines) < 1 or args.repeats < 1:
+        print("error: --sizes must be engine counts >= 1 and --repeats >= 1", flush=True)
+        return ExitCode.USAGE
+    root = (
+        Path(args.dir)
+        if args.dir
+        else Path(tempfile.mkdtemp(prefix="hybridkv-scale-shared-", dir=default_root()))
+    )
+    value_bytes = (args.value_kib or 256) << 10
+    report = run_shared_axis(
+        root,
+        engines,
+        repeats=args.repeats,
+        rounds=args.rounds or 40,
+        batch=args.blocks or 8,
+        value_bytes=value_bytes,
+        progress=lambda line: print(line, flush=True),
+    )
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)  # the folder this command made
+    _print_load(report, f"file store shared by engine processes, {value_bytes >> 10} KiB blocks")
+    print(format_shared_table(report))
+    print(format_targets(report["targets"]))
+    print(f"wrote {write_json(args.out, report)}")
+    return ExitCode.OK
+
+
+def handle_concurrent(args: argparse.Namespace) -> int:
+    """``--axis concurrent``: 1 -> 32 hits loading at once from one file store
+    (``hybridkv.bench.scale_concurrent``)."""
+    from hybridkv.bench.report import format_targets, write_json
+    from hybridkv.bench.scale_concurrent import default_root, format_concurrent_table, run_concurrent_axis
+
+    counts = _parse_sizes(args.sizes or "1,2,4,8,16,32")
+    if not counts or min(counts) < 1 or args.repeats < 1:
+        print("error: --sizes must be request counts >= 1 and --repeats >= 1", flush=True)
+        return ExitCode.USAGE
+    report = run_concurrent_axis(
+        Path(args.dir) if args.dir else default_root(),
+        counts,
+        repeats=args.repeats,
+        blocks=args.blocks or 64,
+        value_bytes=(args.value_kib or 1024) << 10,
+        progress=lambda line: print(line, flush=True),
+    )
+    _print_load(report, f"file store, hits of {report['hit_bytes'] / (1 << 20):.1f} MiB loaded at once")
+    print(format_concurrent_table(report))
+    print(format_targets(report["targets"]))
+    print(f"wrote {write_json(args.out, report)}")
+    return ExitCode.OK
+
+
+_AXIS_HANDLERS["shared"] = handle_shared
+_AXIS_HANDLERS["concurrent"] = handle_concurrent
