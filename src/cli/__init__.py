@@ -1,6 +1,7 @@
 """The ``hybridkv`` command.
 
-Each subsystem registers its own subcommands (``register(subparsers, bench_subparsers)``); this module only
+Each subsystem registers its own subcommands (``register(subparsers, bench_subparsers)``, or
+``register_bench(bench_subparsers)`` for benchmarks only); this module only
 builds the parser, configures logging for the process (the library itself never does) and maps outcomes to
 exit codes (one set for every command, :class:`hybridkv.cli.exit_codes.ExitCode`):
 
@@ -28,6 +29,7 @@ __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "add_report_arguments", "bui
 
 # Modules that contribute subcommands. Each defines
 # ``register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None``
+# or, when it adds benchmarks only, ``register_bench(bench_subparsers: argparse._SubParsersAction) -> None``,
 # and sets ``func`` on its parsers via ``set_defaults(func=...)``; ``func(args) -> int`` returns the exit code.
 _COMMAND_MODULES = (
     "hybridkv.cli.store_cmds",
@@ -78,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
             if error.name != module_name:
                 raise
             continue
-        module.register(subparsers, bench_subparsers)
+        if hasattr(module, "register_bench"):
+            module.register_bench(bench_subparsers)
+        else:
+            module.register(subparsers, bench_subparsers)
     return parser
 
 

@@ -22,11 +22,8 @@ from hybridkv.tables import format_table
 _STORE_CHOICES = ("memory", "file", "both")
 
 
-def register(
-    subparsers: argparse._SubParsersAction[Any], bench_subparsers: argparse._SubParsersAction[Any]
-) -> None:
-    """Add ``agentic`` to ``bench_subparsers`` (no top-level commands)."""
-    del subparsers
+def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add ``agentic`` to ``bench_subparsers``."""
     bench = bench_subparsers.add_parser(
         "agentic",
         help="a seeded agentic trace (sessions, sub-agents, pauses, one-offs) through real stores: tokens served",

@@ -42,11 +42,8 @@ _SETUP_FLAGS = {
 }
 
 
-def register(
-    subparsers: argparse._SubParsersAction[Any], bench_subparsers: argparse._SubParsersAction[Any]
-) -> None:
-    """Add ``agentic-serve`` to ``bench_subparsers`` (no top-level commands)."""
-    del subparsers
+def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add ``agentic-serve`` to ``bench_subparsers``."""
     bench = bench_subparsers.add_parser(
         "agentic-serve",
         help="the agentic trace through real vLLM servers: hybridkv LRU vs +sessions vs MooncakeStoreConnector",

@@ -12,8 +12,8 @@ import argparse
 from hybridkv.cli.exit_codes import ExitCode
 
 
-def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``datapath`` to ``bench_subparsers`` (no top-level command)."""
+def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``datapath`` to ``bench_subparsers``."""
     bench = bench_subparsers.add_parser(
         "datapath",
         help="block gather/scatter GB/s (device<->pinned host on CUDA) vs one contiguous copy",

@@ -13,11 +13,8 @@ from hybridkv.cli.exit_codes import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from hybridkv.tables import format_table
 
 
-def register(
-    subparsers: argparse._SubParsersAction[Any], bench_subparsers: argparse._SubParsersAction[Any]
-) -> None:
-    """Add ``divergent`` to ``bench_subparsers`` (no top-level commands)."""
-    del subparsers
+def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add ``divergent`` to ``bench_subparsers``."""
     bench = bench_subparsers.add_parser(
         "divergent",
         help="a branched conversation on real engines, divergent_local_hits off vs on: what the store loads",

@@ -24,11 +24,8 @@ from hybridkv.cli.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXI
 _FAMILIES = ("llama", "gemma3", "qwen3_next", "lfm2")
 
 
-def register(
-    subparsers: argparse._SubParsersAction[Any], bench_subparsers: argparse._SubParsersAction[Any]
-) -> None:
-    """Add ``soak`` to ``bench_subparsers`` (no top-level commands)."""
-    del subparsers
+def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add ``soak`` to ``bench_subparsers``."""
     soak = bench_subparsers.add_parser(
         "soak",
         help="the OpenAI server on a chaos store for N requests, sampled: nothing may leak",
