@@ -1,4 +1,5 @@
-"""The whole bench: round ``r`` replays the trace of ``seed + r`` through every configuration, in rotated order."""
+"""The whole bench: round ``r`` replays the trace of ``seed + r`` through every configuration, in rotated
+order."""
 
 from __future__ import annotations
 
@@ -64,9 +65,9 @@ def run_agentic_serve_bench(
     capacities = [max(1, int(setup.capacity_fraction * t.working_set_blocks() * block_bytes)) for t in traces]
     if MOONCAKE_CONFIGURATION in ordered and min(capacities) < MIN_SEGMENT_BYTES:
         raise ValueError(
-            f"store capacity {min(capacities) / MIB:.1f} MiB ({setup.capacity_fraction:g} of the working set) "
-            f"is below Mooncake's smallest global segment ({MIN_SEGMENT_BYTES >> 20} MiB): raise the capacity "
-            "fraction or the trace (sessions, requests), or leave mooncake-store out"
+            f"store capacity {min(capacities) / MIB:.1f} MiB ({setup.capacity_fraction:g} of the working set)"
+            f" is below Mooncake's smallest global segment ({MIN_SEGMENT_BYTES >> 20} MiB): raise the "
+            "capacity fraction or the trace (sessions, requests), or leave mooncake-store out"
         )
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in ordered}
     started = time.perf_counter()

@@ -1,4 +1,5 @@
-"""One configuration on its own server: the trace replayed over HTTP on its clock, the counters and TTFTs it gave."""
+"""One configuration on its own server: the trace replayed over HTTP on its clock, the counters and TTFTs it
+gave."""
 
 from __future__ import annotations
 

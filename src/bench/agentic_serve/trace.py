@@ -1,4 +1,5 @@
-"""The serve trace: the agentic trace scaled to what real servers of the tiny model take, and each request's body."""
+"""The serve trace: the agentic trace scaled to what real servers of the tiny model take, and each request's
+body."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The data-path bench's rounds: every measure of every case, interleaved; its rows, targets, and the transfers beside a matmul loop."""
+"""The data-path bench's rounds: every measure of every case, interleaved; its rows, targets, and the
+transfers beside a matmul loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The data-path bench's cases: KV geometries, their layers, the movers and buffers of one (geometry, batch) case, and what each round times."""
+"""The data-path bench's cases: KV geometries, their layers, the movers and buffers of one (geometry, batch)
+case, and what each round times."""
 
 from __future__ import annotations
 

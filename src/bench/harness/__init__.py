@@ -4,7 +4,8 @@
   turn), the host's load average around a measurement
 - :mod:`~hybridkv.bench.harness.stats`   -- medians and the ``{median, min, max}`` spread of repeated rounds
 - :mod:`~hybridkv.bench.harness.record`  -- the per-request record of the benches that drive an OpenAI server
-- :mod:`hybridkv.bench.report`           -- the targets table (met / missed), JSON, PNG plots (re-exported here)
+- :mod:`hybridkv.bench.report`           -- the targets table (met / missed), JSON, PNG plots (re-exported
+  here)
 
 The command-line side (the flags every bench takes: ``--rounds``, ``--out``, ``--no-plot``, ``--json``) is
 :mod:`hybridkv.cli.bench_options`: building the parser loads no tooling.

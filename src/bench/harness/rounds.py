@@ -16,8 +16,8 @@ Arm = TypeVar("Arm")
 
 
 def rotated(arms: Sequence[Arm], round_index: int) -> list[Arm]:
-    """``arms`` rotated left by ``round_index``: the order of round ``round_index`` of a repeated bench, so each
-    arm takes each place in turn."""
+    """``arms`` rotated left by ``round_index``: the order of round ``round_index`` of a repeated bench, so
+    each arm takes each place in turn."""
     shift = round_index % len(arms) if arms else 0
     return [*arms[shift:], *arms[:shift]]
 

@@ -1,4 +1,5 @@
-"""Where a step's time goes: vLLM's ``schedule()``, the connector's own hooks on the scheduler thread, and its waits."""
+"""Where a step's time goes: vLLM's ``schedule()``, the connector's own hooks on the scheduler thread, and its
+waits."""
 
 from __future__ import annotations
 

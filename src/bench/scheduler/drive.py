@@ -1,4 +1,5 @@
-"""One run of the scheduler bench: a configuration (no connector, hybridkv on a store URL, the peer) driven through vLLM's real ``Scheduler``."""
+"""One run of the scheduler bench: a configuration (no connector, hybridkv on a store URL, the peer) driven
+through vLLM's real ``Scheduler``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Kimi-K3-like geometry the scheduler bench runs at: vLLM configs, the scheduler, its requests, a store's saved prefix."""
+"""The Kimi-K3-like geometry the scheduler bench runs at: vLLM configs, the scheduler, its requests, a store's
+saved prefix."""
 
 from __future__ import annotations
 

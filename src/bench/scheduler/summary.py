@@ -1,4 +1,5 @@
-"""The scheduler bench's rows: medians over rounds with their spread, ratios within a round, the hook breakdown, the targets."""
+"""The scheduler bench's rows: medians over rounds with their spread, ratios within a round, the hook
+breakdown, the targets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The whole bench: every configuration on its own server, the serial reference, the report and its targets."""
+"""The whole bench: every configuration on its own server, the serial reference, the report and its
+targets."""
 
 from __future__ import annotations
 

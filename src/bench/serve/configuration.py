@@ -1,4 +1,5 @@
-"""One configuration's figures: the load's summary, agreement with the reference, the checks after the load."""
+"""One configuration's figures: the load's summary, agreement with the reference, the checks after the
+load."""
 
 from __future__ import annotations
 

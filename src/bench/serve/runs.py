@@ -1,4 +1,5 @@
-"""Repeated runs of the serve bench: the per-turn breakdown and the summary over runs (medians, [min, max])."""
+"""Repeated runs of the serve bench: the per-turn breakdown and the summary over runs (medians, [min,
+max])."""
 
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ def _reset_all(server: OpenAIServer) -> bool:
 def _serial_pass(server: OpenAIServer, plan: SoakPlan) -> tuple[list[RequestRecord], bool]:
     """The serial exactness pass (after a local and a connector reset): ``plan.serial_sessions`` sessions of
     ``plan.workload.num_turns`` turns, turn by turn (every session's first, then every second...), one request at a
-    time, each within ``plan.request_timeout_s``. Returns its records (for ``divergence``) and whether the reset
-    succeeded."""
+    time, each within ``plan.request_timeout_s``. Returns its records (for ``divergence``) and whether the
+    reset succeeded."""
     reset_ok = _reset_all(server)
     workload = plan.workload
     session_to_answers: dict[int, list[str]] = {s: [] for s in range(plan.serial_sessions)}

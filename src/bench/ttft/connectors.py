@@ -1,4 +1,5 @@
-"""One connector's measurement each: hybridkv (file or Mooncake store), vLLM's ExampleConnector, vLLM's MooncakeStoreConnector (in a child process)."""
+"""One connector's measurement each: hybridkv (file or Mooncake store), vLLM's ExampleConnector, vLLM's
+MooncakeStoreConnector (in a child process)."""
 
 from __future__ import annotations
 

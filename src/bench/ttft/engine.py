@@ -1,4 +1,5 @@
-"""What every connector's measurement shares: the in-process engine, its prompts, the interleaved rounds of a cold prefill and a hit, the store path's own cost."""
+"""What every connector's measurement shares: the in-process engine, its prompts, the interleaved rounds of a
+cold prefill and a hit, the store path's own cost."""
 
 from __future__ import annotations
 

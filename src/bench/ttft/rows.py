@@ -1,4 +1,5 @@
-"""The ttft bench's rows: medians, ratios and spreads of a connector's rounds, the hit profile, the targets, the plot."""
+"""The ttft bench's rows: medians, ratios and spreads of a connector's rounds, the hit profile, the targets,
+the plot."""
 
 from __future__ import annotations
 
