@@ -19,6 +19,10 @@ sizes; each repeat of a size times:
 - ``memcpy``: one ``np.copyto`` of the same number of bytes between two pre-touched buffers, right after,
   in the same process (the copy floor).
 
+Each repeat also splits its load job (``<phase>_ms``): the worker's ``LoadProbe`` (building the
+destinations, the store's ``get_into``, committing) and the file store's ``ReadProbe`` (open, ``readv``,
+verify, close, summed over the store's reader threads), the probes ``hybridkv bench ttft`` hangs in too.
+
 After the repeats (untimed), the smallest hit's pages are zeroed and loaded again: ``pages_intact`` says
 they then hold the bytes saved from them.
 
@@ -79,6 +83,9 @@ TABLE_COLUMNS = [
 ]
 
 _TIMED = ("load_job_ms", "load_wall_ms", "memcpy_ms", "load_over_memcpy", "load_us_per_token")
+#: The load job's phases reported per repeat (``<name>_ms``): the worker's ``LoadProbe`` (targets, the
+#: store's get_into, commit) and the file store's ``ReadProbe`` (summed over its reader threads).
+_PHASES = ("targets", "store", "commit", "file_open", "file_read", "file_verify", "file_close")
 
 _GROWTH_TARGETS = (
     ("load job us/token growth", "load_us_per_token"),
@@ -167,6 +174,14 @@ class _Rig:
     worker: Any
     scheme: Any
     caches: dict[str, Any]
+    #: where the load jobs spend their time: the worker's phases and the file store's read phases
+    load_probe: Any
+    read_probe: Any
+
+    def phases(self) -> dict[str, float]:
+        """The probes' sums so far (seconds; ``file_*``: summed over reader threads)."""
+        out = {name: float(value) for name, value in self.load_probe.totals().items()}
+        return out | {f"file_{name}": float(value) for name, value in self.read_probe.totals().items()}
 
     def load(self, req_id: str, tokens: int, refs: tuple[Any, ...]) -> bool:
         """One load job of ``refs`` (a hit of ``tokens`` tokens) into their pages; whether it loaded."""
@@ -182,9 +197,13 @@ def _open_rig(url: str, geometry: dict[str, int], num_blocks: int, models_dir: P
     import torch
     from hybridkv.connector.config import ConnectorConfig
     from hybridkv.connector.vllm_geometry import resolve_geometry
+    from hybridkv.connector.worker.load_probe import LoadProbe
     from hybridkv.connector.worker.side import WorkerSide
     from hybridkv.devkit import vllm_harness
     from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+    from hybridkv.store.base import find_layer
+    from hybridkv.store.file import FileBackend
+    from hybridkv.store.file.probe import ReadProbe
 
     model_dir = build_tiny_model(FAMILY, models_dir or DEFAULT_MODELS_DIR, size=MODEL_SIZE)
     vllm_config = vllm_harness.connector_vllm_config(
@@ -203,10 +222,15 @@ def _open_rig(url: str, geometry: dict[str, int], num_blocks: int, models_dir: P
     }
     try:
         worker.register_kv_caches(caches)
+        load_probe, read_probe = LoadProbe(), ReadProbe()
+        worker.install_load_probe(load_probe)
+        backend = find_layer(worker.store, FileBackend)
+        assert backend is not None, f"{url} has no file backend"
+        backend.install_read_probe(read_probe)
     except BaseException:
         worker.shutdown()
         raise
-    return _Rig(worker, scheme, caches)
+    return _Rig(worker, scheme, caches, load_probe, read_probe)
 
 
 def _save(rig: _Rig, refs_by_size: dict[int, tuple[Any, ...]], progress: Callable[[str], None]) -> None:
@@ -227,10 +251,12 @@ def _measure(
     totals = rig.worker.stats.totals
     job_before = float(totals.get("load_job_seconds", 0.0))
     bytes_before = float(totals.get("load_bytes", 0.0))
+    phases_before = rig.phases()
     start = time.perf_counter()
     ok = rig.load(req_id, tokens, refs)
     wall_s = time.perf_counter() - start
     job_s = float(totals.get("load_job_seconds", 0.0)) - job_before
+    phases = {name: value - phases_before[name] for name, value in rig.phases().items()}
     source, destination = floor
     start = time.perf_counter()
     np.copyto(destination[:num_bytes], source[:num_bytes])
@@ -243,6 +269,7 @@ def _measure(
         "memcpy_ms": memcpy_s * 1e3,
         "load_over_memcpy": job_s / memcpy_s,
         "load_us_per_token": job_s * 1e6 / tokens,
+        **{f"{name}_ms": phases[f"{name}_s"] * 1e3 for name in _PHASES},
     }
 
 
@@ -347,6 +374,8 @@ def _row(tokens: int, samples: list[dict[str, float]], geometry: dict[str, int])
         values = [sample[name] for sample in samples]
         row[name] = statistics.median(values)
         row[f"{name}_spread"] = spread_text(values)
+    for name in _PHASES:
+        row[f"{name}_ms"] = statistics.median(sample[f"{name}_ms"] for sample in samples)
     row["memcpy_us_per_token"] = row["memcpy_ms"] * 1e3 / tokens
     row["load_gbps"] = num_bytes / (row["load_job_ms"] / 1e3) / 1e9
     row["memcpy_gbps"] = num_bytes / (row["memcpy_ms"] / 1e3) / 1e9
@@ -371,11 +400,14 @@ def format_prompt_table(report: dict[str, Any]) -> str:
 
     rows = report["rows"]
     spreads = [{"tokens": row["tokens"], **{name: row[f"{name}_spread"] for name in _TIMED}} for row in rows]
+    phases = [f"{name}_ms" for name in _PHASES]
     return (
         "medians over repeats:\n"
         + format_table(rows, TABLE_COLUMNS)
         + "\nspread over repeats (min..max):\n"
         + format_table(spreads, ["tokens", *_TIMED])
+        + "\nthe load job's phases, medians (ms; file_*: summed over the store's reader threads):\n"
+        + format_table(rows, ["tokens", "load_job_ms", *phases])
     )
 
 

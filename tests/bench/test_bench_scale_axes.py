@@ -92,6 +92,8 @@ def test_prompt_length_axis_reports_every_length_consistently(
         for name in ("load_job_ms", "load_wall_ms", "memcpy_ms", "load_over_memcpy"):
             _spread_ok(row, name)
             assert row[name] > 0
+        # The load job's phases were measured: its store call read and verified.
+        assert row["store_ms"] > 0 and row["file_read_ms"] > 0 and row["file_verify_ms"] > 0
     targets = {target["target"]: target for target in report["targets"]}
     assert set(targets) == {"load job us/token growth", "load / memcpy growth"}
     assert all(target["value"] is not None for target in targets.values())
