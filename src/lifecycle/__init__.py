@@ -9,6 +9,8 @@
 - ``save``: save plans and which blocks count as stored.
 - ``table``: the transition table (data): states, triggers, ``TRANSITIONS``, ``TRIGGERS``.
 - ``machine``: the shared ``transitions`` driver that runs the table, and the per-request models.
+- ``ask``: one ask of vLLM's decided (``decide_ask``): the ask sub-state, the answer, the wait's bound,
+  and what the connector does about it.
 - ``engine``: the engine's own lifecycle (namespace gate, reset epochs, weights tag) on the engine table.
 - ``errors``: what both machines raise when a trigger does not happen.
 - ``sink``: what the machine emits its one-record-per-transition audit trail to (``AuditSink``), and an

@@ -199,7 +199,7 @@ class RequestLifecycle(_Model):
     - ``get_num_new_matched_tokens``: ``start_search`` (a few batched ``store.exists`` rounds, run off
       the scheduler thread while the state is ``LOOKUP``; asked again with other inputs meanwhile:
       ``lookup_reasked``), then ``finish_search`` (or ``lookup_unavailable`` when the store is down or
-      too slow): the one lookup API. The full scan (every candidate key in one call,
+      too slow): the one lookup API, driven per ask by ``hybridkv.lifecycle.ask.decide_ask``. The full scan (every candidate key in one call,
       ``hybridkv.lifecycle.lookup.plan_lookup``) is the oracle the search is tested against, outside this
       class. ``may_hit`` is False once this incarnation is ``REFUSED``: every later ask answers 0 without
       the store.

@@ -1,17 +1,18 @@
 """``get_num_new_matched_tokens`` for one request: answers from the lifecycle, never waiting on the store.
 
-The search runs on the lookup thread (:class:`~hybridkv.connector.scheduler.lookup_service.LookupService`); this module
-turns vLLM's repeated asks into the lifecycle's transitions:
+The search runs on the lookup thread (:class:`~hybridkv.connector.scheduler.lookup_service.LookupService`) or
+process; what an ask gets, and the lifecycle's transitions, are decided in the lifecycle
+(:func:`hybridkv.lifecycle.ask.decide_ask`, with the rules), from the request's ask sub-state, the store
+round in flight and what this half knows of its store now. This module gathers those, acts on the decision
+(drops the round it read, submits a store round, abandons it and the facts on a miss, logs and counts) and
+sets the limits:
 
-- the first ask of a lookup starts its search (``lookup_started`` / ``lookup_restarted``; asked with other
-  inputs while one is in flight: ``lookup_reasked``) and answers ``(None, False)`` ("ask again") until
-  the search's result is in; then ``hit_found`` or ``miss_reported``;
 - the wait is bounded: past ``lookup_budget_ms`` of store time, a store call hung past it, or
   ``_MAX_WAIT_BUDGETS`` budgets (at least ``_MIN_WAIT_S``) of wall time since the first ask, the lookup
-  is a miss ("over lookup budget"); while the store is unusable (circuit open, a call hung) or the
-  namespace gate is closed (a reset), at once;
-- repeated asks with unchanged inputs reuse the answer (no store call, no record); a reset between them
-  has already dropped it (``RequestState.forget_facts``, at the reset) and the request looks up again.
+  is a miss ("over lookup budget");
+- a hit vLLM leaves unallocated for ``MAX_UNALLOCATED_ASKS`` asks is refused;
+- a preempted request (``VERIFIED``) or one whose load vLLM abandoned (``LOADING``) starts a new
+  incarnation here; a reset has already dropped the answers (``RequestState.forget_facts``, at the reset).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.scheduler.lookup_service import LookupRunner, LookupTask
 from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
-from hybridkv.connector.scheduler.request_state import Answered, LookupInputs, RequestState, Searching
+from hybridkv.connector.scheduler.request_state import RequestState
 from hybridkv.connector.stats import StatsBox
+from hybridkv.lifecycle.ask import AskDecision, AskLimits, OverBudget, StoreFailed, StoreView, decide_ask
 from hybridkv.lifecycle.lookup import LookupSearch
 from hybridkv.lifecycle.machine import LifecycleMachine
 from hybridkv.lifecycle.table import State
@@ -67,14 +69,25 @@ class LookupAnswers:
         self.breaker = breaker
         self.gate = gate
         self.stats = stats
-        self.budget_s = cfg.lookup_budget_ms / 1000.0
+        budget_s = cfg.lookup_budget_ms / 1000.0
+        self.limits = AskLimits(
+            budget_s=budget_s,
+            max_wait_s=max(_MAX_WAIT_BUDGETS * budget_s, _MIN_WAIT_S),
+            max_unallocated_asks=MAX_UNALLOCATED_ASKS,
+        )
 
     def store_usable(self) -> bool:
         """Lookups may ask the store: circuit closed, no call hung, namespace gate open."""
-        return (
-            self.breaker.state is not BreakerState.OPEN
-            and not self.lookups.stalled()
-            and not self.gate.closed
+        return self.store_view(time.monotonic()).usable
+
+    def store_view(self, now: float) -> StoreView:
+        """What this half knows of its store at ``now`` (monotonic seconds), as the lifecycle reads it."""
+        stalled = self.lookups.stalled(now)
+        return StoreView(
+            gate_closed=self.gate.closed,
+            usable=self.breaker.state is not BreakerState.OPEN and not stalled and not self.gate.closed,
+            stalled=stalled,
+            local_facts=self.lookups.local_facts,
         )
 
     def prefetch(self, r: RequestState) -> None:
@@ -92,7 +105,8 @@ class LookupAnswers:
 
     def answer(self, r: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens`` for ``r``: ``(None, False)`` ("ask again") while its search is in
-        flight, else the external tokens and whether they load asynchronously."""
+        flight, else the external tokens and whether they load asynchronously. The lifecycle decides
+        (``decide_ask``); this acts on its decision."""
         request = r.request
         if getattr(request, "skip_reading_prefix_cache", False):
             # Prompt logprobs, pooling: vLLM reads no cached prefix for this request, so neither do we.
@@ -110,126 +124,63 @@ class LookupAnswers:
             # Its facts stay: the new incarnation answers from them without a round trip when they
             # suffice (confirmed entries are as good as a fresh check: every load is verified anyway).
             r.forget_ask()
-        lc = r.lc
-        inputs: LookupInputs = (request.num_tokens, num_computed_tokens, lc.max_boundary)
-        task, searching = r.task, r.searching
-        if (
-            task is not None
-            and not task.done
-            and searching is not None
-            and searching.inputs == inputs
-            and searching.waiting_since is not None  # the first ask starts the wait (``_answer``)
-            and lc.current is State.LOOKUP
-            and not self.gate.closed
-            and not self._expired(searching, task, time.monotonic())
-        ):
-            # vLLM asks every waiting request again every step: while its search is in flight the answer
-            # is "ask again", given before any other work (``_answer`` reaches the same).
-            return None, False
-        answered = r.answered
-        if (
-            answered is not None
-            and answered.inputs == inputs
-            and lc.current in (State.PARTIAL_HIT, State.MISS)
-            and not self.gate.closed
-        ):
-            boundary = answered.boundary
-            if lc.current is State.PARTIAL_HIT and boundary > num_computed_tokens:
-                answered.num_unallocated_asks += 1
-                if answered.num_unallocated_asks > MAX_UNALLOCATED_ASKS:
-                    reason = f"vLLM did not allocate the hit in {MAX_UNALLOCATED_ASKS} asks"
-                    self.stats.add("hit_declined")
-                    log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
-                    r.forget_ask()
-                    lc.refuse(reason)
-                    return 0, False
-        else:
-            answer = self._answer(r, inputs)
-            if answer is None:
-                return None, False
-            boundary = answer
-            self.stats.add("lookups")
-            r.ask = Answered(inputs, boundary)
-            if lc.current is State.PARTIAL_HIT:
-                self.stats.add("lookup_hits")
-        ext = boundary - num_computed_tokens
-        if ext <= 0 or lc.current is not State.PARTIAL_HIT:
-            return 0, False
-        return ext, not self.cfg.layerwise
-
-    def _answer(self, r: RequestState, inputs: LookupInputs) -> int | None:
-        """The agreed boundary for ``inputs``, or None while the search is in flight."""
-        lc = r.lc
-        request = r.request
         now = time.monotonic()
-        searching = r.searching
-        if lc.current is not State.LOOKUP or searching is None or searching.inputs != inputs:
-            if lc.current is State.TRUNCATED and lc.resolution is not None:
-                # The truncation removed these from the store; the rest of the facts still stand.
-                r.known.update(dict.fromkeys(lc.resolution.invalid_keys, False))
-            r.ask = None  # a store round still in flight (``r.task``) stays: its facts serve any search
-            started = lc.start_search(
-                request.block_hashes, request.num_tokens, inputs[1], known=r.known, block_hex=r.block_hex
-            )
-            if started is None:
-                return 0  # retries exhausted: REFUSED for the rest of this incarnation
-            r.ask = searching = Searching(started, inputs)
-        assert lc.current is State.LOOKUP, f"request {request.request_id}: a search outside LOOKUP"
-        search = searching.search
-        if self.gate.closed:
-            # Facts learnt before the reset may name removed entries: no answer until it has finished.
-            return self._unavailable(r, "namespace reset in progress")
-        task = r.task
-        if task is not None and task.done:
+        decision = decide_ask(
+            r.lc,
+            r.ask,
+            request.block_hashes,
+            request.num_tokens,
+            num_computed_tokens,
+            known=r.known,
+            block_hex=r.block_hex,
+            store_round=r.task,
+            store=self.store_view(now),
+            limits=self.limits,
+            now=now,
+        )
+        self._act(r, decision)
+        if decision.num_external is None:
+            return None, False
+        if decision.num_external == 0:
+            return 0, False
+        return decision.num_external, not self.cfg.layerwise
+
+    def _act(self, r: RequestState, decision: AskDecision) -> None:
+        """Do what ``decision`` says, in its order (``AskDecision``)."""
+        request_id = r.request.request_id
+        if decision.took_round:
+            task = r.task
+            assert task is not None, f"request {request_id}: a store round read that was not in flight"
             r.task = None
             r.block_hex = r.block_hex or task.search.block_hex  # made on the lookup thread; shared
-            if task.error is not None and task.search is search:
+        if decision.submit is not None:
+            r.task = LookupTask(request_id, decision.submit, decision.inputs, facts_epoch=r.facts_epoch)
+            self.lookups.submit(r.task)
+        if decision.missed is not None:
+            failure = decision.failure
+            if isinstance(failure, StoreFailed):
                 self.stats.add("lookup_errors")
-                log.warning(ConnectorLogEvent.LOOKUP_FAILED, request_id=request.request_id, error=task.error)
-                return self._unavailable(r, task.error)
-            if task.error is None and task.inputs == inputs and task.search.result is not None:
-                # The prefetch answered exactly this ask: nothing to compute on the scheduler thread.
-                return lc.finish_search(task.search.result).boundary
-            task = None
-        if task is None:
-            # No store call in flight for this request: its facts may already answer (the prefetch). With
-            # no facts, the keys are made on the lookup thread: at 128K tokens they cost milliseconds.
-            if self.lookups.local_facts and r.known and search.next_keys() is None:
-                assert search.result is not None
-                if search.num_inconsistent_guesses:
-                    self.stats.add("lookup_inconsistent_facts", search.num_inconsistent_guesses)
-                return lc.finish_search(search.result).boundary
-            if not self.store_usable():
-                return self._unavailable(r, "store unavailable (circuit open or a store call hung)")
-            r.task = task = LookupTask(request.request_id, search, inputs, facts_epoch=r.facts_epoch)
-            self.lookups.submit(task)
-        if searching.waiting_since is None:
-            searching.waiting_since = now
-        elif self._expired(searching, task, now):
-            self.stats.add("lookup_errors")
-            log.warning(
-                ConnectorLogEvent.LOOKUP_OVER_BUDGET,
-                request_id=request.request_id,
-                budget_ms=self.cfg.lookup_budget_ms,
-                store_ms=round(task.store_s * 1000.0, 1),
-                waited_ms=round((now - searching.waiting_since) * 1000.0, 1),
-                store_call_hung=self.lookups.stalled(now),
-            )
-            return self._unavailable(r, "over lookup budget")
-        return None
-
-    def _expired(self, searching: Searching, task: LookupTask, now: float) -> bool:
-        """Whether a search in flight must end as a miss: its store time is over ``lookup_budget_ms``, a
-        store call hangs, or the ask has waited (since ``searching.waiting_since``) longer than any may."""
-        assert searching.waiting_since is not None, f"task {task.request_id}: its ask's wait has not started"
-        return (
-            task.store_s > self.budget_s
-            or self.lookups.stalled(now)
-            or now - searching.waiting_since > max(_MAX_WAIT_BUDGETS * self.budget_s, _MIN_WAIT_S)
-        )
-
-    def _unavailable(self, r: RequestState, reason: str) -> int:
-        r.abandon_search()
-        r.drop_facts()
-        r.lc.lookup_unavailable(reason)
-        return 0
+                log.warning(ConnectorLogEvent.LOOKUP_FAILED, request_id=request_id, error=failure.error)
+            elif isinstance(failure, OverBudget):
+                self.stats.add("lookup_errors")
+                log.warning(
+                    ConnectorLogEvent.LOOKUP_OVER_BUDGET,
+                    request_id=request_id,
+                    budget_ms=self.cfg.lookup_budget_ms,
+                    store_ms=round(failure.store_s * 1000.0, 1),
+                    waited_ms=round(failure.waited_s * 1000.0, 1),
+                    store_call_hung=failure.store_call_hung,
+                )
+            r.abandon_search()
+            r.drop_facts()
+        if decision.declined is not None:
+            self.stats.add("hit_declined")
+            log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request_id, reason=decision.declined)
+            r.forget_ask()
+        if decision.num_inconsistent_guesses:
+            self.stats.add("lookup_inconsistent_facts", decision.num_inconsistent_guesses)
+        r.ask = decision.ask
+        if decision.fresh:
+            self.stats.add("lookups")
+            if r.lc.current is State.PARTIAL_HIT:
+                self.stats.add("lookup_hits")

@@ -17,7 +17,9 @@ field                       meaningful while the lifecycle is
                             counts the drops, for a lookup process that keeps the facts itself)
 ==========================  =====================================================================
 
-Nothing here changes the lifecycle's state except through its methods (the table's triggers).
+Nothing here changes the lifecycle's state except through its methods (the table's triggers). The ask
+sub-state's types (``Searching``, ``Answered``) are the lifecycle's (``hybridkv.lifecycle.ask``), which
+decides each ask.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 from hybridkv.connector.metadata import LoadJob, LoadResult
 from hybridkv.connector.scheduler.lookup_service import LookupTask
 from hybridkv.connector.scheduler.save_planner import RequestSaves
-from hybridkv.lifecycle.lookup import LookupSearch
+from hybridkv.lifecycle.ask import Answered, Ask, LookupInputs, Searching
 from hybridkv.lifecycle.machine import RequestLifecycle
 from hybridkv.lifecycle.table import State
 
@@ -36,35 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["Answered", "LookupInputs", "RequestState", "Searching"]
-
-#: What an answer depends on: (num_tokens, num_computed_tokens, retry cap)
-LookupInputs = tuple[int, int, int | None]
-
-
-@dataclass
-class Searching:
-    """vLLM's current ask, not answered yet (the lifecycle in ``LOOKUP``): the search that answers it, the
-    inputs it answers, and when vLLM was first told to ask again (None until then; the wait is bounded
-    from there, ``LookupAnswers``)."""
-
-    search: LookupSearch
-    inputs: LookupInputs
-    waiting_since: float | None = None
-
-
-@dataclass
-class Answered:
-    """The answer vLLM's asks with ``inputs`` get again without a store call (the lifecycle in
-    ``PARTIAL_HIT`` / ``MISS``): the agreed ``boundary``, and how many asks it answered with a hit vLLM
-    has not allocated (``LookupAnswers``' watchdog)."""
-
-    inputs: LookupInputs
-    boundary: int
-    num_unallocated_asks: int = 0
-
-
-#: The ask sub-state: no ask, a search in flight, or an answer.
-Ask = Searching | Answered | None
 
 
 @dataclass
