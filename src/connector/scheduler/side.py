@@ -6,6 +6,8 @@ RequestState`: the lifecycle plus what the connector holds for it); the work liv
 - lookup answering (``get_num_new_matched_tokens``): :mod:`hybridkv.connector.scheduler.lookup_answers`;
 - the namespace gate and reset epochs: :mod:`hybridkv.connector.scheduler.namespace_gate`;
 - store maintenance (invalidation removes, resets, the manifest): :mod:`hybridkv.connector.scheduler.maintenance`;
+- a hit's load (bound to vLLM's allocation, judged once every rank reported):
+  :class:`~hybridkv.connector.scheduler.loads.SchedulerLoads`;
 - the save path (which blocks to save when, save jobs, pins, ``BlockStored``):
   :class:`~hybridkv.connector.scheduler.save_planner.SavePlanner`.
 
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import structlog
@@ -61,9 +62,9 @@ from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import (
     HybridStoreMetadata,
     HybridStoreWorkerMetadata,
-    LoadJob,
 )
 from hybridkv.connector.scheduler.layerwise_breaker import LAYERWISE_PAUSED, LayerwiseBreaker
+from hybridkv.connector.scheduler.loads import SchedulerLoads
 from hybridkv.connector.scheduler.lookup_answers import LookupAnswers
 from hybridkv.connector.scheduler.lookup_process import ProcessLookupService
 from hybridkv.connector.scheduler.lookup_service import LookupRunner, LookupService
@@ -73,8 +74,8 @@ from hybridkv.connector.scheduler.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.scheduler.sessions import RequestSession, SessionRetention
 from hybridkv.connector.scheduler.store_events import StoreEvents
 from hybridkv.connector.scheduler.store_upkeep import StoreUpkeep
-from hybridkv.connector.scheduler.vllm_blocks import PrefixCacheGuard, bind_plan, external_block_ids
-from hybridkv.connector.stats import PER_GROUP_LOADED_BLOCKS, InjectedFaults, StatsBox
+from hybridkv.connector.scheduler.vllm_blocks import PrefixCacheGuard
+from hybridkv.connector.stats import InjectedFaults, StatsBox
 from hybridkv.connector.stores import open_connector_store, store_url
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
 from hybridkv.lifecycle.keys import KeyScheme
@@ -121,7 +122,6 @@ class SchedulerSide:
         self.stats = StatsBox()
         self._injected_faults = InjectedFaults(self.stats, self.store)
         self._reqs: dict[str, RequestState] = {}
-        self._pending_loads: list[LoadJob] = []
         self.events = StoreEvents(self.geo)
         # Lookups are MISS without touching the store while it is open, until a probe round succeeds.
         self.lookup_breaker = CircuitBreaker(num_failures_to_open=_BREAKER_FAILURES, reset_s=_BREAKER_OPEN_S)
@@ -153,6 +153,17 @@ class SchedulerSide:
         self.upkeep = StoreUpkeep(self.events, self.gate, self.stats)
         #: session hints: what a session's requests store or load stays retained (``connector/scheduler/sessions.py``)
         self.sessions = SessionRetention(self.store, self.upkeep.submit, self.stats)
+        #: hits bound to vLLM's allocation (load jobs), and their verdicts once every rank reported
+        self.loads = SchedulerLoads(
+            cfg,
+            self.geo,
+            self.machine,
+            self.store,
+            prefix_cache=self.prefix_cache,
+            sessions=self.sessions,
+            upkeep=self.upkeep,
+            stats=self.stats,
+        )
         #: layer-wise mode: hits are withheld for a while after a load missed its deadline (``layerwise.py``)
         self.layerwise_breaker = LayerwiseBreaker(self.stats)
         self.reset_wait_s = RESET_WAIT_S
@@ -235,84 +246,9 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ allocation
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """``update_state_after_alloc``: bind the request's load plan to the blocks vLLM allocated.
-
-        ``num_external_tokens == 0``: a planned hit vLLM did not take is declined (no load). Otherwise the
-        plan must match vLLM's allocation exactly (token count, no plan block on the null block); then a
-        load job is queued for the next ``build_meta`` and the lifecycle enters ``LOADING``. A mismatch
-        never raises: the hit is declined with an empty load job the workers report failed, so vLLM
-        recomputes the request.
-        """
-        r = self._reqs.get(request.request_id)
-        if r is None or num_external_tokens == 0:
-            if r is not None and r.lc.current is State.PARTIAL_HIT:
-                r.lc.decline()
-            elif r is None and num_external_tokens:
-                self._decline_allocated(
-                    request,
-                    None,
-                    "request not tracked",
-                    self._external_block_ids(r, blocks, num_external_tokens),
-                )
-            return
-        lc = r.lc
-        refs, reason = bind_plan(self.geo, lc, blocks, num_external_tokens)
-        if refs is None:
-            assert reason is not None
-            self._decline_allocated(
-                request, r, reason, self._external_block_ids(r, blocks, num_external_tokens)
-            )
-            return
-        assert lc.lookup is not None and lc.lookup.plan is not None  # bind_plan checked it
-        boundary = lc.lookup.plan.boundary
-        if not lc.start_load():  # the guard ``answer_current``: a reset since the lookup
-            self._decline_allocated(
-                request,
-                r,
-                "the hit was answered before a namespace reset",
-                self._external_block_ids(r, blocks, num_external_tokens),
-            )
-            return
-        job = LoadJob(request.request_id, boundary, refs)
-        r.begin_load(job)
-        self._pending_loads.append(job)
-        if self.cfg.layerwise:
-            # No other request may take these blocks as a local hit before the load's verdict.
-            self.prefix_cache.cache_after_verdict(
-                request, set(refs.block_ids), lc.lookup.plan.num_computed_tokens // self.geo.groups[0].span
-            )
-        self.stats.add("hit_tokens", num_external_tokens)
-
-    def _external_block_ids(
-        self, r: RequestState | None, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> tuple[int, ...]:
-        """Layer-wise mode: the block ids of a declined hit's external tokens (``external_block_ids``).
-        Empty in async mode, where a declined hit fails request-level."""
-        if not self.cfg.layerwise:
-            return ()
-        answered = r.answered if r is not None else None
-        num_local = answered.inputs[1] if answered is not None else 0
-        return external_block_ids(self.geo, blocks, num_local, num_external_tokens)
-
-    def _decline_allocated(
-        self, request: Request, r: RequestState | None, reason: str, declined_block_ids: tuple[int, ...] = ()
-    ) -> None:
-        """Refuse a hit vLLM already allocated. Async mode: vLLM waits for the load to finish, so an empty
-        load job goes to the workers, which report it failed at once (``finished_recving`` +
-        ``failed_recving``): vLLM restarts the request from 0 and recomputes it. Layer-wise mode: the empty
-        job carries ``declined_block_ids``, which the workers report as load errors after the step, so
-        vLLM discards the step for the request and recomputes those blocks. No later lookup of this
-        incarnation hits."""
-        self._pending_loads.append(LoadJob(request.request_id, 0, (), declined_block_ids))
-        self.prefix_cache.uncache(set(declined_block_ids))
-        self.stats.add("hit_declined")
-        log.warning(ConnectorLogEvent.HIT_DECLINED, request_id=request.request_id, reason=reason)
-        if r is None:
-            return
-        r.load = None
-        r.forget_ask()
-        if r.lc.may_hit:
-            r.lc.refuse(reason)
+        """``update_state_after_alloc``: bind the request's load plan to the blocks vLLM allocated
+        (:meth:`SchedulerLoads.after_alloc`)."""
+        self.loads.after_alloc(request, self._reqs.get(request.request_id), blocks, num_external_tokens)
 
     # ------------------------------------------------------------------ per step
     def take_unplanned_meta(self) -> HybridStoreMetadata:
@@ -320,11 +256,9 @@ class SchedulerSide:
 
         ``build_meta`` starts from this; between steps it is everything the next step would send besides
         its own positional and state saves (``HybridStoreConnector.settle_saves``)."""
-        meta = HybridStoreMetadata(
-            scheme=self.scheme, loads=self._pending_loads, saves=self.saves.take_unsent()
+        return HybridStoreMetadata(
+            scheme=self.scheme, loads=self.loads.take_pending(), saves=self.saves.take_unsent()
         )
-        self._pending_loads = []
-        return meta
 
     def build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
         """``build_connector_meta``: this step's message to every worker.
@@ -391,48 +325,8 @@ class SchedulerSide:
         for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is not None and r.load is not None and r.collect(load_results, ranks):
-                self._judge_load(r)
+                self.loads.judge(r)
         self.saves.on_results(wm)
-
-    def _judge_load(self, r: RequestState) -> None:
-        outcomes = {res.entry: res.outcome for res in r.load_results}
-        self.stats.add("load_calls")
-        resolution = r.lc.finish_load(outcomes)
-        job = r.end_load()
-        if resolution.verified:
-            r.saves.loaded_boundary = job.boundary
-            if r.saves.session is not None:  # a hit renews the session's retention
-                self.sessions.retain(
-                    r.saves.session, self.scheme, [(ref.group_index, ref.block_hash) for ref in job.blocks]
-                )
-            for group_index, num_blocks in Counter(ref.group_index for ref in job.blocks).items():
-                self.stats.add(f"{PER_GROUP_LOADED_BLOCKS}{group_index}", num_blocks)
-            return
-        # vLLM discards what this load wrote and restarts the request from 0 computed tokens (layer-wise
-        # mode: from its first loaded block, the local hit): nothing came from the store, and positional
-        # saves restart at the request's next first scheduled position (the retry's loaded boundary, or
-        # the local hit), so invalidated entries get re-saved.
-        r.saves.restart()
-        if self.cfg.layerwise:
-            self.prefix_cache.uncache({ref.block_id for ref in job.blocks})
-        self.stats.add("truncations")
-        self.stats.add("load_transient_faults", resolution.num_transient_faults)
-        if resolution.invalid_keys:
-            hash_of = {(ref.group_index, ref.index, ref.key_boundary): ref.block_hash for ref in job.blocks}
-            bad = {
-                (e.group_index, hash_of[(e.group_index, e.block_index, e.key_boundary)])
-                for e in resolution.invalid_entries
-            }
-            self.upkeep.invalidate(self.store, list(resolution.invalid_keys), sorted(bad))
-        log.warning(
-            ConnectorLogEvent.LOAD_FAILED,
-            request_id=r.request.request_id,
-            boundary=job.boundary,
-            retry_cap=resolution.retry_cap,
-            failed=len(resolution.failed_entries),
-            transient=resolution.num_transient_faults,
-            invalidated=len(resolution.invalid_keys),
-        )
 
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
@@ -521,7 +415,7 @@ class SchedulerSide:
 
     def is_idle(self) -> bool:
         """No tracked request, no load job waiting to be sent, no save job unsent or in flight."""
-        return not self._reqs and not self._pending_loads and not self.saves.has_work()
+        return not self._reqs and not self.loads.pending and not self.saves.has_work()
 
     def reset_cache(self) -> bool:
         """Remove this deployment's namespace (``reset_prefix_cache(reset_connector=True)``).
