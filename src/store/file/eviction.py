@@ -18,10 +18,10 @@ Contract: :class:`CapacityEvictor` runs one directory's capacity passes for one 
   watermark), but still only takes off what it removed. When the pass stops above the low watermark, or the
   index runs low, it wakes the top-up.
 - The index: the oldest files of the last full scan in eviction order (``eviction_order``: least recently
-  used first, retained files last), those covering ``INDEX_BANDS`` watermark bands of bytes. Files published
-  after the scan are newer than every indexed one (mtimes only grow, except retention's future mtimes,
-  which a re-``stat`` sees), so the index stays the store's oldest files as long as a candidate that was
-  used or retained since is skipped.
+  used first), those covering ``INDEX_BANDS`` watermark bands of bytes, up to the first retained file
+  (retained files go after every ordinary file, also those published after the scan: they are left to a
+  put's sample). Files published after the scan are newer than every indexed one, so the index stays the
+  store's oldest files as long as a candidate used or retained since (its mtime moved) is skipped.
 - The top-up (``top_up``; a daemon thread per process, woken by the put path): scans every file without any
   lock, rebuilds the index, then evicts from it down to the low watermark ``TOP_UP_BATCH`` files per hold of
   ``evict.lock``, so that the put paths of every process interleave with it, and removes crashed writers'
@@ -344,20 +344,22 @@ class CapacityEvictor:
             state.evict(file_size, path)
         state.drop_spares(spares, target)  # only when objects alone do not fit
         state.finish()
-        self._set_index(ordered, state.num_evicted + state.num_skipped)
+        self._set_index(ordered, state.num_evicted + state.num_skipped, now)
         layout.remove_stale_temp_files(now)
         log.debug(
             StoreLogEvent.FILE_EVICTED, url=layout.url, num_evicted=state.num_evicted, num_bytes=state.total
         )
         return state.num_evicted
 
-    def _set_index(self, ordered: list[Entry], start: int, num_bytes_due: int = 0) -> None:
+    def _set_index(self, ordered: list[Entry], start: int, now: float, num_bytes_due: int = 0) -> None:
         """Index ``ordered[start:]``'s head: the files covering ``INDEX_BANDS`` watermark bands beyond the
-        ``num_bytes_due`` a top-up is about to evict."""
+        ``num_bytes_due`` a top-up is about to evict, up to the first retained one (mtime after ``now``, the
+        scan's time): a retained file goes after files published later, which the index does not hold, so
+        it is left to a put's sample."""
         budget = num_bytes_due + INDEX_BANDS * (1.0 - LOW_WATERMARK) * self.layout.effective_capacity_bytes
         end = start
         num_bytes = 0
-        while end < len(ordered) and num_bytes < budget:
+        while end < len(ordered) and num_bytes < budget and ordered[end][0] <= now:
             num_bytes += ordered[end][1]
             end += 1
         with self._lock:
@@ -409,6 +411,11 @@ class CapacityEvictor:
         evict until ``size`` more bytes fit under the low watermark, a batch per hold of ``evict.lock``.
         Returns the files it evicted."""
         layout = self.layout
+        usage, _spare = layout.read_usage()
+        if usage <= int(layout.effective_capacity_bytes * LOW_WATERMARK) - size and (
+            self._num_indexed() >= SAMPLE_FILES
+        ):
+            return 0  # woken again by puts while the last pass ran: it made room and left an index
         entries: list[Entry] = []
         for shard in layout.object_shards():
             if self._closed:
@@ -418,7 +425,7 @@ class CapacityEvictor:
         ordered = eviction_order(entries, now, layout.effective_capacity_bytes * RETAIN_FRACTION)
         del entries
         usage, _spare = layout.read_usage()
-        self._set_index(ordered, 0, usage - int(layout.effective_capacity_bytes * LOW_WATERMARK) + size)
+        self._set_index(ordered, 0, now, usage - int(layout.effective_capacity_bytes * LOW_WATERMARK) + size)
         del ordered
         num_evicted = 0
         while not self._closed:
