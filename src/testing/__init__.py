@@ -10,5 +10,5 @@ against), ``lifecycle_rules`` (the lifecycle machine's rule groups), ``fault_pat
 positional faults the lifecycle machine puts in front of its model store).
 
 The development kit the tests, benchmarks and demo share (tiny models, the in-process vLLM harness, the
-simulated cluster, ...) is :mod:`hybridkv.devkit`, not a public API.
+simulated cluster, ...) is :mod:`hybridkv_dev.devkit`, not a public API.
 """

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from hybridkv.bench.agentic import (
+from hybridkv.cli import build_parser, main
+from hybridkv.store import open_store
+from hybridkv.store.base import Status, Store, StoreError, Value
+from hybridkv_dev.bench.agentic import (
     BACKGROUND_TENANT,
     CONFIGURATIONS,
     STORE_CHOICES,
@@ -28,9 +31,6 @@ from hybridkv.bench.agentic import (
     run_agentic_bench,
     tenant_salt,
 )
-from hybridkv.cli import build_parser, main
-from hybridkv.store import open_store
-from hybridkv.store.base import Status, Store, StoreError, Value
 
 #: A few short sessions and a few one-offs: a replay takes a fraction of a second.
 TINY = AgenticWorkload(num_sessions=6, median_turns=6, one_off_share=0.2, one_off_median_tokens=256)

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.agentic import CONFIGURATIONS as STORE_CONFIGURATIONS
-from hybridkv.bench.agentic import (
+from hybridkv.cli import main
+from hybridkv_dev.bench.agentic import CONFIGURATIONS as STORE_CONFIGURATIONS
+from hybridkv_dev.bench.agentic import (
     DEFAULT_ATTENTION_VALUE_BYTES,
     DEFAULT_STATE_VALUE_BYTES,
     AgenticWorkload,
@@ -16,7 +17,7 @@ from hybridkv.bench.agentic import (
     opened_store,
     replay_trace,
 )
-from hybridkv.bench.agentic_policies import (
+from hybridkv_dev.bench.agentic_policies import (
     POLICIES,
     ClairvoyantModel,
     LruModel,
@@ -24,7 +25,6 @@ from hybridkv.bench.agentic_policies import (
     model_hit_fraction,
     run_policy_model,
 )
-from hybridkv.cli import main
 
 SMALL = AgenticWorkload(num_sessions=8, median_turns=12, one_off_share=0.15, one_off_median_tokens=512)
 

@@ -21,8 +21,10 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.agentic import RequestKind
-from hybridkv.bench.agentic_serve import (
+from hybridkv.cli import main
+from hybridkv.cli.exit_codes import EXIT_USAGE
+from hybridkv_dev.bench.agentic import RequestKind
+from hybridkv_dev.bench.agentic_serve import (
     BASELINE,
     CONFIGURATIONS,
     SESSIONS_CONFIGURATION,
@@ -34,8 +36,6 @@ from hybridkv.bench.agentic_serve import (
     request_body,
     run_agentic_serve_bench,
 )
-from hybridkv.cli import main
-from hybridkv.cli.exit_codes import EXIT_USAGE
 
 #: CI size: C = 0.8 x the trace's ~22 MiB working set, above Mooncake's 16 MiB smallest segment.
 CI_SETUP = ServeSetup(num_sessions=6, max_requests=60, capacity_fraction=0.8)

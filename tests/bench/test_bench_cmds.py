@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.vllm]
 def _ttft_cmds_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     from hybridkv import cli
 
-    if "hybridkv.cli.ttft_cmds" not in cli._COMMAND_MODULES:
-        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "hybridkv.cli.ttft_cmds"))
+    if "hybridkv_dev.cli.ttft_cmds" not in cli._COMMAND_MODULES:
+        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "hybridkv_dev.cli.ttft_cmds"))
 
 
 def _main(argv: list[str]) -> int:
@@ -148,7 +148,7 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
 
 
 def test_overhead_is_the_median_of_per_round_differences_with_spread() -> None:
-    from hybridkv.bench.ttft import _row
+    from hybridkv_dev.bench.ttft import _row
 
     row = _row(
         "llama",
@@ -172,7 +172,7 @@ def test_overhead_is_the_median_of_per_round_differences_with_spread() -> None:
 
 
 def test_load_profile_reads_lookup_and_load_times_of_loaded_requests(tmp_path: Path) -> None:
-    from hybridkv.bench.ttft import _load_profile_from_audit
+    from hybridkv_dev.bench.ttft import _load_profile_from_audit
 
     records = [
         {"event": "lookup_started", "request_id": "a", "monotonic": 1.000},
@@ -209,7 +209,7 @@ def test_bench_ttft_keyed_row_hits_like_the_plain_one(tmp_path: Path) -> None:
 def test_bench_ttft_mooncake_outside_a_private_namespace_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hybridkv.devkit.net import loopback_only_namespace
+    from hybridkv_dev.devkit.net import loopback_only_namespace
 
     if loopback_only_namespace():
         pytest.skip("this process already runs in a loopback-only namespace (the Mooncake test run)")

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.scale import LOOKUP_KEYS, LOOKUP_ROUND_TRIPS, TABLE_COLUMNS
 from hybridkv.cli import main
+from hybridkv_dev.bench.scale import LOOKUP_KEYS, LOOKUP_ROUND_TRIPS, TABLE_COLUMNS
 
 _SIZES = (200, 2_000)
 _REPEATS = 2

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.scale import LOOKUP_KEYS, LOOKUP_ROUND_TRIPS, PUT_KEYS
 from hybridkv.cli import main
+from hybridkv_dev.bench.scale import LOOKUP_KEYS, LOOKUP_ROUND_TRIPS, PUT_KEYS
 
 _REPEATS = 2
 
@@ -22,7 +22,7 @@ def _spread_ok(row: dict[str, object], name: str) -> None:
 def test_mooncake_entries_axis_reports_every_size_consistently(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hybridkv.bench.scale_mooncake import MIN_ENTRIES, TABLE_COLUMNS
+    from hybridkv_dev.bench.scale_mooncake import MIN_ENTRIES, TABLE_COLUMNS
     from support.mooncake import assert_loopback_only_namespace
 
     assert_loopback_only_namespace()  # the bench starts its own masters, on 127.0.0.1 only
@@ -67,7 +67,7 @@ def test_mooncake_entries_axis_reports_every_size_consistently(
 def test_prompt_length_axis_reports_every_length_consistently(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hybridkv.bench.scale_prompt import TABLE_COLUMNS
+    from hybridkv_dev.bench.scale_prompt import TABLE_COLUMNS
 
     sizes = (256, 1024)
     out = tmp_path / "scale.json"

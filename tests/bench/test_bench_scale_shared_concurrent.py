@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.scale_concurrent import CONCURRENT_COLUMNS
-from hybridkv.bench.scale_shared import SHARED_COLUMNS
 from hybridkv.cli import main
+from hybridkv_dev.bench.scale_concurrent import CONCURRENT_COLUMNS
+from hybridkv_dev.bench.scale_shared import SHARED_COLUMNS
 
 
 def _run(argv: list[str], out: Path) -> dict[str, object]:

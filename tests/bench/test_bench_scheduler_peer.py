@@ -72,8 +72,8 @@ def test_bench_scheduler_peer_rows_find_the_planted_prefixes(tmp_path: Path) -> 
 def test_bench_scheduler_peer_outside_the_namespace_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridkv.bench import scheduler_peer
     from hybridkv.cli import main
+    from hybridkv_dev.bench import scheduler_peer
 
     # The suite itself runs inside the private namespace: stand for a shell outside it.
     monkeypatch.setattr(scheduler_peer, "loopback_only_namespace", lambda: False)

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.bench.soak import (
+from hybridkv.cli import build_parser
+from hybridkv.store import Status, open_store
+from hybridkv_dev.bench.soak import (
     LoadOutcome,
     SeriesBound,
     SoakPlan,
@@ -23,8 +25,6 @@ from hybridkv.bench.soak import (
     series_bounds,
     store_files_sample,
 )
-from hybridkv.cli import build_parser
-from hybridkv.store import Status, open_store
 
 
 def _samples(series: str, values: list[float], every: int = 10) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Fixtures for connector tests (helpers live in ``hybridkv.devkit.cluster``)."""
+"""Fixtures for connector tests (helpers live in ``hybridkv_dev.devkit.cluster``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.scheduler.lookup_process import ProcessLookupService
-from hybridkv.devkit.cluster import make_vllm_objs
+from hybridkv_dev.devkit.cluster import make_vllm_objs
 
 
 def lookup_children() -> list[int]:

@@ -11,10 +11,10 @@ import uuid
 from typing import Any
 
 import pytest
-from hybridkv.devkit.cluster import HASH
-from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
 from hybridkv.lifecycle import plan_lookup
 from hybridkv.store import open_store
+from hybridkv_dev.devkit.cluster import HASH
+from hybridkv_dev.devkit.cluster import kv_cache_config as _kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

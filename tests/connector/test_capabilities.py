@@ -17,12 +17,12 @@ import pytest
 import torch
 from hybridkv.connector.capabilities import load_disabled_reason
 from hybridkv.connector.log_events import ConnectorLogEvent
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.cluster import two_group_cache_config
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.ops import inprocess
 from hybridkv.store import open_store
 from hybridkv.store.memory import MemoryBackend
+from hybridkv_dev.devkit.cluster import two_group_cache_config
 from structlog.testing import capture_logs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hybridkv.connector.metadata import HybridStoreWorkerMetadata, LoadResult, SaveOutcome, SaveResult
 from hybridkv.connector.stats import HybridStoreStats
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

@@ -83,7 +83,7 @@ def _save(sched: Any, store: Any, rid: str, first: int) -> tuple[Any, Any, list[
 
 def _report(sched: Any, out: Any, save: Any, rid: str) -> None:
     """Every rank reports the save job stored: the scheduler publishes its blocks."""
-    from hybridkv.devkit.cluster import model_runner_output
+    from hybridkv_dev.devkit.cluster import model_runner_output
     from vllm.v1.outputs import KVConnectorOutput
 
     results = [SaveResult(b.entry(r), SaveOutcome.OK) for r in RANKS for b in save.blocks]

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.scheduler import lookup_answers
-from hybridkv.devkit.cluster import Cluster, hybrid_config
 from hybridkv.lifecycle.kinds import GroupKind
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
 from support.scheduler import tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

@@ -26,8 +26,8 @@ from hybridkv.connector.scheduler.layerwise_breaker import (
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.worker import layerwise
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.lifecycle.keys import EntryId
 from hybridkv.store.breaker import BreakerState
@@ -57,7 +57,7 @@ class _Engine:
     """One engine core: vLLM's ``Scheduler`` with the connector's scheduler half, and one worker half."""
 
     def __init__(self) -> None:
-        from hybridkv.devkit.cluster import two_group_cache_config
+        from hybridkv_dev.devkit.cluster import two_group_cache_config
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager

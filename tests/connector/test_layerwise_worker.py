@@ -15,8 +15,8 @@ from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, 
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker import layerwise
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import LoadOutcome
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.audit.replay import replay_records
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
 from support.scheduler import both_lookup_modes, fill_store, make_request, make_scheduler
@@ -227,7 +227,7 @@ def test_a_request_that_reads_no_cached_prefix_costs_no_lookup(objs: dict[str, A
 
 # ---------------------------------------------------------------------------------------- layer-wise
 def _single_group_scheduler(store_url: str) -> Any:
-    from hybridkv.devkit.cluster import two_group_cache_config
+    from hybridkv_dev.devkit.cluster import two_group_cache_config
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.devkit.cluster import Cluster, hybrid_config
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
 from support.scheduler import tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.config import MAX_PUT_WAVE_BYTES, ConnectorConfig
-from hybridkv.devkit.cluster import kv_cache_config
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 
 @pytest.mark.parametrize("value", [MAX_PUT_WAVE_BYTES + 1, 2**62, (1 << 63) - 1, "17GiB", "1TiB", "64GB"])

@@ -20,8 +20,8 @@ from hybridkv.connector.scheduler.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.scheduler.sessions import RequestSession
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry, resolve_geometry
-from hybridkv.devkit.cluster import hybrid_config
 from hybridkv.lifecycle.machine import LifecycleMachine
+from hybridkv_dev.devkit.cluster import hybrid_config
 from support.scheduler import make_request
 
 pytestmark = pytest.mark.vllm

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.metadata import LoadResult, SaveOutcome, SaveResult
-from hybridkv.devkit.cluster import HASH
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.store import open_store
+from hybridkv_dev.devkit.cluster import HASH
 from support.scheduler import fill_store, make_request, make_scheduler, model_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
@@ -186,7 +186,7 @@ def test_saves_pin_blocks_until_every_rank_reports_and_events_follow_stores(
     vllm_objs: dict[str, Any],
 ) -> None:
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
-    from hybridkv.devkit.cluster import model_runner_output
+    from hybridkv_dev.devkit.cluster import model_runner_output
     from vllm.distributed.kv_events import NullEventPublisher
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -294,8 +294,8 @@ def test_kv_role_limits_saves_and_loads(
 def test_a_wave_no_rank_admitted_is_dropped_and_publishes_nothing(vllm_objs: dict[str, Any]) -> None:
     """Backpressure on every rank: the wave ends DROPPED, its pins are released, no BlockStored."""
     from hybridkv.connector.metadata import HybridStoreWorkerMetadata
-    from hybridkv.devkit.cluster import model_runner_output
     from hybridkv.lifecycle import State
+    from hybridkv_dev.devkit.cluster import model_runner_output
     from vllm.v1.outputs import KVConnectorOutput
 
     sched = make_scheduler(vllm_objs["vc"])

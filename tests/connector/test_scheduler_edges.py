@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from hybridkv.connector.identity import MANIFEST_NAME
 from hybridkv.connector.metadata import HybridStoreWorkerMetadata, LoadResult, SaveOutcome, SaveResult
-from hybridkv.devkit.cluster import HASH
 from hybridkv.lifecycle import LoadOutcome
 from hybridkv.lifecycle.sink import MemoryAuditSink
 from hybridkv.store import open_store
+from hybridkv_dev.devkit.cluster import HASH
 from support.scheduler import both_lookup_modes, fill_store, make_request, make_scheduler, model_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]
@@ -273,7 +273,7 @@ def _stored_blocks(side: Any, store: Any) -> set[tuple[int, bytes]]:
 
 @both_lookup_modes
 def test_replayed_events_equal_the_store(objs: dict[str, Any]) -> None:
-    from hybridkv.devkit.cluster import model_runner_output
+    from hybridkv_dev.devkit.cluster import model_runner_output
     from vllm.v1.outputs import KVConnectorOutput
 
     store = open_store(objs["store_url"])

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.bench.scheduler import full_scan_hit, k3_request, k3_scheduler, store_prefix
 from hybridkv.connector.config import DEFAULT_LOOKUP_BUDGET_MS
 from hybridkv.lifecycle import plan_lookup
 from hybridkv.store import open_store
+from hybridkv_dev.bench.scheduler import full_scan_hit, k3_request, k3_scheduler, store_prefix
 
 pytestmark = pytest.mark.vllm
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybridkv.devkit.tiny_models import MAMBA2_HYBRID_CLASSES
+from hybridkv.demo.tiny_models import MAMBA2_HYBRID_CLASSES
 from hybridkv.lifecycle.kinds import GroupKind
 from support.mamba2 import (
     RealCacheCluster,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hybridkv.devkit.cluster import Cluster, hybrid_config
 from hybridkv.lifecycle.kinds import GroupKind
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
 from support.scheduler import PROMPT, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

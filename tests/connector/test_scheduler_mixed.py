@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hybridkv.devkit.cluster import Cluster, hybrid_config, kv_value
 from hybridkv.lifecycle.kinds import GroupKind
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config, kv_value
 from support.scheduler import PROMPT, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

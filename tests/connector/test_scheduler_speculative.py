@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 from hybridkv.connector.vllm_compat import vllm_release
-from hybridkv.devkit.cluster import Cluster, hybrid_config
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_eagle_draft, build_tiny_model
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_eagle_draft, build_tiny_model
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
 from support.scheduler import PROMPT, mtp_draft_config, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("lookups_settle")]

@@ -19,8 +19,8 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.store import open_store
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

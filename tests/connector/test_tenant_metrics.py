@@ -13,8 +13,8 @@ from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, SaveJob
 from hybridkv.connector.stats import HybridStoreStats, StatsBox, build_prom, is_stat_name, with_gauges
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker.tenant_metrics import TenantMetrics
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.store.quotas import OTHER_TENANTS, TenantCounters
+from hybridkv_dev.devkit.cluster import kv_cache_config
 from support.worker import make_worker
 
 pytestmark = pytest.mark.vllm

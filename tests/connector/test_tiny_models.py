@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.tiny_models import (
+from hybridkv.demo.tiny_models import (
     FAMILIES,
     SIZES,
     _digest,

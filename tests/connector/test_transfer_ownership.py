@@ -34,11 +34,11 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker.ownership import MAX_QUARANTINED_BATCHES, may_answer_late
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
 from hybridkv.store.base import Status, register_late_call
 from hybridkv.store.file import backend as file_module
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 pytestmark = pytest.mark.vllm
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.connector.vllm_compat import vllm_release
-from hybridkv.devkit.cluster import Cluster, hybrid_config
+from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
 from support.scheduler import tokens
 
 pytestmark = [
@@ -169,7 +169,7 @@ def test_a_hit_held_back_by_the_inflight_cap_keeps_its_hit(monkeypatch: pytest.M
 def test_may_load_async_is_false_where_nothing_loads_asynchronously(monkeypatch: pytest.MonkeyPatch) -> None:
     """True for a request whose lookup is in flight or hit; False once it answered a miss, for a prompt
     shorter than a hash block, for a request that reads no cached prefix, and on a layer-wise engine."""
-    from hybridkv.devkit.cluster import make_request
+    from hybridkv_dev.devkit.cluster import make_request
 
     vc, kvc = hybrid_config("full_mamba", dcp=1, tp=2)
     prompt = tokens(62)
@@ -208,7 +208,7 @@ def test_may_load_async_is_false_where_nothing_loads_asynchronously(monkeypatch:
 
 def test_kv_cache_access_is_declared_in_process() -> None:
     from hybridkv.connector.connector import HybridStoreConnector
-    from hybridkv.devkit.vllm_harness import connector_transfer_config
+    from hybridkv.demo.vllm_harness import connector_transfer_config
     from vllm.config.kv_transfer import KVCacheAccess
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -259,8 +259,8 @@ def test_weight_update_release_waits_for_a_load_in_flight_and_restores_the_same_
     from hybridkv.connector.connector import HybridStoreConnector
     from hybridkv.connector.metadata import BlockRef, HybridStoreMetadata, LoadJob, SaveJob
     from hybridkv.connector.vllm_geometry import resolve_geometry
-    from hybridkv.devkit.cluster import RankFaults, kv_cache_config
-    from hybridkv.devkit.vllm_harness import connector_transfer_config
+    from hybridkv.demo.vllm_harness import connector_transfer_config
+    from hybridkv_dev.devkit.cluster import RankFaults, kv_cache_config
     from support.worker import wait_loads
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

@@ -20,9 +20,9 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit.cluster import kv_cache_config
 from hybridkv.lifecycle import EntryId, LoadOutcome
 from hybridkv.store import open_store
+from hybridkv_dev.devkit.cluster import kv_cache_config
 from support.worker import make_worker, wait_loads
 
 pytestmark = pytest.mark.vllm

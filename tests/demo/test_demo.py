@@ -29,7 +29,7 @@ from hybridkv.demo import (
     render,
     shared_prefix_length,
 )
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR
 
 MODELS_DIR = DEFAULT_MODELS_DIR
 # Small sizes: 4 full 128-token blocks plus a tail; keeps one run around 25 s on 2 cores.

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from hybridkv.devkit.delay_proxy import DelayProxy, DelayProxyProcess
+from hybridkv_dev.devkit.delay_proxy import DelayProxy, DelayProxyProcess
 
 SMALL_MESSAGE = b"m" * 64
 

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from hybridkv.devkit.delayed_mooncake import delayed_mooncake, delayed_mooncake_store
 from hybridkv.store import Status, open_store
 from hybridkv.store.framed import FramedStore
+from hybridkv_dev.devkit.delayed_mooncake import delayed_mooncake, delayed_mooncake_store
 from support.mooncake import assert_loopback_only_namespace
 
 pytestmark = pytest.mark.mooncake

@@ -15,7 +15,7 @@ def failed_load_log_lines() -> list[dict[str, Any]]:
     """The scheduler's log lines for ``MESSAGE`` in a real failed load: vLLM's ``Scheduler`` with the connector
     and two simulated TP ranks; a prompt stored by a first engine, then loaded by a second whose rank 1 fails
     every read (the request is truncated, retried and recomputed)."""
-    from hybridkv.devkit.cluster import Cluster, hybrid_config
+    from hybridkv_dev.devkit.cluster import Cluster, hybrid_config
     from structlog.testing import capture_logs
 
     vc, kvc = hybrid_config("full_mamba", dcp=1, tp=2)

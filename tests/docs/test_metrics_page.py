@@ -48,7 +48,7 @@ def test_metrics_doc_matches_the_exported_series() -> None:
     """Build the connector's Prometheus metrics on a private registry and compare with the docs table."""
     pytest.importorskip("vllm")
     from hybridkv.connector import stats
-    from hybridkv.devkit.cluster import make_vllm_objs
+    from hybridkv_dev.devkit.cluster import make_vllm_objs
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     registry = CollectorRegistry()

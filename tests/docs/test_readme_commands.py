@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 from support.docs import README, Block, blocks_of
 
 MARKER = "readme-run try-it"

@@ -51,7 +51,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     control = Path(spec["control"])
     name = spec["name"]
-    from hybridkv.devkit.vllm_harness import PUMP_PROMPT, connector_halves, settle
+    from hybridkv.demo.vllm_harness import PUMP_PROMPT, connector_halves, settle
     from hybridkv.ops import inprocess
 
     inprocess.prepare_inprocess_environment()

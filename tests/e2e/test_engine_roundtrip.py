@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hybridkv.audit.replay import audit_file
 from hybridkv.connector.scheduler.lookup_process import RESTART_BACKOFF_S
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 root, tests_dir, tmpfs_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, tests_dir)
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, audit, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 
 model = build_tiny_model("llama", MODELS_DIR)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

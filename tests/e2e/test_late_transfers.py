@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from hybridkv.audit.replay import audit_file
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from hybridkv.store.faulty import SCRIBBLE_BYTE, FaultyBackend
 from support.engines import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from hybridkv.audit.replay import audit_file
 from hybridkv.connector.worker.layerwise import LayerwiseLoads
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import build_tiny_model
 from hybridkv.ops import inprocess
 from support.engines import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 

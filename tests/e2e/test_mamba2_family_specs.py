@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.tiny_models import MAMBA2_HYBRID_CLASSES
+from hybridkv.demo.tiny_models import MAMBA2_HYBRID_CLASSES
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 #: ``python -c CAPTURE OUT FAMILY...``: each family's engine specs and groups as reprs, into OUT (JSON).
 CAPTURE = """
 import json, sys
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_config
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_config
 import vllm.v1.engine.core as core
 from vllm import LLM
 

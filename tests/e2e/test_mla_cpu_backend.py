@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from hybridkv.cli import main
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from hybridkv.ops import inprocess
 from support.engines import MODELS_DIR, connectors, flush_saves, generate, prompt, reset_local_cache
 

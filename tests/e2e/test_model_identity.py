@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from hybridkv.cli import main
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, connectors, engine, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from hybridkv.audit.replay import audit_file
-from hybridkv.devkit.mooncake import MooncakeMaster
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.engines import MODELS_DIR, audit, connectors, engine, generate, prompt, reset_local_cache
 from support.mooncake import new_master
 

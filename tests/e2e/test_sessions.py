@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from hybridkv.ops import inprocess
 from support.engines import MODELS_DIR, audit, connectors, flush_saves, prompt, reset_local_cache
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, connectors, engine, flush_saves, generate, prompt, reset_local_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import torch
-from hybridkv.devkit.tiny_models import build_eagle_draft, build_tiny_model
-from hybridkv.devkit.vllm_harness import block_hashed_request
+from hybridkv.demo.tiny_models import build_eagle_draft, build_tiny_model
+from hybridkv.demo.vllm_harness import block_hashed_request
 from hybridkv.ops import inprocess
 from support.engines import MODELS_DIR, connectors, flush_saves, generate, prompt, reset_local_cache
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -43,7 +43,7 @@ PROMPT = [random.Random(3).randrange(3, 500) for _ in range(300)]  # 2 full 128-
 
 
 def _model() -> str:
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
 
     return str(build_tiny_model("qwen3_next", MODELS_DIR))
 
@@ -222,7 +222,7 @@ def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
     ranks; vLLM's block becomes 256 at TP 2): engine 1 stores every rank's shard of each block, engine 2 (a
     fresh process, the same store) loads them back: the external hit covers the prompt's blocks and the
     greedy tokens equal engine 1's. (Llama at TP 2: the next test.)"""
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
 
     family, hit = "qwen3_next", 512
     model = str(build_tiny_model(family, MODELS_DIR, linear_num_key_heads=2, linear_num_value_heads=4))
@@ -264,7 +264,7 @@ def test_llama_tensor_parallel_loads_every_ranks_keys_and_one_failing_rank_recom
     cold run's; dropped and sent once more, rank 1's reads fail (its store view fails every ``get`` after
     its first, the hit's: ``fail_after=1&fail_ops=get&fault_tp_rank=1``; rank 0 reads fine): the whole
     request is recomputed, with the cold run's tokens again."""
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
 
     blocks, hit, namespace = 4, 512, "tp-llama"
     model = str(build_tiny_model("llama", MODELS_DIR, num_key_value_heads=4))

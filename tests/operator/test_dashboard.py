@@ -96,7 +96,7 @@ def test_series_match_a_real_vllm_registry() -> None:
     the dashboard expects (hybridkv's and vLLM's prefix-cache ones)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import prometheus_client
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
     from support.engines import MODELS_DIR
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs

@@ -113,7 +113,7 @@ def test_model_geometry_matches_the_serving_engine(
     """Serve a hybrid model (attention + Mamba) into a file store, then describe it: the fingerprint and the
     per-group geometry are the serving connector's, the entries are the keys it wrote, bytes per group are
     entries x the group's block bytes."""
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
     from support.engines import MODELS_DIR, connectors, engine, flush_saves, generate, prompt
 
     model = build_tiny_model("qwen3_next", MODELS_DIR)

@@ -68,6 +68,17 @@ def test_build_makes_an_sdist_and_a_wheel(dist: Path) -> None:
     }
     missing = sorted(name for name in packages if name not in names)
     assert not missing, f"packages under src/ the wheel leaves out (pyproject.toml's packages): {missing}"
+    # The product first: nothing of the development distribution ships, and the benches an operator runs
+    # against their own deployment and the demo are at most a quarter of the wheel's code.
+    assert not any(n.startswith("hybridkv_dev/") for n in names), (
+        "the wheel ships the development distribution"
+    )
+    with zipfile.ZipFile(wheel) as archive:
+        num_lines = {n: archive.read(n).count(b"\n") for n in names if n.endswith(".py")}
+    num_tooling = sum(v for n, v in num_lines.items() if n.startswith(("hybridkv/bench/", "hybridkv/demo/")))
+    assert num_tooling <= 0.25 * sum(num_lines.values()), (
+        f"benches and demo: {num_tooling} of the wheel's {sum(num_lines.values())} lines of code"
+    )
     metadata = (
         zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     )
@@ -124,7 +135,7 @@ from pathlib import Path
 import hybridkv
 assert Path(hybridkv.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), hybridkv.__file__
 from support.engines import connectors, engine, generate, prompt, reset_local_cache
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 
 model = build_tiny_model("qwen3_next", Path(sys.argv[1]))
 work = Path(sys.argv[2])

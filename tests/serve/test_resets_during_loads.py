@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.devkit.openai_server import OpenAIServer, http_json, metric, metrics_samples
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv_dev.devkit.openai_server import OpenAIServer, http_json, metric, metrics_samples
 
 openai = pytest.importorskip("openai")
 

@@ -24,13 +24,13 @@ import re
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.openai_server import (
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv_dev.devkit.openai_server import (
     OpenAIServer,
     hybridkv_transfer_config,
     metric,
     wait_metric,
 )
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -2,7 +2,7 @@
 for the sessions (``hybridkv bench serve``'s load at CI size).
 
 One server per test (a tiny GDN hybrid, text prompts through the model's tokenizer and chat template, a local
-KV cache of about 10 blocks), the same workload as the bench (``hybridkv.bench.serve.run_load``):
+KV cache of about 10 blocks), the same workload as the bench (``hybridkv_dev.bench.serve.run_load``):
 sessions x turns through streamed ``/v1/chat/completions``, each turn resending the conversation, then the
 eviction probe (a prompt, unique long prompts, the prompt again through ``/v1/completions``).
 
@@ -13,7 +13,7 @@ once the local cache evicted it; greedy tokens at concurrency 1 do not depend on
 after the load nothing runs or waits and the local prefix cache resets (no block stays pinned); the audit
 log replays cleanly and every lifecycle in it terminated. The second test does it through a chaos store
 (failed, corrupted and late gets and puts) whose capacity is smaller than the working set, and samples the
-series of ``hybridkv bench soak`` while it runs (``hybridkv.bench.soak.take_sample``: the server's processes,
+series of ``hybridkv bench soak`` while it runs (``hybridkv_dev.bench.soak.take_sample``: the server's processes,
 the connector's gauges, the store's files): nothing may grow past its warm-up level, and once the server is
 settled nothing stays held (no request, pin, late call, save or staging byte; no temp file; the store
 within its capacity). About 50 requests are too few for slopes: the long form is ``hybridkv bench soak``.
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.bench.serve import LoadResult, divergence, run_load
-from hybridkv.bench.soak import SeriesBound, analyze_series, settle, take_sample
-from hybridkv.devkit.openai_server import OpenAIServer, metric, metrics_samples, vllm_bench_serve_command
+from hybridkv_dev.bench.serve import LoadResult, divergence, run_load
+from hybridkv_dev.bench.soak import SeriesBound, analyze_series, settle, take_sample
+from hybridkv_dev.devkit.openai_server import OpenAIServer, metric, metrics_samples, vllm_bench_serve_command
 from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
 
 # Each test starts one server (about 20 s on an idle 2-core host, minutes on a busy one) and sends ~110 requests.

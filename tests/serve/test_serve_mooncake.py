@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hybridkv.bench.serve import run_load
-from hybridkv.devkit.openai_server import metric, metrics_samples
+from hybridkv_dev.bench.serve import run_load
+from hybridkv_dev.devkit.openai_server import metric, metrics_samples
 from support.mooncake import new_master
 from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.bench.serve import (
+from hybridkv.cli import EXIT_OK, EXIT_USAGE, main
+from hybridkv_dev.bench.serve import (
     ConfigRun,
     RequestRecord,
     ServerShape,
@@ -20,7 +21,6 @@ from hybridkv.bench.serve import (
     rotated,
     summarize_runs,
 )
-from hybridkv.cli import EXIT_OK, EXIT_USAGE, main
 
 
 def test_each_turn_resends_the_conversation_so_far() -> None:

@@ -1,13 +1,16 @@
 """Product and tooling apart: which of hybridkv's top-level units may import which (read from the source).
 
-Every module under ``src/`` is parsed with ``ast``; every ``import`` / ``from ... import`` naming
-``hybridkv.*`` counts, at module level, inside functions and under ``TYPE_CHECKING`` alike. Units are the
+Every module under ``src/`` (the runtime package ``hybridkv``) and ``dev/hybridkv_dev`` (the development
+distribution) is parsed with ``ast``; every ``import`` / ``from ... import`` naming ``hybridkv.*`` or
+``hybridkv_dev.*`` counts, at module level, inside functions and under ``TYPE_CHECKING`` alike. Units are the
 top-level subpackages (``hybridkv.store``) and top-level modules (``hybridkv.tables``; ``hybridkv`` itself
-is ``__init__``).
+is ``__init__``); the whole development distribution is one unit, ``dev``.
+
+- Nothing in ``hybridkv`` imports ``hybridkv_dev``: the runtime wheel stands alone.
 
 - The product (what ``vllm`` loads and what operators run: lifecycle, audit, store, connector, the operator
   wing ``hybridkv.ops``, the CLI, the public fuzzers in ``hybridkv.testing``) never imports the tooling
-  (``hybridkv.devkit``, ``hybridkv.bench``, ``hybridkv.demo``), except the few CLI command functions in
+  (``hybridkv.bench``, ``hybridkv.demo``, the development distribution), except the few CLI command functions in
   ``CLI_TOOLING_COMMANDS``.
 - ``hybridkv.bench`` never imports ``hybridkv.cli``.
 - Inside the connector, the scheduler, worker and data-path wings never import each other (the worker drives
@@ -25,7 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+DEV = ROOT / "dev"
+#: top-level package -> the folder it is read from
+PACKAGE_ROOTS = {"hybridkv": SRC, "hybridkv_dev": DEV / "hybridkv_dev"}
 
 PRODUCT = {
     "__init__",
@@ -39,7 +46,7 @@ PRODUCT = {
     "ops",
     "cli",
 }
-TOOLING = {"devkit", "bench", "demo"}
+TOOLING = {"bench", "demo", "dev"}
 
 #: The units each unit may import (besides itself). A unit missing here fails the test: place it.
 ALLOWED: dict[str, set[str]] = {
@@ -54,79 +61,37 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"key_grammar", "lifecycle", "audit", "store", "connector"},
     "ops": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector"},
     "cli": {"__init__", "tables", "key_grammar", "lifecycle", "audit", "store", "connector", "ops"},
-    "devkit": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "testing", "ops"},
-    "bench": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
-    "demo": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "devkit", "ops"},
+    # The benches an operator runs against their own deployment (store, data path, cross-host Mooncake).
+    "bench": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "ops", "demo"},
+    # The demo and the tiny random-weight models it (and the benches) run on.
+    "demo": {"tables", "key_grammar", "lifecycle", "audit", "store", "connector", "ops"},
+    # The development distribution builds on the whole product.
+    "dev": {
+        "__init__",
+        "tables",
+        "key_grammar",
+        "lifecycle",
+        "audit",
+        "store",
+        "connector",
+        "testing",
+        "ops",
+        "cli",
+        "bench",
+        "demo",
+    },
 }
 
 #: The CLI's tooling subcommands (``hybridkv bench ...``, ``hybridkv demo``) are front ends of benchmarks
-#: and of the demo, which run on the devkit's tiny models and deployments. They are how the benches are run,
+#: and of the demo, which run on the demo's tiny models. They are how the benches are run,
 #: but no other command may load tooling: so these command functions, and nothing else in the CLI, import
 #: tooling, lazily, when that command runs. (CLI module, function) -> the tooling modules it imports.
 CLI_TOOLING_COMMANDS: dict[tuple[str, str], set[str]] = {
-    ("hybridkv.cli.agentic_cmds", "handle_agentic"): {"hybridkv.bench.agentic", "hybridkv.bench.report"},
-    ("hybridkv.cli.agentic_cmds", "handle_agentic_policies"): {
-        "hybridkv.bench.agentic",
-        "hybridkv.bench.agentic_policies",
-        "hybridkv.bench.report",
-    },
-    ("hybridkv.cli.agentic_serve_cmds", "handle_agentic_serve"): {
-        "hybridkv.bench.agentic_serve",
-        "hybridkv.bench.report",
-    },
-    ("hybridkv.cli.divergent_cmds", "handle_divergent"): {
-        "hybridkv.bench.divergent",
-        "hybridkv.bench.report",
-    },
     ("hybridkv.cli.datapath_cmds", "handle_bench"): {"hybridkv.bench.datapath"},
-    ("hybridkv.cli.scale_cmds", "handle_scale"): {"hybridkv.bench.scale", "hybridkv.bench.report"},
-    ("hybridkv.cli.scale_cmds", "handle_mooncake_entries"): {
-        "hybridkv.bench.scale_mooncake",
-        "hybridkv.bench.report",
-    },
-    ("hybridkv.cli.scale_cmds", "handle_prompt_length"): {
-        "hybridkv.bench.scale_prompt",
-        "hybridkv.bench.report",
-    },
     ("hybridkv.cli.demo_cmds", "handler"): {"hybridkv.demo", "hybridkv.bench.report"},
     ("hybridkv.cli.lifecycle_cmds", "_bench"): {"hybridkv.bench.lifecycle", "hybridkv.bench.report"},
     ("hybridkv.cli.mooncake_cmds", "handle_bench"): {"hybridkv.bench.crosshost", "hybridkv.bench.report"},
-    # The one registration allowed in: ``bench serve``'s flags show the defaults of the bench's own
-    # ``Workload`` / ``ServerShape`` and its configuration and family names (a dozen values that would
-    # otherwise be copied here and drift). It runs when the parser is built; bench.serve and tiny_models
-    # import no vLLM, no torch.
-    ("hybridkv.cli.serve_cmds", "register"): {"hybridkv.bench.serve", "hybridkv.devkit.tiny_models"},
-    ("hybridkv.cli.serve_cmds", "handle_serve"): {"hybridkv.bench.serve", "hybridkv.devkit.tiny_models"},
-    ("hybridkv.cli.serve_cmds", "_one_run"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
-    ("hybridkv.cli.serve_cmds", "_print_summary"): {"hybridkv.bench.serve", "hybridkv.bench.report"},
-    ("hybridkv.cli.soak_cmds", "handle_soak"): {
-        "hybridkv.bench.soak",
-        "hybridkv.bench.report",
-        "hybridkv.devkit.tiny_models",
-    },
     ("hybridkv.cli.store_cmds", "handle_bench"): {"hybridkv.bench.store", "hybridkv.bench.report"},
-    # The model sizes its --size offers (tiny_models imports no vLLM, no torch at module level).
-    ("hybridkv.cli.ttft_cmds", "register"): {"hybridkv.devkit.tiny_models"},
-    ("hybridkv.cli.ttft_cmds", "handle_ttft"): {
-        "hybridkv.bench.ttft",
-        "hybridkv.bench.report",
-        "hybridkv.devkit.net",
-        "hybridkv.devkit.tiny_models",
-    },
-    ("hybridkv.cli.ttft_cmds", "handle_lookup"): {
-        "hybridkv.bench.lookup",
-        "hybridkv.bench.report",
-        "hybridkv.bench.store",
-        "hybridkv.devkit.tiny_models",
-    },
-    ("hybridkv.cli.ttft_cmds", "_inflight_wanted"): {"hybridkv.bench.scheduler_inflight"},
-    ("hybridkv.cli.ttft_cmds", "_inflight_axis"): {"hybridkv.bench.scheduler_inflight"},
-    ("hybridkv.cli.ttft_cmds", "handle_scheduler"): {
-        "hybridkv.bench.scheduler",
-        "hybridkv.bench.report",
-        "hybridkv.devkit.delayed_mooncake",
-        "hybridkv.devkit.tiny_models",
-    },
 }
 
 
@@ -143,16 +108,27 @@ class Import:
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(["hybridkv", *parts])
+    for package, folder in PACKAGE_ROOTS.items():
+        if path.is_relative_to(folder):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([package, *parts])
+    raise AssertionError(f"{path} is in no package root")
 
 
 def _is_module(name: str) -> bool:
-    """Whether ``hybridkv.a.b`` names a module or package under ``src/`` (not an attribute of one)."""
-    relative = Path(*name.split(".")[1:]) if name != "hybridkv" else Path()
-    return (SRC / relative).with_suffix(".py").is_file() or (SRC / relative / "__init__.py").is_file()
+    """Whether ``hybridkv.a.b`` (or ``hybridkv_dev.a.b``) names a module or package (not an attribute of one)."""
+    package, *rest = name.split(".")
+    folder = PACKAGE_ROOTS.get(package)
+    if folder is None:
+        return False
+    relative = Path(*rest) if rest else Path()
+    return (folder / relative).with_suffix(".py").is_file() or (folder / relative / "__init__.py").is_file()
+
+
+def _sources() -> list[Path]:
+    return sorted(path for folder in PACKAGE_ROOTS.values() for path in folder.rglob("*.py"))
 
 
 def _imports(path: Path) -> Iterator[Import]:
@@ -179,24 +155,29 @@ def _imports(path: Path) -> Iterator[Import]:
             yield from visit(child, function)
 
     for found in visit(tree, None):
-        if found.target == "hybridkv" or found.target.startswith("hybridkv."):
+        if found.target.split(".")[0] in PACKAGE_ROOTS:
             yield found
 
 
 def _unit(name: str) -> str:
     parts = name.split(".")
+    if parts[0] == "hybridkv_dev":
+        return "dev"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
 ALL_IMPORTS = sorted(
-    {found for path in sorted(SRC.rglob("*.py")) for found in _imports(path)},
+    {found for path in _sources() for found in _imports(path)},
     key=lambda f: (f.module, f.line, f.target),
 )
 
 
 def test_the_scan_sees_the_package() -> None:
     units = {_unit(found.module) for found in ALL_IMPORTS}
-    assert {"connector", "ops", "cli", "bench", "devkit", "demo"} <= units, units
+    assert {"connector", "ops", "cli", "bench", "demo", "dev"} <= units, units
+    assert any(f.target.startswith("hybridkv_dev.") and _unit(f.module) == "dev" for f in ALL_IMPORTS), (
+        "the development distribution seen"
+    )
     assert any(f.target.startswith("hybridkv.bench.") and f.function for f in ALL_IMPORTS), (
         "lazy imports seen"
     )
@@ -206,9 +187,15 @@ def test_the_scan_sees_the_package() -> None:
 
 
 def test_every_unit_is_placed() -> None:
-    units = {_unit(_module_name(path)) for path in SRC.rglob("*.py")}
+    units = {_unit(_module_name(path)) for path in _sources()}
     assert units <= set(ALLOWED), f"place {sorted(units - set(ALLOWED))} in ALLOWED (and PRODUCT or TOOLING)"
     assert set(ALLOWED) == PRODUCT | TOOLING
+
+
+def test_the_runtime_package_never_imports_the_development_distribution() -> None:
+    """``pip install hybridkv`` installs no ``hybridkv_dev``: nothing of the wheel may need it."""
+    bad = [str(f) for f in ALL_IMPORTS if _unit(f.module) != "dev" and _unit(f.target) == "dev"]
+    assert not bad, "the runtime package imports the development distribution:\n" + "\n".join(bad)
 
 
 def test_the_product_never_imports_tooling() -> None:

@@ -207,7 +207,7 @@ def test_the_check_catches(source: str, expected: str) -> None:
         "from mooncake.store import MooncakeDistributedStore\n",
         "from support.scheduler import make_request, tokens\n",
         "from support.engines import MODELS_DIR\n",
-        "from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config\n",
+        "from hybridkv_dev.devkit.cluster import kv_cache_config as _kv_cache_config\n",
         "import sys\nprint(sys.path)\n",
     ],
 )

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import open_store
 from hybridkv.store.framed import FramedStore
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.mooncake import new_master as _new_master
 
 

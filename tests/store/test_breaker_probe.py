@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from typing import NoReturn
 
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import MooncakeBackend
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.mooncake import RPC_TIMEOUT_MS
 
 pytestmark = pytest.mark.mooncake

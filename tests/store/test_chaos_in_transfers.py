@@ -48,8 +48,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv.devkit.delay_proxy import read_child_line
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.file import FileBackend
@@ -58,6 +56,8 @@ from hybridkv.store.file.layout import FileLayout
 from hybridkv.store.frame import FIXED_HEADER_SIZE, check_frame, default_checksum, header_size, key_digest
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake_node import DEFAULT_LEASE_TTL, READY_PREFIX, node_command
+from hybridkv_dev.devkit.delay_proxy import read_child_line
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.chaos import chaos_key, first_mismatch, read_outcomes, size_of, value_parts, verify_keys
 from support.hosts import DIE_WITH_PARENT
 from support.mooncake import RPC_TIMEOUT_MS, SuiteMaster, assert_loopback_only_namespace, freeze_until_stopped

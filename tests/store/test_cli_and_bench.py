@@ -11,8 +11,8 @@ import pytest
 import structlog
 from hybridkv.bench.store import filesystem_of, measure_put_get, run_store_bench
 from hybridkv.cli import main
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 
 
 @pytest.fixture(autouse=True)

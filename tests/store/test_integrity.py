@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, StoreError, StoreLogEvent, open_store
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import (
@@ -29,6 +28,7 @@ from hybridkv.store.framed import FramedStore
 from hybridkv.store.integrity import MIN_SECRET_BYTES, TAG_SIZE, IntegrityKey, Keyring
 from hybridkv.store.url import check_store_url
 from hybridkv.testing.store_fuzz import make_store_machine
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from hypothesis import HealthCheck, settings
 from structlog.testing import capture_logs
 

@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import Status, open_store
 from hybridkv.store.base import collect_late_calls
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.mooncake import EXISTS_KEYS_PER_CALL, MooncakeBackend, status_of_code
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.mooncake import RPC_TIMEOUT_MS, freeze_until_stopped
 
 pytestmark = pytest.mark.mooncake

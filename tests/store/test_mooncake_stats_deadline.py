@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
 from hybridkv.store import open_store
 from hybridkv.store.mooncake import MooncakeBackend
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from support.mooncake import RPC_TIMEOUT_MS
 
 pytestmark = pytest.mark.mooncake

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridkv.bench.scale_shared import run_shared_axis
+from hybridkv_dev.bench.scale_shared import run_shared_axis
 
 _ENGINES = 4
 _ROUNDS = 12

@@ -176,7 +176,7 @@ from pathlib import Path
 
 tests_dir, root = sys.argv[1], Path(sys.argv[2])
 sys.path.insert(0, tests_dir)
-from hybridkv.devkit.tiny_models import build_tiny_model
+from hybridkv.demo.tiny_models import build_tiny_model
 from support.engines import MODELS_DIR, audit, engine, flush_saves, generate, prompt, reset_local_cache
 
 model = build_tiny_model("llama", MODELS_DIR)

@@ -217,7 +217,7 @@ def prompt(seed: int) -> list[int]:
 
 
 def tiny_model() -> Path:
-    from hybridkv.devkit.tiny_models import build_tiny_model
+    from hybridkv.demo.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3_next", MODELS_DIR)
 

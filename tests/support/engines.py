@@ -1,6 +1,6 @@
 """Helpers for in-process vLLM engines with HybridStoreConnector (CPU build, tiny random models).
 
-A thin layer over :mod:`hybridkv.devkit.vllm_harness` (the engine the benchmarks and the demo use too).
+A thin layer over :mod:`hybridkv.demo.vllm_harness` (the engine the benchmarks and the demo use too).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR
 from hybridkv.ops import inprocess
 
 inprocess.prepare_inprocess_environment()

@@ -42,9 +42,9 @@ from typing import Any
 from unittest import mock
 
 import torch
-from hybridkv.devkit import vllm_harness
-from hybridkv.devkit.cluster import Cluster, kv_value, state_value
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_config
+from hybridkv.demo import vllm_harness
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_config
+from hybridkv_dev.devkit.cluster import Cluster, kv_value, state_value
 
 #: vLLM-CPU's block size when none is configured (``CpuPlatform.check_and_update_config``).
 CPU_DEFAULT_BLOCK_SIZE = 128

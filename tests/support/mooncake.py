@@ -1,7 +1,7 @@
 """A real ``mooncake_master`` on loopback for tests (shared by ``tests/store``, ``tests/e2e``,
 ``tests/serve``, ``tests/devkit``, ``tests/bench``, ``tests/multihost``).
 
-The master is ``hybridkv.devkit.mooncake.MooncakeMaster`` (the product's ``master_command`` argv on free
+The master is ``hybridkv_dev.devkit.mooncake.MooncakeMaster`` (the product's ``master_command`` argv on free
 loopback ports). Mooncake clients open wildcard listeners that cannot be bound to 127.0.0.1, so Mooncake
 tests must run in a private network namespace with only ``lo`` (``scripts/netns-run``). ``new_master``
 checks that and fails with a clear message instead of skipping.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from hybridkv.devkit.mooncake import MooncakeMaster
-from hybridkv.devkit.net import network_interfaces
+from hybridkv_dev.devkit.mooncake import MooncakeMaster
+from hybridkv_dev.devkit.net import network_interfaces
 
 # Per-call Mooncake RPC timeout for the whole test process (Mooncake reads it once per process).
 RPC_TIMEOUT_MS = 1000

@@ -1,4 +1,4 @@
-"""vLLM's real ``Scheduler`` with the connector (no workers) over ``hybridkv.devkit.cluster``'s KV-cache
+"""vLLM's real ``Scheduler`` with the connector (no workers) over ``hybridkv_dev.devkit.cluster``'s KV-cache
 config (TP = DCP = 2, full attention + Mamba), and what the scheduler-level tests hand it: requests, store
 contents under the connector's keys, the executor's aggregated worker output; ``tokens``: random prompts;
 ``mtp_draft_config``: the config of a multi-module MTP draft for a real ``SpeculativeConfig``."""
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybridkv.devkit.cluster import HASH
-from hybridkv.devkit.cluster import kv_cache_config as _kv_cache_config
-from hybridkv.devkit.tiny_models import tiny_config_kwargs
+from hybridkv.demo.tiny_models import tiny_config_kwargs
+from hybridkv_dev.devkit.cluster import HASH
+from hybridkv_dev.devkit.cluster import kv_cache_config as _kv_cache_config
 
 #: The prompt length of the scheduler-matrix tests.
 PROMPT = 300
@@ -55,7 +55,7 @@ def fill_store(
 
 
 def model_output(sched_out: Any, worker_meta: Any, finished: set[str], failed: set[str]) -> Any:
-    from hybridkv.devkit.cluster import model_runner_output
+    from hybridkv_dev.devkit.cluster import model_runner_output
     from vllm.v1.outputs import KVConnectorOutput
 
     return model_runner_output(

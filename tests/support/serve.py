@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridkv.bench.serve import LoadResult, Workload, audit_summary, check_after_load
-from hybridkv.devkit.openai_server import OpenAIServer, hybridkv_transfer_config
-from hybridkv.devkit.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from hybridkv_dev.bench.serve import LoadResult, Workload, audit_summary, check_after_load
+from hybridkv_dev.devkit.openai_server import OpenAIServer, hybridkv_transfer_config
 
 #: CI size: 4 sessions x 3 turns, turn prompts of ~200-750 tokens (1-6 blocks of 128).
 WORKLOAD = Workload(

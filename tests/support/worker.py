@@ -10,7 +10,7 @@ import torch
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.vllm_geometry import resolve_geometry
 from hybridkv.connector.worker.side import WorkerSide
-from hybridkv.devkit.cluster import kv_cache_config
+from hybridkv_dev.devkit.cluster import kv_cache_config
 
 
 def make_worker(

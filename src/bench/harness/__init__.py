@@ -3,7 +3,7 @@
 - :mod:`~hybridkv.bench.harness.rounds`  -- rounds and the interleaving of arms (each arm takes each place in
   turn), the host's load average around a measurement
 - :mod:`~hybridkv.bench.harness.stats`   -- medians and the ``{median, min, max}`` spread of repeated rounds
-- :mod:`~hybridkv.bench.harness.record`  -- the per-request record of the benches that drive an OpenAI server
+- :mod:`~hybridkv_dev.bench.record`  -- the per-request record of the benches that drive an OpenAI server
 - :mod:`hybridkv.bench.report`           -- the targets table (met / missed), JSON, PNG plots (re-exported
   here)
 

@@ -2,7 +2,7 @@
 
 Production installs none: the worker's load path then times nothing for it (no clock reads, no lock, no
 dict update). ``hybridkv bench ttft`` installs one through ``WorkerSide.install_load_probe`` and reads
-:meth:`LoadProbe.totals` around each counted hit (see ``hybridkv.bench.ttft``).
+:meth:`LoadProbe.totals` around each counted hit (see ``hybridkv_dev.bench.ttft``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Production installs none: ``FileBackend``'s read path then times nothing (no clock reads, no lock, no dict
 update). ``hybridkv bench ttft`` installs one through ``FileBackend.install_read_probe`` and reads
-:meth:`ReadProbe.totals` around each counted hit (see ``hybridkv.bench.ttft``), next to the worker's
+:meth:`ReadProbe.totals` around each counted hit (see ``hybridkv_dev.bench.ttft``), next to the worker's
 ``hybridkv.connector.worker.load_probe.LoadProbe``.
 """
 

@@ -1,0 +1,356 @@
+"""Engines sharing one file store (``hybridkv bench scale --axis shared``), as functions returning dicts.
+
+For each engine count E of ``engines`` (1 -> 4), a fresh ``file://`` store directory whose capacity holds a
+fraction of what the engines write, so that they evict one another's entries all along; E engine processes
+(real separate processes, each its own ``open_store(url)``: the store object an engine's worker saves its
+blocks through, ``put``, and loads its hits through, ``get_into``) start together and each runs ``rounds``
+rounds of:
+
+- a save: ``put`` of ``batch`` new blocks of its own keys, each value the key's digest repeated (so that any
+  process can verify any value it loads without asking its writer),
+- a load: ``get_into`` of ``batch`` keys another engine saved recently (the next engine's; its own when
+  alone), chosen among that engine's last ``window`` keys; each loaded value is compared byte for byte with
+  what its writer wrote. A load is a verified hit, a clean miss (``NOT_FOUND``: evicted, or not written yet),
+  or a failure (wrong bytes, ``CORRUPT``, any other status); right after a verified hit the key's file is
+  ``stat``-ed again: gone or another inode means an eviction (by any process) removed the entry across the
+  load ("removed while loading": the loader still got its bytes).
+
+Each engine reports its seconds, rounds, bytes saved and loaded, the time its threads waited for the
+store's locks (``FileLayout``: the usage estimate's flock, ``evict.lock``) and its loads by outcome. After
+each run the store's real bytes (objects and spares, read from the files) are compared with its capacity.
+Repeats interleave the engine counts. Targets: the per-engine cost (seconds per round) at the most engines
+within 1.5x of one engine's, no wrong bytes and no corrupt loads, the store within its capacity at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridkv.bench.report import spread_text, target_row
+from hybridkv.store import open_store
+from hybridkv.store.base import Status, find_layer
+from hybridkv.store.file import FileBackend
+from hybridkv.store.frame import key_digest
+
+__all__ = ["DEFAULT_ENGINES", "SHARED_COLUMNS", "engine_main", "format_shared_table", "run_shared_axis"]
+
+DEFAULT_ENGINES = (1, 2, 3, 4)
+#: A per-engine cost at the most engines may be at most this many times one engine's.
+GROWTH_LIMIT = 1.5
+#: The store holds this fraction of what all engines of a run write (evictions all along).
+_CAPACITY_FRACTION = 0.25
+#: How long the engines may take to start (import, open) before the run fails, and to finish.
+_START_TIMEOUT_S = 120.0
+_RUN_TIMEOUT_S = 900.0
+
+SHARED_COLUMNS = [
+    "engines",
+    "repeats",
+    "round_ms",
+    "mb_s_per_engine",
+    "usage_lock_wait_ms",
+    "evict_lock_wait_ms",
+    "loads",
+    "hits",
+    "misses",
+    "removed_while_loading",
+    "wrong_bytes",
+    "corrupt",
+    "other_failures",
+    "evicted",
+    "bytes_over_capacity",
+]
+
+
+def key_of(engine: int, index: int) -> str:
+    """Engine ``engine``'s block key number ``index`` (``hybridkv.key_grammar``, namespace ``shared``)."""
+    return f"hkv1/shared/0123456789ab/g0/tp0/dcp0/{engine:08x}{index:024x}"
+
+
+def value_of(key: str, num_bytes: int) -> bytes:
+    """The value every engine writes for ``key``: its 16-byte digest repeated (any reader can verify it)."""
+    digest = key_digest(key)
+    return (digest * (num_bytes // len(digest) + 1))[:num_bytes]
+
+
+def engine_main() -> None:
+    """An engine process (``python -c``): its parameters are ``sys.argv[1]`` (JSON); prints its report (JSON)."""
+    params = json.loads(sys.argv[1])
+    print(json.dumps(run_engine(**params)), flush=True)
+
+
+def run_engine(
+    *,
+    url: str,
+    engine: int,
+    num_engines: int,
+    rounds: int,
+    batch: int,
+    window: int,
+    value_bytes: int,
+    go_file: str,
+    ready_file: str,
+) -> dict[str, Any]:
+    """One engine's rounds (see the module docstring), started once ``go_file`` exists."""
+    store = open_store(url)
+    backend = find_layer(store, FileBackend)
+    assert backend is not None, f"{url} has no file backend"
+    layout = backend.layout
+    Path(ready_file).touch()
+    while not os.path.exists(go_file):
+        time.sleep(0.005)
+    peer = (engine + 1) % num_engines
+    destinations = [bytearray(value_bytes) for _ in range(batch)]
+    counts = dict.fromkeys(
+        ("loads", "hits", "misses", "removed_while_loading", "wrong_bytes", "corrupt", "other_failures"), 0
+    )
+    num_saved_bytes = num_loaded_bytes = 0
+    started = time.perf_counter()
+    for round_index in range(rounds):
+        keys = [key_of(engine, round_index * batch + i) for i in range(batch)]
+        statuses = store.put(keys, [value_of(key, value_bytes) for key in keys])
+        num_saved_bytes += value_bytes * sum(status.is_ok for status in statuses)
+        newest = (round_index + 1) * batch  # the peer is about as far as this engine
+        first = max(0, newest - window)
+        load_keys = [
+            key_of(peer, first + (round_index * 7919 + i * 104729) % (newest - first)) for i in range(batch)
+        ]
+        inodes = [_inode(layout.path_of(key)) for key in load_keys]
+        statuses = store.get_into(load_keys, destinations)
+        for key, inode, status, destination in zip(load_keys, inodes, statuses, destinations, strict=True):
+            counts["loads"] += 1
+            if status is Status.OK:
+                if destination != value_of(key, value_bytes):
+                    counts["wrong_bytes"] += 1
+                    continue
+                counts["hits"] += 1
+                num_loaded_bytes += value_bytes
+                after = _inode(layout.path_of(key))
+                if after is None or (inode is not None and after != inode):
+                    counts["removed_while_loading"] += 1
+            elif status is Status.NOT_FOUND:
+                counts["misses"] += 1
+            elif status is Status.CORRUPT:
+                counts["corrupt"] += 1
+            else:
+                counts["other_failures"] += 1
+    elapsed = time.perf_counter() - started
+    report = {
+        "engine": engine,
+        "seconds": elapsed,
+        "rounds": rounds,
+        "saved_bytes": num_saved_bytes,
+        "loaded_bytes": num_loaded_bytes,
+        "usage_lock_wait_s": layout.usage_lock_wait_s,
+        "num_usage_locks": layout.num_usage_locks,
+        "evict_lock_wait_s": layout.evict_lock_wait_s,
+        "num_evict_locks": layout.num_evict_locks,
+        "evicted": layout.num_evicted,
+        **counts,
+    }
+    store.close()
+    return report
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_dev
+
+
+def _run_once(root: Path, num_engines: int, *, rounds: int, batch: int, value_bytes: int) -> dict[str, Any]:
+    """One run of ``num_engines`` engines on a fresh store; the engines' reports and the store's end state."""
+    directory = root / f"shared-{num_engines}"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    written = num_engines * rounds * batch * value_bytes
+    capacity = max(4 * batch * value_bytes * num_engines, int(written * _CAPACITY_FRACTION))
+    url = f"file://{directory / 'store'}?capacity={capacity}"
+    # Loads pick among the peer's last keys that the store may still hold (its share of the capacity).
+    window = max(batch, capacity // value_bytes // num_engines)
+    go_file = directory / "go"
+    children = []
+    for engine in range(num_engines):
+        params = {
+            "url": url,
+            "engine": engine,
+            "num_engines": num_engines,
+            "rounds": rounds,
+            "batch": batch,
+            "window": window,
+            "value_bytes": value_bytes,
+            "go_file": str(go_file),
+            "ready_file": str(directory / f"ready-{engine}"),
+        }
+        code = "from hybridkv_dev.bench.scale_shared import engine_main; engine_main()"
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(params)], stdout=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all((directory / f"ready-{engine}").exists() for engine in range(num_engines)):
+            assert time.monotonic() < deadline, f"{num_engines} engines did not start"
+            assert all(child.poll() is None for child in children), "an engine exited before starting"
+            time.sleep(0.01)
+        go_file.touch()
+        outputs = [child.communicate(timeout=_RUN_TIMEOUT_S)[0] for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    for engine, child in enumerate(children):
+        assert child.returncode == 0, f"engine {engine} of {num_engines} exited {child.returncode}"
+    engines = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    store = open_store(url)
+    try:
+        stats = store.stats()
+    finally:
+        store.close()
+    assert stats.num_bytes is not None, "the file store's stats give its bytes"
+    real_bytes = stats.num_bytes + int(stats.extra["spare_bytes"])  # type: ignore[call-overload]
+    shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "engines": engines,
+        "capacity_bytes": capacity,
+        "real_bytes": real_bytes,
+        "usage_estimate_bytes": int(stats.extra["usage_estimate_bytes"]),  # type: ignore[call-overload]
+    }
+
+
+def _row(num_engines: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats of the per-engine medians; outcome counts summed over every run."""
+    round_ms = [statistics.median(e["seconds"] * 1e3 / e["rounds"] for e in run["engines"]) for run in runs]
+    mb_s = [
+        statistics.median((e["saved_bytes"] + e["loaded_bytes"]) / e["seconds"] / 1e6 for e in run["engines"])
+        for run in runs
+    ]
+    usage_wait = [statistics.median(e["usage_lock_wait_s"] * 1e3 for e in run["engines"]) for run in runs]
+    evict_wait = [statistics.median(e["evict_lock_wait_s"] * 1e3 for e in run["engines"]) for run in runs]
+    row: dict[str, Any] = {
+        "engines": num_engines,
+        "repeats": len(runs),
+        "round_ms": statistics.median(round_ms),
+        "round_ms_spread": spread_text(round_ms),
+        "mb_s_per_engine": statistics.median(mb_s),
+        "mb_s_per_engine_spread": spread_text(mb_s),
+        "usage_lock_wait_ms": statistics.median(usage_wait),
+        "usage_lock_wait_ms_spread": spread_text(usage_wait),
+        "evict_lock_wait_ms": statistics.median(evict_wait),
+        "evict_lock_wait_ms_spread": spread_text(evict_wait),
+    }
+    for name in (
+        "loads",
+        "hits",
+        "misses",
+        "removed_while_loading",
+        "wrong_bytes",
+        "corrupt",
+        "other_failures",
+        "evicted",
+    ):
+        row[name] = sum(e[name] for run in runs for e in run["engines"])
+    row["bytes_over_capacity"] = max(run["real_bytes"] - run["capacity_bytes"] for run in runs)
+    row["capacity_bytes"] = runs[0]["capacity_bytes"]
+    row["runs"] = runs
+    return row
+
+
+def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    small, large = rows[0], rows[-1]
+    targets = []
+    if len(rows) >= 2:
+        targets.append(
+            target_row(
+                f"per-engine s/round, {large['engines']} engines over {small['engines']}",
+                large["round_ms"] / small["round_ms"] if small["round_ms"] else None,
+                "<=",
+                GROWTH_LIMIT,
+            )
+        )
+    targets.append(target_row("wrong bytes loaded (every run)", sum(r["wrong_bytes"] for r in rows), "==", 0))
+    targets.append(target_row("corrupt loads (every run)", sum(r["corrupt"] for r in rows), "==", 0))
+    targets.append(
+        target_row(
+            "store bytes over capacity at the end (max)", max(r["bytes_over_capacity"] for r in rows), "<=", 0
+        )
+    )
+    return targets
+
+
+def run_shared_axis(
+    root: Path,
+    engines: Sequence[int],
+    *,
+    repeats: int,
+    rounds: int,
+    batch: int,
+    value_bytes: int,
+    progress: Callable[[str], None] = lambda _line: None,
+) -> dict[str, Any]:
+    """The ``shared`` axis (see the module docstring) under ``root``; returns the report."""
+    engines = sorted(set(engines))
+    assert engines and engines[0] >= 1, f"engine counts must be >= 1, got {engines}"
+    assert repeats >= 1 and rounds >= 1 and batch >= 1, "repeats, rounds and batch must be >= 1"
+    root.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    runs: dict[int, list[dict[str, Any]]] = {count: [] for count in engines}
+    for repeat in range(repeats):
+        for count in engines:
+            runs[count].append(_run_once(root, count, rounds=rounds, batch=batch, value_bytes=value_bytes))
+        progress(f"repeat {repeat + 1}/{repeats} done")
+    rows = [_row(count, runs[count]) for count in engines]
+    return {
+        "bench": "scale",
+        "axis": "shared",
+        "store": "file",
+        "root": str(root),
+        "value_bytes": value_bytes,
+        "batch": batch,
+        "rounds": rounds,
+        "repeats": repeats,
+        "capacity_fraction": _CAPACITY_FRACTION,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "rows": rows,
+        "targets": _targets(rows),
+    }
+
+
+def format_shared_table(report: dict[str, Any]) -> str:
+    """The medians per engine count (spreads in the JSON)."""
+    from hybridkv.tables import format_table
+
+    rows = report["rows"]
+    spreads = [
+        {
+            "engines": row["engines"],
+            **{
+                name: row[f"{name}_spread"]
+                for name in ("round_ms", "mb_s_per_engine", "usage_lock_wait_ms", "evict_lock_wait_ms")
+            },
+        }
+        for row in rows
+    ]
+    return (
+        "medians over repeats (per engine; outcome counts summed):\n"
+        + format_table(rows, SHARED_COLUMNS)
+        + "\nspread over repeats (min..max):\n"
+        + format_table(
+            spreads, ["engines", "round_ms", "mb_s_per_engine", "usage_lock_wait_ms", "evict_lock_wait_ms"]
+        )
+    )

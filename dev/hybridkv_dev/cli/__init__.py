@@ -1,0 +1,1 @@
+"""The development distribution's ``hybridkv bench ...`` commands (``hybridkv.commands`` entry points)."""
