@@ -30,7 +30,6 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import secrets
@@ -42,9 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.demo import vllm_harness
+from hybridkv.demo.engine import DemoEngine, RequestResult
 from hybridkv.demo.tiny_models import FAMILIES, build_tiny_model
-from hybridkv.ops import inprocess
 
 __all__ = [
     "DEFAULT_CHAOS",
@@ -60,8 +58,6 @@ __all__ = [
 DEFAULT_CHAOS = "get_fail=0.5&corrupt=0.2&seed=7"
 #: Prompt tokens are drawn from this range (the tiny models' vocabulary is 512; 0-2 are special).
 _TOKEN_RANGE = (3, 500)
-#: KV-cache memory of the demo engine: ample for a few thousand tokens of the tiny models.
-_KV_CACHE_BYTES = 128 << 20
 
 
 def _ignore(_message: str) -> None:
@@ -100,27 +96,6 @@ class DemoOptions:
             )
         if self.store is not None and not self.store.startswith(("file://", "memory://", "mooncake://")):
             raise ValueError(f"store {self.store!r}: expected a file://, memory:// or mooncake:// URL")
-
-
-@dataclass
-class RequestResult:
-    """One greedy request and what the cache tiers did for it."""
-
-    label: str
-    prompt_tokens: int
-    #: vLLM's ``num_cached_tokens``: prompt tokens not computed (local + external)
-    cached_tokens: int
-    local_hit_tokens: int
-    #: tokens the connector loaded and verified for this request
-    external_hit_tokens: int
-    loaded_bytes: int
-    saved_bytes: int
-    truncations: int
-    failed_keys: int
-    #: True/False against the reference (the cold run of the same prompt); None: no reference
-    tokens_match: bool | None
-    output_tokens: list[int]
-    seconds: float
 
 
 @dataclass
@@ -205,152 +180,6 @@ def chaos_url(store: str, chaos: str) -> str:
     return f"faulty+{store}{'&' if '?' in store else '?'}{query}"
 
 
-# -- the engine ------------------------------------------------------------------------------------
-
-
-class _AuditTail:
-    """Reads the records appended to the audit log since the previous call."""
-
-    def __init__(self, path: Path, flush: Callable[[], object] | None = None) -> None:
-        self.path = path
-        # The sink writes on its own thread: flush first so "since the previous call" is exact.
-        self._flush = flush
-        self.offset = path.stat().st_size if path.exists() else 0
-
-    def skip(self) -> None:
-        if self._flush is not None:
-            self._flush()
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
-
-    def read(self) -> list[dict[str, Any]]:
-        if self._flush is not None:
-            self._flush()
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a partly written last line is read next time
-        self.offset += end
-        records = []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict):
-                    records.append(record)
-        return records
-
-
-class _Engine:
-    """An in-process ``LLM`` with ``HybridStoreConnector`` (``hybridkv.demo.vllm_harness``), plus the
-    counters the demo reads."""
-
-    def __init__(
-        self, model_dir: Path, store: str, namespace: str, audit_log: Path, max_model_len: int
-    ) -> None:
-        transfer = inprocess.connector_transfer_config(
-            {
-                "store": store,
-                "namespace": namespace,
-                "audit_log": str(audit_log),
-            }
-        )
-        self._stack = contextlib.ExitStack()
-        # The engine handle is reached into (in-process engine core, connector objects): typed loosely.
-        self.llm: Any = self._stack.enter_context(
-            inprocess.inprocess_engine(
-                model_dir,
-                transfer,
-                **inprocess.engine_kwargs(max_model_len=max_model_len, kv_cache_bytes=_KV_CACHE_BYTES),
-                use_tqdm_on_load=False,
-            )
-        )
-        try:
-            self.sched_connector, self.worker_connector = inprocess.connector_halves(self.llm)
-        except TypeError:
-            self._stack.close()
-            raise
-        sink = self.sched_connector.scheduler_side.audit
-        self.audit = _AuditTail(audit_log, flush=sink.flush if sink is not None else None)
-
-    # counters ------------------------------------------------------------------------------------
-    def geometry(self) -> dict[str, Any]:
-        return dict(self.sched_connector.scheduler_side.geo.describe())
-
-    @property
-    def hit_alignment(self) -> int:
-        return int(self.sched_connector.scheduler_side.scheme.geometry.hit_alignment)
-
-    def _totals(self) -> dict[str, float]:
-        totals = dict(self.sched_connector.scheduler_side.stats.totals)
-        for key, value in dict(self.worker_connector.worker_side.stats.totals).items():
-            totals[key] = totals.get(key, 0) + value
-        return totals
-
-    # requests ------------------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Let queued saves finish (the worker writes them, the scheduler sees the results)."""
-        vllm_harness.settle(self.llm)
-
-    def drop_local_cache(self) -> None:
-        """Empty vLLM's device prefix cache; the external store is kept."""
-        vllm_harness.drop_local_cache(self.llm)
-        self.audit.skip()
-
-    def send(
-        self, label: str, tokens: list[int], max_tokens: int, reference: list[int] | None
-    ) -> RequestResult:
-        """One greedy request, then settle its saves; the counters are this request's deltas."""
-        self.audit.skip()
-        before = self._totals()
-        start = time.monotonic()
-        out = vllm_harness.greedy(self.llm, tokens, max_tokens)
-        seconds = time.monotonic() - start
-        records = [r for r in self.audit.read() if r.get("wave") is None]
-        self.settle()
-        after = self._totals()
-
-        def delta(name: str) -> int:
-            return int(after.get(name, 0) - before.get(name, 0))
-
-        ids = {r.get("request_id") for r in records}
-        ours = {
-            i
-            for i in ids
-            if isinstance(i, str) and (i == out.request_id or i.startswith(f"{out.request_id}-"))
-        }
-        mine = [r for r in records if r.get("request_id") in (ours or ids)]
-        external = sum(
-            int(r.get("boundary") or 0) - int(r.get("num_computed_tokens") or 0)
-            for r in mine
-            if r.get("trigger") == "load_verified"
-        )
-        truncations = sum(1 for r in mine if r.get("trigger") == "load_failed")
-        cached = int(out.num_cached_tokens or 0)
-        output = [int(t) for t in out.outputs[0].token_ids]
-        return RequestResult(
-            label=label,
-            prompt_tokens=len(tokens),
-            cached_tokens=cached,
-            local_hit_tokens=cached - external,
-            external_hit_tokens=external,
-            loaded_bytes=delta("load_bytes"),
-            saved_bytes=delta("save_bytes"),
-            truncations=truncations,
-            failed_keys=delta("load_failed_keys"),
-            tokens_match=None if reference is None else output == reference,
-            output_tokens=output,
-            seconds=round(seconds, 3),
-        )
-
-    def close(self) -> None:
-        """Settle pending saves, then shut the engine down (the connector flushes and closes its log)."""
-        try:
-            self.settle()
-        finally:
-            self._stack.close()
-
-
 # -- the scenario ----------------------------------------------------------------------------------
 
 
@@ -396,7 +225,7 @@ def _phase(report: DemoReport, name: str, title: str, store: str) -> Iterator[Ph
         report.error = report.error or f"phase {name}: {phase.error}"
 
 
-def _close(engine: _Engine | None, report: DemoReport) -> None:
+def _close(engine: DemoEngine | None, report: DemoReport) -> None:
     """Shut ``engine`` down; a failure is recorded in ``report.error``."""
     if engine is None:
         return
@@ -418,12 +247,12 @@ class _Run:
     #: output of the cold run of prompt A (the reference); None until the cold phase produced it
     cold_a: list[int] | None = None
 
-    def start(self, url: str, why: str) -> _Engine:
+    def start(self, url: str, why: str) -> DemoEngine:
         """A fresh engine on ``url``; its start time is reported as ``engine_start_<why>_s``."""
         progress = self.options.progress
         progress(f"starting vLLM engine ({why}; store {url})")
         t = time.monotonic()
-        engine = _Engine(
+        engine = DemoEngine(
             self.model_dir, url, self.report.namespace, Path(self.report.audit_log), self.max_model_len
         )
         seconds = round(time.monotonic() - t, 2)
@@ -432,9 +261,9 @@ class _Run:
         return engine
 
 
-def phase_cold(run: _Run) -> _Engine | None:
+def phase_cold(run: _Run) -> DemoEngine | None:
     """Phase 1: prompt A on a fresh namespace is computed and saved. Returns the engine for phases 2-3."""
-    engine: _Engine | None = None
+    engine: DemoEngine | None = None
     report, options = run.report, run.options
     with _phase(
         report, "cold", "cold: prompt A computed and saved to the external tier", report.store
@@ -452,7 +281,7 @@ def phase_cold(run: _Run) -> _Engine | None:
     return engine
 
 
-def phase_shared(run: _Run, engine: _Engine) -> None:
+def phase_shared(run: _Run, engine: DemoEngine) -> None:
     """Phase 2: prompt B shares A's prefix up to A's last hit boundary: a prefix-cache hit."""
     report, options = run.report, run.options
     with _phase(report, "shared", "shared prefix: prompt B reuses A's prefix", report.store) as phase:
@@ -477,7 +306,7 @@ def phase_shared(run: _Run, engine: _Engine) -> None:
         )
 
 
-def phase_external(run: _Run, engine: _Engine) -> None:
+def phase_external(run: _Run, engine: DemoEngine) -> None:
     """Phase 3: vLLM's local prefix cache is dropped (the store kept); A's prefix comes from the store."""
     report, options = run.report, run.options
     with _phase(
@@ -499,7 +328,7 @@ def phase_external(run: _Run, engine: _Engine) -> None:
 def phase_restart(run: _Run) -> None:
     """Phase 4: a fresh engine on the same store; A's prefix comes from the store across the restart."""
     report, options = run.report, run.options
-    engine: _Engine | None = None
+    engine: DemoEngine | None = None
     with _phase(
         report, "restart", "fresh engine, same store: A comes back from the store", report.store
     ) as phase:
@@ -518,7 +347,7 @@ def phase_chaos(run: _Run) -> None:
     """Phase 5: a fresh engine on the same bytes behind the ``faulty+`` wrapper: loads fail or are corrupt,
     vLLM recomputes, the tokens are still identical."""
     report, options = run.report, run.options
-    engine: _Engine | None = None
+    engine: DemoEngine | None = None
     chaos_store = report.chaos_store
     with _phase(report, "chaos", "chaos store: failed and corrupt reads, exact tokens", chaos_store) as phase:
         engine = run.start(chaos_store, "chaos")

@@ -26,15 +26,14 @@ Repeats interleave the sizes; each repeat of a size times, on a client opened in
   evicted. Its resolution is that thread's cadence plus the metrics poll (~ms), so it bounds the pass
   from above rather than timing it.
 
-After each eviction the bench puts new keys until the master holds N again (untimed; a pass that evicted
-fewer keys than the put added leaves up to ``PUT_KEYS`` more, and the next repeat starts from there, its
-pool still below the watermark). Once per size, after
-the repeats: the master's and the storage node's RSS (``VmRSS`` in ``/proc/<pid>/status``; the master's per key counts
-its growth above its RSS before the first key), and a child
-process that opens a pure client, runs the lookup and the get and prints its RSS (the engine side's). The
-report holds the medians over repeats with their spread (min..max), per-unit costs, the load average
-before and after, and the targets: per-unit costs at the largest size within 1.5x of the smallest,
-opening at most 1 s per million keys (or not growing), the same lookup round trips and RPCs at every size.
+After each eviction the bench puts new keys until the master holds N again (untimed; a pass that evicted fewer keys
+than the put added leaves up to ``PUT_KEYS`` more, and the next repeat starts from there, its pool still below the
+watermark). Once per size, after the repeats: the master's and the storage node's RSS (``VmRSS`` in
+``/proc/<pid>/status``; the master's per key counts its growth above its RSS before the first key), and a child
+process that opens a pure client, runs the lookup and the get and prints its RSS (the engine side's). The report
+holds the medians over repeats with their spread (min..max), per-unit costs, the load average before and after, and
+the targets: per-unit costs at the largest size within 1.5x of the smallest, opening at most 1 s per million keys
+(or not growing), the same lookup round trips and RPCs at every size.
 """
 
 from __future__ import annotations
@@ -46,19 +45,15 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hybridkv.bench.report import pyplot_or_none, save_figure, spread_text, target_row
 from hybridkv.store import open_store
 from hybridkv.store.base import Store
-from hybridkv.store.frame import FIXED_HEADER_SIZE
 from hybridkv.store.mooncake import EXISTS_KEYS_PER_CALL
-from hybridkv.store.mooncake_node import MIN_SEGMENT_BYTES, READY_PREFIX, node_command
 
 from hybridkv_dev.bench.scale import (
     GET_KEYS,
@@ -69,7 +64,15 @@ from hybridkv_dev.bench.scale import (
     PUT_KEYS,
     key_of,
 )
-from hybridkv_dev.devkit.mooncake import MooncakeMaster, running_master
+from hybridkv_dev.bench.scale_mooncake_deploy import (
+    HIGH_WATERMARK,
+    Deployment,
+    frame_bytes_of,
+    master_metrics,
+    rss_mib_of,
+    running_deployment,
+    value_bytes_for,
+)
 from hybridkv_dev.devkit.net import LOOPBACK, NETNS_HINT, loopback_only_namespace
 
 __all__ = [
@@ -87,26 +90,17 @@ __all__ = [
 
 AXIS = "mooncake-entries"
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
-MIN_VALUE_BYTES = 1024
 #: The fewest keys a size may hold: the timed put must end above the watermark and below a full pool
 #: (half a put batch is at most a tenth of the pool).
 MIN_ENTRIES = 300
-#: ``mooncake_master --eviction_high_watermark_ratio`` the bench runs its masters with (Mooncake's default
-#: is 0.9): eviction starts above this usage. Lower than the default because a pool's allocator cannot
-#: place objects in all of it: a put taking a pool of 500 32 KiB objects from 0.85 to 0.95 was refused
-#: (NO_SPACE) for some keys.
-HIGH_WATERMARK = 0.8
 #: Keys per populate put; 2 scatter-gather slices each (header, value), under the TCP queue set below.
 _FILL_BATCH = 2048
 #: Slices one batch may queue to one peer (Mooncake's default 1,024 rejects a batch of more with -800).
 _MAX_QUEUED_TRANSFERS_PER_PEER = "8192"
 #: How long to wait for Mooncake's eviction thread to act on a pool above the watermark.
 _EVICTION_WAIT_S = 10.0
-#: A generous deadline per call: a loaded 2-core box must not open the backend's breaker mid-bench.
-_TIMEOUT_MS = 10_000
 #: How long the master's key counts must hold still to call an eviction pass over.
 _SETTLE_S = 0.1
-_NODE_READY_TIMEOUT_S = 60.0
 
 TABLE_COLUMNS = [
     "entries",
@@ -153,139 +147,7 @@ _GROWTH_TARGETS = (
 )
 
 
-def value_bytes_for(smallest: int) -> int:
-    """The value size of a run whose smallest store holds ``smallest`` keys: a power of two of at least
-    ``MIN_VALUE_BYTES`` whose segment for ``smallest`` keys reaches Mooncake's minimum segment."""
-    value = MIN_VALUE_BYTES
-    while _segment_bytes(smallest, _frame_bytes(value)) < MIN_SEGMENT_BYTES:
-        value *= 2
-    return value
-
-
-def _frame_bytes(value_bytes: int) -> int:
-    """One entry's object in Mooncake: the frame header (fixed part and key) and the value (the master
-    allocates exactly that: 1,136 B per 1 KiB value, probed on 0.3.13)."""
-    return FIXED_HEADER_SIZE + len(key_of(0).encode()) + value_bytes
-
-
-def _segment_bytes(entries: int, frame_bytes: int) -> int:
-    """Room for ``entries`` frames and half a put batch under the high watermark: the timed put of
-    ``PUT_KEYS`` takes the pool over it."""
-    return math.ceil((entries + PUT_KEYS // 2) * frame_bytes / HIGH_WATERMARK)
-
-
-def _client_url(master: MooncakeMaster) -> str:
-    """A pure client's URL (the engine side of the topology): no segment, the master places puts."""
-    return (
-        f"mooncake://{master.address}?segment=0&local_hostname={LOOPBACK}"
-        f"&preferred_segment=none&timeout_ms={_TIMEOUT_MS}"
-    )
-
-
-def _metrics(master: MooncakeMaster) -> dict[str, float]:
-    """The master's ``master_*`` Prometheus gauges and counters (from its metrics port on 127.0.0.1)."""
-    url = f"http://{LOOPBACK}:{master.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("master_") and value:
-            out[name] = float(value.split()[0])
-    return out
-
-
-def _rss_mib_of(pid: int | str) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-@dataclass
-class _Deployment:
-    """One size's master, storage node and bookkeeping (next key number, populate time)."""
-
-    entries: int
-    master: MooncakeMaster
-    node: subprocess.Popen[str]
-    segment_bytes: int
-    frame_bytes: int
-    value_bytes: int
-    next_index: int = 0
-    populate_s: float = 0.0
-    #: the master's allocated and total bytes once populated
-    allocated_bytes: float = 0.0
-    capacity_bytes: float = 0.0
-    #: the master's RSS with the node mounted and no key yet (MiB)
-    master_rss_idle_mib: float = 0.0
-
-    @property
-    def url(self) -> str:
-        return _client_url(self.master)
-
-    def newest(self, count: int) -> list[str]:
-        return [key_of(i) for i in range(self.next_index - count, self.next_index)]
-
-    def key_count(self) -> int:
-        return int(_metrics(self.master)["master_key_count"])
-
-
-def _start_node(master: MooncakeMaster, segment_bytes: int, log: IO[str]) -> subprocess.Popen[str]:
-    """The product's storage node mounting ``segment_bytes``; returns once it printed its ready line."""
-    node = subprocess.Popen(
-        node_command(master.address, LOOPBACK, segment_bytes=segment_bytes),
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    assert node.stdout is not None
-    deadline = time.monotonic() + _NODE_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = node.stdout.readline()
-        if line.startswith(READY_PREFIX):
-            return node
-        if not line and node.poll() is not None:
-            break
-    node.kill()
-    node.wait()
-    raise RuntimeError(f"storage node on {master.address} did not get ready; see {log.name}")
-
-
-def _stop_node(node: subprocess.Popen[str]) -> None:
-    node.terminate()
-    try:
-        node.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        node.kill()
-        node.wait(timeout=5)
-
-
-@contextmanager
-def _deployment(
-    root: Path, entries: int, value_bytes: int, eviction_ratio: float | None
-) -> Iterator[_Deployment]:
-    """A started master and storage node for ``entries`` keys (stopped on exit)."""
-    frame_bytes = _frame_bytes(value_bytes)
-    segment_bytes = max(MIN_SEGMENT_BYTES, _segment_bytes(entries, frame_bytes))
-    with ExitStack() as stack:
-        master = stack.enter_context(
-            running_master(
-                root / f"master-{entries}.log",
-                extra_args=[
-                    f"--eviction_high_watermark_ratio={HIGH_WATERMARK}",
-                    *([f"--eviction_ratio={eviction_ratio}"] if eviction_ratio is not None else []),
-                ],
-            )
-        )
-        log = stack.enter_context(open(root / f"node-{entries}.log", "w"))
-        node = _start_node(master, segment_bytes, log)
-        stack.callback(_stop_node, node)
-        yield _Deployment(entries, master, node, segment_bytes, frame_bytes, value_bytes)
-
-
-def _put_new(store: Store, deployment: _Deployment, count: int) -> None:
+def _put_new(store: Store, deployment: Deployment, count: int) -> None:
     """Put ``count`` new keys in batches, all expected ``OK``."""
     value = bytes(deployment.value_bytes)
     while count > 0:
@@ -299,9 +161,9 @@ def _put_new(store: Store, deployment: _Deployment, count: int) -> None:
         count -= batch
 
 
-def _populate(deployment: _Deployment) -> None:
+def _populate(deployment: Deployment) -> None:
     assert deployment.master.process is not None
-    deployment.master_rss_idle_mib = _rss_mib_of(deployment.master.process.pid)
+    deployment.master_rss_idle_mib = rss_mib_of(deployment.master.process.pid)
     store = open_store(deployment.url)
     try:
         start = time.perf_counter()
@@ -309,7 +171,7 @@ def _populate(deployment: _Deployment) -> None:
         deployment.populate_s = time.perf_counter() - start
     finally:
         store.close()
-    metrics = _metrics(deployment.master)
+    metrics = master_metrics(deployment.master)
     deployment.allocated_bytes = metrics["master_allocated_bytes"]
     deployment.capacity_bytes = metrics["master_total_capacity_bytes"]
     held = int(metrics["master_key_count"])
@@ -325,35 +187,35 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def _await_eviction(deployment: _Deployment, evicted_before: float) -> float:
+def _await_eviction(deployment: Deployment, evicted_before: float) -> float:
     """The ``perf_counter`` time at which the master's evicted-key counter was seen above
     ``evicted_before``; ``RuntimeError`` if nothing was evicted within ``_EVICTION_WAIT_S``."""
     start = time.perf_counter()
     while time.perf_counter() - start < _EVICTION_WAIT_S:
-        if _metrics(deployment.master)["master_evicted_key_count"] > evicted_before:
+        if master_metrics(deployment.master)["master_evicted_key_count"] > evicted_before:
             return time.perf_counter()
         time.sleep(0.001)
     raise RuntimeError(
         f"mooncake_master on {deployment.master.address} evicted nothing within {_EVICTION_WAIT_S} s "
-        f"of a put above its high watermark ({_metrics(deployment.master)})"
+        f"of a put above its high watermark ({master_metrics(deployment.master)})"
     )
 
 
-def _settled(deployment: _Deployment) -> dict[str, float]:
+def _settled(deployment: Deployment) -> dict[str, float]:
     """The master's metrics once its key count and evicted-key count held still for ``_SETTLE_S`` (the
     eviction pass over)."""
-    previous = _metrics(deployment.master)
+    previous = master_metrics(deployment.master)
     deadline = time.perf_counter() + _EVICTION_WAIT_S
     while time.perf_counter() < deadline:
         time.sleep(_SETTLE_S)
-        current = _metrics(deployment.master)
+        current = master_metrics(deployment.master)
         if all(current[name] == previous[name] for name in ("master_key_count", "master_evicted_key_count")):
             return current
         previous = current
     raise RuntimeError(f"mooncake_master on {deployment.master.address} kept evicting: {previous}")
 
 
-def _measure(deployment: _Deployment) -> dict[str, float]:
+def _measure(deployment: Deployment) -> dict[str, float]:
     """One repeat of one size (see the module docstring); leaves the master holding ``entries`` again."""
     open_s, store = _timed(lambda: open_store(deployment.url))
     try:
@@ -366,7 +228,7 @@ def _measure(deployment: _Deployment) -> dict[str, float]:
         rpcs = sum(math.ceil(len(call) / EXISTS_KEYS_PER_CALL) for call in calls)
         get_keys = deployment.newest(min(GET_KEYS, deployment.entries // 2))
         buffers = [bytearray(deployment.value_bytes) for _ in get_keys]
-        before = _metrics(deployment.master)
+        before = master_metrics(deployment.master)
         value = bytes(deployment.value_bytes)
         new_keys = [key_of(i) for i in range(deployment.next_index, deployment.next_index + PUT_KEYS)]
         put_s, statuses = _timed(lambda: store.put(new_keys, [value] * PUT_KEYS))
@@ -415,11 +277,11 @@ def rss_child(url: str, lookup_keys: int, newest_index: int, value_bytes: int) -
     store.exists(keys)
     get_keys = keys[-GET_KEYS:]
     store.get_into(get_keys, [bytearray(value_bytes) for _ in get_keys])
-    print(json.dumps({"client_rss_mib": _rss_mib_of("self")}), flush=True)
+    print(json.dumps({"client_rss_mib": rss_mib_of("self")}), flush=True)
     store.close()
 
 
-def _rss_of(deployment: _Deployment) -> dict[str, float]:
+def _rss_of(deployment: Deployment) -> dict[str, float]:
     lookup_keys = min(LOOKUP_KEYS, deployment.entries // 2)
     code = (
         "from hybridkv_dev.bench.scale_mooncake import rss_child; "
@@ -428,7 +290,7 @@ def _rss_of(deployment: _Deployment) -> dict[str, float]:
     output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     client: dict[str, float] = json.loads(output.strip().splitlines()[-1])
     assert deployment.master.process is not None
-    master_rss = _rss_mib_of(deployment.master.process.pid)
+    master_rss = rss_mib_of(deployment.master.process.pid)
     return {
         **client,
         "master_rss_mib": master_rss,
@@ -437,11 +299,11 @@ def _rss_of(deployment: _Deployment) -> dict[str, float]:
         "master_rss_bytes_per_key": (master_rss - deployment.master_rss_idle_mib)
         * (1 << 20)
         / deployment.entries,
-        "node_rss_mib": _rss_mib_of(deployment.node.pid),
+        "node_rss_mib": rss_mib_of(deployment.node.pid),
     }
 
 
-def _row(deployment: _Deployment, samples: list[dict[str, float]], rss: dict[str, float]) -> dict[str, Any]:
+def _row(deployment: Deployment, samples: list[dict[str, float]], rss: dict[str, float]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "entries": deployment.entries,
         "repeats": len(samples),
@@ -519,9 +381,9 @@ def run_mooncake_entries_axis(
     value_bytes = value_bytes_for(sizes[0])
     load_before = os.getloadavg()
     with ExitStack() as stack:
-        deployments: list[_Deployment] = []
+        deployments: list[Deployment] = []
         for entries in sizes:
-            deployment = stack.enter_context(_deployment(root, entries, value_bytes, eviction_ratio))
+            deployment = stack.enter_context(running_deployment(root, entries, value_bytes, eviction_ratio))
             _populate(deployment)
             deployments.append(deployment)
             progress(
@@ -544,7 +406,7 @@ def run_mooncake_entries_axis(
         "axis": AXIS,
         "store": "mooncake",
         "value_bytes": value_bytes,
-        "frame_bytes": _frame_bytes(value_bytes),
+        "frame_bytes": frame_bytes_of(value_bytes),
         "high_watermark": HIGH_WATERMARK,
         "eviction_ratio": eviction_ratio,
         "repeats": repeats,
