@@ -13,7 +13,7 @@ from hybridkv_dev.bench.scale_shared import SHARED_COLUMNS
 
 
 def _run(argv: list[str], out: Path) -> dict[str, object]:
-    assert main([*argv, "--out", str(out)]) == 0
+    assert main([*argv, "--out", str(out), "--no-plot"]) == 0
     report: dict[str, object] = json.loads(out.read_text())
     return report
 

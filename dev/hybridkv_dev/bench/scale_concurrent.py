@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_VALUE_BYTES",
     "default_root",
     "format_concurrent_table",
+    "plot_concurrent_report",
     "run_concurrent_axis",
 ]
 
@@ -247,3 +248,29 @@ def format_concurrent_table(report: dict[str, Any]) -> str:
         + "\nspread over repeats (min..max):\n"
         + format_table(spreads, ["concurrency", *names])
     )
+
+
+def plot_concurrent_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Aggregate load rate beside the memcpy's, and request times, against the concurrent requests; ``None``
+    without matplotlib."""
+    from hybridkv.bench.report import pyplot_or_none, save_figure
+
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    counts = [row["concurrency"] for row in rows]
+    figure, (rate, times) = plt.subplots(1, 2, figsize=(9, 3.5))
+    rate.plot(counts, [row["load_gb_s"] for row in rows], marker="o", label="loads")
+    rate.plot(counts, [row["memcpy_gb_s"] for row in rows], marker="o", label="one memcpy")
+    rate.set_title("GB/s")
+    rate.legend()
+    times.plot(counts, [row["request_p50_ms"] for row in rows], marker="o", label="p50")
+    times.plot(counts, [row["request_p99_ms"] for row in rows], marker="o", label="p99")
+    times.set_title("request load ms")
+    times.legend()
+    for axis in (rate, times):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("requests loading at once")
+        axis.set_ylim(bottom=0)
+    return save_figure(figure, path)

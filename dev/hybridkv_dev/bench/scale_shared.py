@@ -15,11 +15,13 @@ rounds of:
   ``stat``-ed again: gone or another inode means an eviction (by any process) removed the entry across the
   load ("removed while loading": the loader still got its bytes).
 
-Each engine reports its seconds, rounds, bytes saved and loaded, the time its threads waited for the
-store's locks (``FileLayout``: the usage estimate's flock, ``evict.lock``) and its loads by outcome. After
-each run the store's real bytes (objects and spares, read from the files) are compared with its capacity.
-Repeats interleave the engine counts. Targets: the per-engine cost (seconds per round) at the most engines
-within 1.5x of one engine's, no wrong bytes and no corrupt loads, the store within its capacity at the end.
+Each engine reports its seconds and its CPU seconds (on a host with fewer cores than engines the wall time
+grows with the engines even where the store's own cost per round does not), its rounds, bytes saved and
+loaded, the time its threads waited for the store's locks (``FileLayout``: the usage estimate's flock,
+``evict.lock``) and its loads by outcome. After each run the store's real bytes (objects and spares, read from
+the files) are compared with its capacity. Repeats interleave the engine counts. Targets: the per-engine cost
+(seconds per round, and CPU seconds per round) at the most engines within 1.5x of one engine's, no wrong bytes
+and no corrupt loads, the store within its capacity at the end.
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ from hybridkv.store.base import Status, find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import key_digest
 
-__all__ = ["DEFAULT_ENGINES", "SHARED_COLUMNS", "engine_main", "format_shared_table", "run_shared_axis"]
+__all__ = [
+    "DEFAULT_ENGINES",
+    "SHARED_COLUMNS",
+    "engine_main",
+    "format_shared_table",
+    "plot_shared_report",
+    "run_shared_axis",
+]
 
 DEFAULT_ENGINES = (1, 2, 3, 4)
 #: A per-engine cost at the most engines may be at most this many times one engine's.
@@ -56,6 +65,7 @@ SHARED_COLUMNS = [
     "engines",
     "repeats",
     "round_ms",
+    "cpu_ms_per_round",
     "mb_s_per_engine",
     "usage_lock_wait_ms",
     "evict_lock_wait_ms",
@@ -115,6 +125,7 @@ def run_engine(
     )
     num_saved_bytes = num_loaded_bytes = 0
     started = time.perf_counter()
+    cpu_started = time.process_time()
     for round_index in range(rounds):
         keys = [key_of(engine, round_index * batch + i) for i in range(batch)]
         statuses = store.put(keys, [value_of(key, value_bytes) for key in keys])
@@ -144,9 +155,11 @@ def run_engine(
             else:
                 counts["other_failures"] += 1
     elapsed = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_started
     report = {
         "engine": engine,
         "seconds": elapsed,
+        "cpu_seconds": cpu_s,
         "rounds": rounds,
         "saved_bytes": num_saved_bytes,
         "loaded_bytes": num_loaded_bytes,
@@ -234,6 +247,7 @@ def _run_once(root: Path, num_engines: int, *, rounds: int, batch: int, value_by
 def _row(num_engines: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats of the per-engine medians; outcome counts summed over every run."""
     round_ms = [statistics.median(e["seconds"] * 1e3 / e["rounds"] for e in run["engines"]) for run in runs]
+    cpu_ms = [statistics.median(e["cpu_seconds"] * 1e3 / e["rounds"] for e in run["engines"]) for run in runs]
     mb_s = [
         statistics.median((e["saved_bytes"] + e["loaded_bytes"]) / e["seconds"] / 1e6 for e in run["engines"])
         for run in runs
@@ -245,6 +259,8 @@ def _row(num_engines: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "repeats": len(runs),
         "round_ms": statistics.median(round_ms),
         "round_ms_spread": spread_text(round_ms),
+        "cpu_ms_per_round": statistics.median(cpu_ms),
+        "cpu_ms_per_round_spread": spread_text(cpu_ms),
         "mb_s_per_engine": statistics.median(mb_s),
         "mb_s_per_engine_spread": spread_text(mb_s),
         "usage_lock_wait_ms": statistics.median(usage_wait),
@@ -277,6 +293,14 @@ def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             target_row(
                 f"per-engine s/round, {large['engines']} engines over {small['engines']}",
                 large["round_ms"] / small["round_ms"] if small["round_ms"] else None,
+                "<=",
+                GROWTH_LIMIT,
+            )
+        )
+        targets.append(
+            target_row(
+                f"per-engine CPU s/round, {large['engines']} engines over {small['engines']}",
+                large["cpu_ms_per_round"] / small["cpu_ms_per_round"] if small["cpu_ms_per_round"] else None,
                 "<=",
                 GROWTH_LIMIT,
             )
@@ -341,7 +365,13 @@ def format_shared_table(report: dict[str, Any]) -> str:
             "engines": row["engines"],
             **{
                 name: row[f"{name}_spread"]
-                for name in ("round_ms", "mb_s_per_engine", "usage_lock_wait_ms", "evict_lock_wait_ms")
+                for name in (
+                    "round_ms",
+                    "cpu_ms_per_round",
+                    "mb_s_per_engine",
+                    "usage_lock_wait_ms",
+                    "evict_lock_wait_ms",
+                )
             },
         }
         for row in rows
@@ -351,6 +381,32 @@ def format_shared_table(report: dict[str, Any]) -> str:
         + format_table(rows, SHARED_COLUMNS)
         + "\nspread over repeats (min..max):\n"
         + format_table(
-            spreads, ["engines", "round_ms", "mb_s_per_engine", "usage_lock_wait_ms", "evict_lock_wait_ms"]
+            spreads,
+            [
+                "engines",
+                "round_ms",
+                "cpu_ms_per_round",
+                "mb_s_per_engine",
+                "usage_lock_wait_ms",
+                "evict_lock_wait_ms",
+            ],
         )
     )
+
+
+def plot_shared_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Per-engine cost and lock waits against the engines sharing the store; ``None`` without matplotlib."""
+    from hybridkv.bench.report import pyplot_or_none, save_figure
+
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = report["rows"]
+    engines = [row["engines"] for row in rows]
+    figure, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for axis, column in zip(axes, ("round_ms", "mb_s_per_engine", "evict_lock_wait_ms"), strict=True):
+        axis.plot(engines, [row[column] for row in rows], marker="o")
+        axis.set_xlabel("engines on one store")
+        axis.set_title(column)
+        axis.set_ylim(bottom=0)
+    return save_figure(figure, path)

@@ -193,10 +193,10 @@ _AXIS_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def handle_shared(args: argparse.Namespace) -> int:
     """``--axis shared``: 1 -> 4 engine processes on one file store (``hybridkv_dev.bench.scale_shared``)."""
-    from hybridkv.bench.report import format_targets, write_json
+    from hybridkv.bench.report import format_targets, save_report
 
     from hybridkv_dev.bench.scale_concurrent import default_root
-    from hybridkv_dev.bench.scale_shared import format_shared_table, run_shared_axis
+    from hybridkv_dev.bench.scale_shared import format_shared_table, plot_shared_report, run_shared_axis
 
     engines = _parse_sizes(args.sizes or "1,2,3,4")
     if not engines or min(engines) < 1 or args.repeats < 1:
@@ -222,16 +222,21 @@ def handle_shared(args: argparse.Namespace) -> int:
     _print_load(report, f"file store shared by engine processes, {value_bytes >> 10} KiB blocks")
     print(format_shared_table(report))
     print(format_targets(report["targets"]))
-    print(f"wrote {write_json(args.out, report)}")
+    save_report(report, args.out, plot_shared_report, no_plot=args.no_plot)
     return ExitCode.OK
 
 
 def handle_concurrent(args: argparse.Namespace) -> int:
     """``--axis concurrent``: 1 -> 32 hits loading at once from one file store
     (``hybridkv_dev.bench.scale_concurrent``)."""
-    from hybridkv.bench.report import format_targets, write_json
+    from hybridkv.bench.report import format_targets, save_report
 
-    from hybridkv_dev.bench.scale_concurrent import default_root, format_concurrent_table, run_concurrent_axis
+    from hybridkv_dev.bench.scale_concurrent import (
+        default_root,
+        format_concurrent_table,
+        plot_concurrent_report,
+        run_concurrent_axis,
+    )
 
     counts = _parse_sizes(args.sizes or "1,2,4,8,16,32")
     if not counts or min(counts) < 1 or args.repeats < 1:
@@ -248,7 +253,7 @@ def handle_concurrent(args: argparse.Namespace) -> int:
     _print_load(report, f"file store, hits of {report['hit_bytes'] / (1 << 20):.1f} MiB loaded at once")
     print(format_concurrent_table(report))
     print(format_targets(report["targets"]))
-    print(f"wrote {write_json(args.out, report)}")
+    save_report(report, args.out, plot_concurrent_report, no_plot=args.no_plot)
     return ExitCode.OK
 
 
