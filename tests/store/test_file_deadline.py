@@ -29,6 +29,7 @@ from hybridkv.store.file.mounts import (
     mount_of,
     parse_mountinfo,
 )
+from hybridkv.store.file.spares import SpareShelf
 from hybridkv.store.file.tenants import FileTenants
 from hybridkv.store.framed import FramedStore
 from hybridkv.store.quotas import tenant_counters_of, write_quotas
@@ -237,7 +238,7 @@ def test_close_under_a_hung_put_leaves_its_descriptors_to_it(
     before it reserves its bytes in the usage estimate, released, the put completes instead of failing on
     a closed descriptor (or writing a file that reused its number)."""
     store = open_store(f"file://{tmp_path}/store?timeout_ms=200")
-    hang = _Hang(monkeypatch, FileLayout, "claim_spares")
+    hang = _Hang(monkeypatch, SpareShelf, "claim")
     with collect_late_calls() as late:
         assert store.put(["late"], [np.ones(4096, dtype=np.uint8)]) == [Status.TIMEOUT]
     store.close()

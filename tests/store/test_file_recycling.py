@@ -121,7 +121,7 @@ def test_another_processs_sweep_never_deletes_a_claimed_spare(
     crashed.write_bytes(b"left behind")
     os.utime(crashed, (long_ago, long_ago))
     backend = _backend(writer)
-    real_open_spare = backend.layout.open_spare
+    real_open_spare = backend.layout.spares.open
     swept_while_claimed: list[bool] = []
 
     def sweep_then_open(temp: str, size: int) -> int | None:
@@ -132,7 +132,7 @@ def test_another_processs_sweep_never_deletes_a_claimed_spare(
         swept_while_claimed.append(True)
         return real_open_spare(temp, size)
 
-    monkeypatch.setattr(backend.layout, "open_spare", sweep_then_open)
+    monkeypatch.setattr(backend.layout.spares, "open", sweep_then_open)
     assert writer.put(["b"], [_value(2)]) == [Status.OK]
     monkeypatch.undo()
     assert swept_while_claimed == [True], "the sweep did not run while the spare was claimed"

@@ -139,7 +139,7 @@ class EvictionPass:
         self.tally.note(path, size)
         if layout.is_recyclable(size) and self.spare_total + size <= layout.spare_budget_bytes:
             try:
-                layout.move_to_spare(path, size)
+                layout.spares.move_in(path, size)
             except FileNotFoundError:
                 self._gone(size)
                 return

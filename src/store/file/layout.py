@@ -37,7 +37,7 @@ the touch another process's scan could delete a claimed spare mid-put. A reader 
 its old name must never see the new bytes, so for recyclable files:
 
 - the writer holds ``flock(LOCK_EX)`` on the inode while it overwrites it, and gives up the spare (writing
-  a new file instead) if it cannot get the lock at once (:meth:`FileLayout.open_spare`);
+  a new file instead) if it cannot get the lock at once (:meth:`~hybridkv.store.file.spares.SpareShelf.open`);
 - the reader takes ``flock(LOCK_SH)`` (non-blocking: if a writer holds the inode, the value is gone:
   ``NOT_FOUND``) and then checks that its key's name still links to the inode it opened
   (:meth:`FileLayout.open_published`). While the reader holds the shared lock no writer can claim the
@@ -72,12 +72,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import mmap
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import overload
 
@@ -87,25 +86,19 @@ from hybridkv.store.file.eviction import CapacityEvictor
 from hybridkv.store.file.eviction_log import EvictionLog
 from hybridkv.store.file.ledger import SharedLedger
 from hybridkv.store.file.policy import LOW_WATERMARK, STALE_TMP_S
+from hybridkv.store.file.spares import SUFFIX, SpareShelf, size_class
 from hybridkv.store.frame import FIXED_HEADER_SIZE, key_digest, key_from_header
 
 log = structlog.get_logger(__name__)
 
-_SUFFIX = ".kv"
+_SUFFIX = SUFFIX
 #: Reads refresh a file's mtime only when it is older than this (seconds): LRU resolution vs. syscalls.
 _TOUCH_INTERVAL_S = 1.0
-_PAGE = mmap.PAGESIZE
 #: Files at least this big (page-rounded) are recycled: below it, path syscalls cost more than page faults.
 RECYCLE_MIN_SIZE = 256 << 10
 #: Spare files are kept while they hold at most this fraction of capacity (the eviction hysteresis band).
 _SPARE_FRACTION = 1.0 - LOW_WATERMARK
 _temp_counter = itertools.count()
-
-
-def _size_class(size: int) -> int:
-    """The page-rounded size spares are matched on: overwriting a file within its last page needs no new
-    page, and truncating it there frees none."""
-    return -(-size // _PAGE) * _PAGE
 
 
 class FileLayout:
@@ -131,6 +124,8 @@ class FileLayout:
         self._objects_str = str(self._objects)
         self._tmp_str = str(self._tmp)
         self._spare_str = str(self._spare)
+        #: the spare files by size class (recycling)
+        self.spares = SpareShelf(self._spare_str, self.temp_path, self.is_recyclable)
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._objects.mkdir(mode=0o700, exist_ok=True)
@@ -249,7 +244,7 @@ class FileLayout:
 
     def is_recyclable(self, size: int) -> bool:
         """Whether a file of ``size`` bytes may be recycled (readers lock exactly these)."""
-        return _size_class(size) >= self.recycle_min_size
+        return size_class(size) >= self.recycle_min_size
 
     def iter_object_paths(self) -> Iterator[Path]:
         """The published files (unordered; ones removed meanwhile may be listed)."""
@@ -365,23 +360,6 @@ class FileLayout:
             raise
         return fd, info
 
-    def open_spare(self, temp: str, size: int) -> int | None:
-        """Open the claimed spare ``temp`` for overwriting with a ``size``-byte frame, holding its exclusive
-        lock; ``None`` if a reader that opened it under its old name still holds it (see Recycling)."""
-        fd = os.open(temp, os.O_WRONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        try:
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)  # within the size class: no page allocated or freed but the tail's
-        except OSError:
-            os.close(fd)
-            raise
-        return fd
-
     # -- usage accounting --------------------------------------------------------------------------------
 
     def update_usage(self, update: Callable[[int, int], tuple[int, int]]) -> tuple[int, int]:
@@ -423,7 +401,7 @@ class FileLayout:
             self.update_usage(reserve)
             if kept:
                 try:
-                    self.move_to_spare(path, size)
+                    self.spares.move_in(path, size)
                 except FileNotFoundError:
                     self.add_usage(0, -size)
                     return False
@@ -434,52 +412,6 @@ class FileLayout:
             return False
         self.add_usage(-size)
         return True
-
-    def move_to_spare(self, path: str, size: int) -> None:
-        """Rename ``path`` into its size class under spare/ (no accounting)."""
-        shard = f"{self._spare_str}/{_size_class(size)}"
-        spare = f"{shard}/{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}{_SUFFIX}"
-        try:
-            os.rename(path, spare)
-        except FileNotFoundError:
-            if not os.path.exists(path):
-                raise
-            os.makedirs(shard, mode=0o700, exist_ok=True)
-            os.rename(path, spare)
-
-    def claim_spares(self, sizes: Sequence[int | None]) -> list[tuple[str, int] | None]:
-        """For each frame size (``None``: no frame), claim a spare of its size class by renaming it into
-        tmp/: ``(temp path, spare size)``, or ``None`` if none is left. The caller owns the claimed files."""
-        claims: list[tuple[str, int] | None] = [None] * len(sizes)
-        class_to_candidates: dict[int, list[str]] = {}
-        for index, size in enumerate(sizes):
-            if size is None or not self.is_recyclable(size):
-                continue
-            size_class = _size_class(size)
-            candidates = class_to_candidates.get(size_class)
-            if candidates is None:
-                try:
-                    with os.scandir(f"{self._spare_str}/{size_class}") as entries:
-                        candidates = [entry.path for entry in entries if entry.name.endswith(_SUFFIX)]
-                except FileNotFoundError:
-                    candidates = []
-                class_to_candidates[size_class] = candidates
-            while candidates:
-                spare = candidates.pop()
-                temp = self.temp_path()
-                try:
-                    # Touch first, rename second: the file appears in tmp/ already fresh, so no process's
-                    # sweep (which deletes temp files unmodified for STALE_TMP_S) can take it for a crashed
-                    # writer's, however long it sat in spare/. Touching after the rename would leave a window
-                    # in which a sweep sees the old mtime and unlinks the file mid-put.
-                    os.utime(spare)
-                    os.rename(spare, temp)  # atomic: of several claimers exactly one succeeds
-                    spare_size = os.stat(temp).st_size
-                except FileNotFoundError:
-                    continue  # another process claimed it first
-                claims[index] = (temp, spare_size)
-                break
-        return claims
 
     def make_room(self, size: int, namespaces: Collection[str] = ()) -> bool:
         """The whole-store pass (``CapacityEvictor.full_pass``): evict oldest files until ``size`` more bytes

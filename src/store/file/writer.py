@@ -2,7 +2,7 @@
 
 Contract: :class:`FrameWriter` puts a batch of frames, insert-if-absent, into one store directory, in this
 order: refuse what cannot fit (larger than the capacity, or than its tenant's quota: ``FileTenants``), claim
-spares of the frames' size classes (``FileLayout.claim_spares``), add the new bytes to the shared usage
+spares of the frames' size classes (``SpareShelf.claim``), add the new bytes to the shared usage
 estimate and make room if that passes the effective capacity (``FileSpace``), then write and publish each
 frame (a temp file linked into place: first writer wins), and give back what was not published. A frame
 that meets ``ENOSPC``/``EDQUOT`` (a file system full below the capacity) re-reads the free space, makes room
@@ -76,7 +76,7 @@ class FrameWriter:
         # Claim spares first: their bytes are already counted, so only the rest is new. Reserve the new
         # bytes up front (one locked update), make room if that overflows, and give back what was not
         # published.
-        claims = layout.claim_spares(
+        claims = layout.spares.claim(
             [size if path else None for size, path in zip(sizes, paths, strict=True)]
         )
         num_claimed = sum(claim is not None for claim in claims)
@@ -174,7 +174,7 @@ class FrameWriter:
         size = sum(part.nbytes for part in frame)
         temp = layout.temp_path() if spare is None else spare
         try:
-            fd = layout.open_spare(spare, size) if spare is not None else None
+            fd = layout.spares.open(spare, size) if spare is not None else None
             if fd is None:  # no spare, or a reader of its previous life still holds it: a new file
                 temp = layout.temp_path()
                 if spare is not None:
