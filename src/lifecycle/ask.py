@@ -35,6 +35,7 @@ __all__ = [
     "Ask",
     "AskDecision",
     "AskLimits",
+    "FixedStoreView",
     "LookupInputs",
     "OverBudget",
     "Searching",
@@ -85,17 +86,35 @@ class StoreRound(Protocol):
     error: str | None
 
 
-@dataclass(frozen=True)
-class StoreView:
-    """What the connector knows of its store at the ask."""
+class StoreView(Protocol):
+    """What the connector knows of its store at the ask. ``decide_ask`` reads a fact only on the branch that
+    needs it, so a view may compute its facts when read: an ask answered from ``Answered`` (every waiting
+    request, every step) then reads nothing but ``gate_closed``."""
 
-    #: a namespace reset is unfinished: facts learnt before it may name removed entries
+    @property
+    def gate_closed(self) -> bool:
+        """A namespace reset is unfinished: facts learnt before it may name removed entries."""
+
+    @property
+    def usable(self) -> bool:
+        """Lookups may ask the store: circuit not open, no call hung, gate open."""
+
+    @property
+    def stalled(self) -> bool:
+        """A store call has been in flight longer than the budget."""
+
+    @property
+    def local_facts(self) -> bool:
+        """The searches' existence facts live in this process (the ask may be answered from them)."""
+
+
+@dataclass(frozen=True)
+class FixedStoreView:
+    """A :class:`StoreView` of facts known up front."""
+
     gate_closed: bool
-    #: lookups may ask the store: circuit not open, no call hung, gate open
     usable: bool
-    #: a store call has been in flight longer than the budget
     stalled: bool
-    #: the searches' existence facts live in this process (the ask may be answered from them)
     local_facts: bool
 
 

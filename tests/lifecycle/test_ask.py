@@ -14,10 +14,10 @@ from hybridkv.lifecycle import Geometry, GroupSpec, KeyScheme
 from hybridkv.lifecycle.ask import (
     Answered,
     AskLimits,
+    FixedStoreView,
     LookupInputs,
     OverBudget,
     Searching,
-    StoreView,
     decide_ask,
 )
 from hybridkv.lifecycle.lookup import LookupSearch
@@ -27,7 +27,7 @@ from hybridkv.lifecycle.table import State
 
 _SCHEME = KeyScheme(namespace="t", model="m", geometry=Geometry(groups=(GroupSpec.full(16),)))
 _HASHES = [b"\x01" * 8] * 4
-_STORE = StoreView(gate_closed=False, usable=True, stalled=False, local_facts=True)
+_STORE = FixedStoreView(gate_closed=False, usable=True, stalled=False, local_facts=True)
 _LIMITS = AskLimits(budget_s=0.05, max_wait_s=5.0, max_unallocated_asks=2)
 
 

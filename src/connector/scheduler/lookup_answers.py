@@ -17,6 +17,7 @@ sets the limits:
 
 from __future__ import annotations
 
+import functools
 import time
 
 import structlog
@@ -82,13 +83,7 @@ class LookupAnswers:
 
     def store_view(self, now: float) -> StoreView:
         """What this half knows of its store at ``now`` (monotonic seconds), as the lifecycle reads it."""
-        stalled = self.lookups.stalled(now)
-        return StoreView(
-            gate_closed=self.gate.closed,
-            usable=self.breaker.state is not BreakerState.OPEN and not stalled and not self.gate.closed,
-            stalled=stalled,
-            local_facts=self.lookups.local_facts,
-        )
+        return _StoreAtAsk(self, now)
 
     def prefetch(self, r: RequestState) -> None:
         """Start a new request's search at once (``on_new_request``), so the answer is usually in when
@@ -184,3 +179,31 @@ class LookupAnswers:
             self.stats.add("lookups")
             if r.lc.current is State.PARTIAL_HIT:
                 self.stats.add("lookup_hits")
+
+
+class _StoreAtAsk:
+    """The store as one ask sees it (a :class:`StoreView`). The breaker's state and the hung-call check each
+    take a lock: they are read only when the decision reaches them, at most once per ask, so an ask answered
+    from its ``Answered`` sub-state (every waiting request, every step) takes neither."""
+
+    def __init__(self, answers: LookupAnswers, now: float) -> None:
+        self._answers = answers
+        self._now = now
+
+    @property
+    def gate_closed(self) -> bool:
+        return self._answers.gate.closed
+
+    @functools.cached_property
+    def stalled(self) -> bool:
+        return self._answers.lookups.stalled(self._now)
+
+    @functools.cached_property
+    def usable(self) -> bool:
+        return (
+            not self.gate_closed and self._answers.breaker.state is not BreakerState.OPEN and not self.stalled
+        )
+
+    @property
+    def local_facts(self) -> bool:
+        return self._answers.lookups.local_facts
