@@ -296,6 +296,42 @@ def _rss_of(sized: _SizedStore) -> dict[str, float]:
     return result
 
 
+def add_medians(row: dict[str, Any], samples: Sequence[dict[str, Any]], names: Sequence[str]) -> None:
+    """``row[name]``: the median of ``name`` over ``samples``; ``row[name + "_spread"]``: its min..max."""
+    for name in names:
+        values = [sample[name] for sample in samples]
+        row[name] = statistics.median(values)
+        row[f"{name}_spread"] = spread_text(values)
+
+
+def growth_targets(
+    rows: Sequence[dict[str, Any]], name_to_column: Sequence[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """For each ``(name, column)``: the largest size's value over the smallest's, at most ``GROWTH_LIMIT``
+    (none with a single size)."""
+    if len(rows) < 2:
+        return []
+    small, large = rows[0], rows[-1]
+    return [
+        target_row(name, large[column] / small[column] if small[column] else None, "<=", GROWTH_LIMIT)
+        for name, column in name_to_column
+    ]
+
+
+def medians_and_spreads(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str], size: str, timed: Sequence[str]
+) -> str:
+    """The medians per size (``columns``), then each timed metric's min..max over repeats, sized by ``size``."""
+    from hybridkv.tables import format_table
+
+    spreads = [{size: row[size], **{name: row[f"{name}_spread"] for name in timed}} for row in rows]
+    return (
+        format_table(list(rows), list(columns))
+        + "\nspread over repeats (min..max):\n"
+        + format_table(spreads, [size, *timed])
+    )
+
+
 def _row(sized: _SizedStore, samples: list[dict[str, float]], rss: dict[str, float]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "entries": sized.entries,
@@ -312,10 +348,7 @@ def _row(sized: _SizedStore, samples: list[dict[str, float]], rss: dict[str, flo
     row["get_found_min"] = int(min(sample["get_found"] for sample in samples))
     row["stats_keys_min"] = int(min(sample["stats_keys"] for sample in samples))
     row["stats_keys_max"] = int(max(sample["stats_keys"] for sample in samples))
-    for name in _TIMED:
-        values = [sample[name] for sample in samples]
-        row[name] = statistics.median(values)
-        row[f"{name}_spread"] = spread_text(values)
+    add_medians(row, samples, _TIMED)
     row.update(rss)
     row["samples"] = samples
     return row
@@ -326,10 +359,7 @@ def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if len(rows) < 2:
         return []
     small, large = rows[0], rows[-1]
-    targets = [
-        target_row(name, large[column] / small[column] if small[column] else None, "<=", GROWTH_LIMIT)
-        for name, column in _GROWTH_TARGETS
-    ]
+    targets = growth_targets(rows, _GROWTH_TARGETS)
     targets.append(
         target_row(
             "open s per 10^6 entries (largest)",
@@ -412,18 +442,7 @@ def run_entries_axis(
 
 def format_scale_table(report: dict[str, Any]) -> str:
     """The medians per size, then each timed metric's spread over repeats."""
-    from hybridkv.tables import format_table
-
-    rows = report["rows"]
-    spreads = [
-        {"entries": row["entries"], **{name: row[f"{name}_spread"] for name in _TIMED}} for row in rows
-    ]
-    return (
-        "medians over repeats:\n"
-        + format_table(rows, TABLE_COLUMNS)
-        + "\nspread over repeats (min..max):\n"
-        + format_table(spreads, ["entries", *_TIMED])
-    )
+    return "medians over repeats:\n" + medians_and_spreads(report["rows"], TABLE_COLUMNS, "entries", _TIMED)
 
 
 def plot_report(report: dict[str, Any], path: Path) -> Path | None:

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import spread_text, target_row
+from hybridkv.bench.report import target_row
 from hybridkv.store import open_store
 from hybridkv.store.base import Status, Store
+
+from hybridkv_dev.bench.scale import GROWTH_LIMIT, add_medians, medians_and_spreads
 
 __all__ = [
     "CONCURRENT_COLUMNS",
@@ -51,8 +52,6 @@ __all__ = [
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DEFAULT_BLOCKS = 64
 DEFAULT_VALUE_BYTES = 1 << 20
-#: The per-byte cost of a load at the most concurrent requests may be at most this many times one request's.
-GROWTH_LIMIT = 1.5
 _PUT_BATCH = 16
 
 CONCURRENT_COLUMNS = [
@@ -66,6 +65,10 @@ CONCURRENT_COLUMNS = [
     "request_p99_ms",
     "failed_loads",
 ]
+
+
+#: The rates measured per repeat (medians and min..max in the table).
+_TIMED = ("load_gb_s", "memcpy_gb_s", "load_over_memcpy")
 
 
 def default_root() -> Path:
@@ -205,10 +208,7 @@ def run_concurrent_axis(
 
 def _row(count: int, samples: list[dict[str, Any]], hit_bytes: int) -> dict[str, Any]:
     row: dict[str, Any] = {"concurrency": count, "repeats": len(samples), "hit_mib": hit_bytes / (1 << 20)}
-    for name in ("load_gb_s", "memcpy_gb_s", "load_over_memcpy"):
-        values = [sample[name] for sample in samples]
-        row[name] = statistics.median(values)
-        row[f"{name}_spread"] = spread_text(values)
+    add_medians(row, samples, _TIMED)
     request_ms = [ms for sample in samples for ms in sample["request_ms"]]
     row["request_p50_ms"] = _percentile(request_ms, 0.5)
     row["request_p99_ms"] = _percentile(request_ms, 0.99)
@@ -235,18 +235,8 @@ def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_concurrent_table(report: dict[str, Any]) -> str:
     """The medians per concurrency, then the spreads over repeats."""
-    from hybridkv.tables import format_table
-
-    rows = report["rows"]
-    names = ("load_gb_s", "memcpy_gb_s", "load_over_memcpy")
-    spreads = [
-        {"concurrency": row["concurrency"], **{name: row[f"{name}_spread"] for name in names}} for row in rows
-    ]
-    return (
-        "medians over repeats (request times: p50/p99 over every request):\n"
-        + format_table(rows, CONCURRENT_COLUMNS)
-        + "\nspread over repeats (min..max):\n"
-        + format_table(spreads, ["concurrency", *names])
+    return "medians over repeats (request times: p50/p99 over every request):\n" + medians_and_spreads(
+        report["rows"], CONCURRENT_COLUMNS, "concurrency", _TIMED
     )
 
 

@@ -50,19 +50,21 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.report import pyplot_or_none, save_figure, spread_text, target_row
+from hybridkv.bench.report import pyplot_or_none, save_figure, target_row
 from hybridkv.store import open_store
 from hybridkv.store.base import Store
 from hybridkv.store.mooncake import EXISTS_KEYS_PER_CALL
 
 from hybridkv_dev.bench.scale import (
     GET_KEYS,
-    GROWTH_LIMIT,
     LOOKUP_KEYS,
     LOOKUP_ROUND_TRIPS,
     OPEN_S_PER_MILLION,
     PUT_KEYS,
+    add_medians,
+    growth_targets,
     key_of,
+    medians_and_spreads,
 )
 from hybridkv_dev.bench.scale_mooncake_deploy import (
     HIGH_WATERMARK,
@@ -320,10 +322,7 @@ def _row(deployment: Deployment, samples: list[dict[str, float]], rss: dict[str,
     row["keys_before_put_min"] = int(min(sample["keys_before_put"] for sample in samples))
     row["keys_before_put_max"] = int(max(sample["keys_before_put"] for sample in samples))
     row["usage_after_put_min"] = min(sample["usage_after_put"] for sample in samples)
-    for name in _TIMED:
-        values = [sample[name] for sample in samples]
-        row[name] = statistics.median(values)
-        row[f"{name}_spread"] = spread_text(values)
+    add_medians(row, samples, _TIMED)
     row.update(rss)
     row["samples"] = samples
     return row
@@ -334,10 +333,7 @@ def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if len(rows) < 2:
         return []
     small, large = rows[0], rows[-1]
-    targets = [
-        target_row(name, large[column] / small[column] if small[column] else None, "<=", GROWTH_LIMIT)
-        for name, column in _GROWTH_TARGETS
-    ]
+    targets = growth_targets(rows, _GROWTH_TARGETS)
     targets.append(
         target_row(
             "open s per 10^6 keys (largest)",
@@ -432,18 +428,7 @@ def run_mooncake_entries_axis(
 
 def format_mooncake_table(report: dict[str, Any]) -> str:
     """The medians per size, then each timed metric's spread over repeats."""
-    from hybridkv.tables import format_table
-
-    rows = report["rows"]
-    spreads = [
-        {"entries": row["entries"], **{name: row[f"{name}_spread"] for name in _TIMED}} for row in rows
-    ]
-    return (
-        "medians over repeats:\n"
-        + format_table(rows, TABLE_COLUMNS)
-        + "\nspread over repeats (min..max):\n"
-        + format_table(spreads, ["entries", *_TIMED])
-    )
+    return "medians over repeats:\n" + medians_and_spreads(report["rows"], TABLE_COLUMNS, "entries", _TIMED)
 
 
 def plot_mooncake_report(report: dict[str, Any], path: Path) -> Path | None:

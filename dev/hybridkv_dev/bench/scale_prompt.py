@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hybridkv.bench.report import pyplot_or_none, save_figure, spread_text, target_row
+from hybridkv.bench.report import pyplot_or_none, save_figure
 from hybridkv.bench.store import bench_scratch_dir
 
-from hybridkv_dev.bench.scale import GROWTH_LIMIT
+from hybridkv_dev.bench.scale import add_medians, growth_targets, medians_and_spreads
 
 __all__ = [
     "AXIS",
@@ -371,10 +371,7 @@ def _row(tokens: int, samples: list[dict[str, float]], geometry: dict[str, int])
         "loads_ok": int(sum(sample["ok"] for sample in samples)),
         "loaded_bytes_min": int(min(sample["loaded_bytes"] for sample in samples)),
     }
-    for name in _TIMED:
-        values = [sample[name] for sample in samples]
-        row[name] = statistics.median(values)
-        row[f"{name}_spread"] = spread_text(values)
+    add_medians(row, samples, _TIMED)
     for name in _PHASES:
         row[f"{name}_ms"] = statistics.median(sample[f"{name}_ms"] for sample in samples)
     row["memcpy_us_per_token"] = row["memcpy_ms"] * 1e3 / tokens
@@ -386,13 +383,7 @@ def _row(tokens: int, samples: list[dict[str, float]], geometry: dict[str, int])
 
 def _targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Growth targets between the smallest and the largest prompt (none with a single size)."""
-    if len(rows) < 2:
-        return []
-    small, large = rows[0], rows[-1]
-    return [
-        target_row(name, large[column] / small[column] if small[column] else None, "<=", GROWTH_LIMIT)
-        for name, column in _GROWTH_TARGETS
-    ]
+    return growth_targets(rows, _GROWTH_TARGETS)
 
 
 def format_prompt_table(report: dict[str, Any]) -> str:
@@ -400,13 +391,10 @@ def format_prompt_table(report: dict[str, Any]) -> str:
     from hybridkv.tables import format_table
 
     rows = report["rows"]
-    spreads = [{"tokens": row["tokens"], **{name: row[f"{name}_spread"] for name in _TIMED}} for row in rows]
     phases = [f"{name}_ms" for name in _PHASES]
     return (
         "medians over repeats:\n"
-        + format_table(rows, TABLE_COLUMNS)
-        + "\nspread over repeats (min..max):\n"
-        + format_table(spreads, ["tokens", *_TIMED])
+        + medians_and_spreads(rows, TABLE_COLUMNS, "tokens", _TIMED)
         + "\nthe load job's phases, medians (ms; file_*: summed over the store's reader threads):\n"
         + format_table(rows, ["tokens", "load_job_ms", *phases])
     )

@@ -43,6 +43,8 @@ from hybridkv.store.base import Status, find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.frame import key_digest
 
+from hybridkv_dev.bench.scale import GROWTH_LIMIT
+
 __all__ = [
     "DEFAULT_ENGINES",
     "SHARED_COLUMNS",
@@ -53,8 +55,6 @@ __all__ = [
 ]
 
 DEFAULT_ENGINES = (1, 2, 3, 4)
-#: A per-engine cost at the most engines may be at most this many times one engine's.
-GROWTH_LIMIT = 1.5
 #: The store holds this fraction of what all engines of a run write (evictions all along).
 _CAPACITY_FRACTION = 0.25
 #: How long the engines may take to start (import, open) before the run fails, and to finish.
