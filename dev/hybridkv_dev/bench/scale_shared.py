@@ -61,14 +61,8 @@ _CAPACITY_FRACTION = 0.25
 _START_TIMEOUT_S = 120.0
 _RUN_TIMEOUT_S = 900.0
 
-SHARED_COLUMNS = [
-    "engines",
-    "repeats",
-    "round_ms",
-    "cpu_ms_per_round",
-    "mb_s_per_engine",
-    "usage_lock_wait_ms",
-    "evict_lock_wait_ms",
+#: What each engine counts, summed over a size's engines and runs.
+_ENGINE_COUNTS = (
     "loads",
     "hits",
     "misses",
@@ -77,6 +71,17 @@ SHARED_COLUMNS = [
     "corrupt",
     "other_failures",
     "evicted",
+)
+
+SHARED_COLUMNS = [
+    "engines",
+    "repeats",
+    "round_ms",
+    "cpu_ms_per_round",
+    "mb_s_per_engine",
+    "usage_lock_wait_ms",
+    "evict_lock_wait_ms",
+    *_ENGINE_COUNTS,
     "bytes_over_capacity",
 ]
 
@@ -268,16 +273,7 @@ def _row(num_engines: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "evict_lock_wait_ms": statistics.median(evict_wait),
         "evict_lock_wait_ms_spread": spread_text(evict_wait),
     }
-    for name in (
-        "loads",
-        "hits",
-        "misses",
-        "removed_while_loading",
-        "wrong_bytes",
-        "corrupt",
-        "other_failures",
-        "evicted",
-    ):
+    for name in _ENGINE_COUNTS:
         row[name] = sum(e[name] for run in runs for e in run["engines"])
     row["bytes_over_capacity"] = max(run["real_bytes"] - run["capacity_bytes"] for run in runs)
     row["capacity_bytes"] = runs[0]["capacity_bytes"]
