@@ -3,9 +3,11 @@
 - :mod:`~hybridkv.bench.harness.rounds`  -- rounds and the interleaving of arms (each arm takes each place in
   turn), the host's load average around a measurement
 - :mod:`~hybridkv.bench.harness.stats`   -- medians and the ``{median, min, max}`` spread of repeated rounds
-- :mod:`~hybridkv_dev.bench.record`  -- the per-request record of the benches that drive an OpenAI server
 - :mod:`hybridkv.bench.report`           -- the targets table (met / missed), JSON, PNG plots (re-exported
   here)
+
+The per-request record of the benches that drive an OpenAI server reads the development kit's server, so it
+lives with those benches in the development distribution (``hybridkv_dev.bench.record``).
 
 The command-line side (the flags every bench takes: ``--rounds``, ``--out``, ``--no-plot``, ``--json``) is
 :mod:`hybridkv.cli.bench_options`: building the parser loads no tooling.
