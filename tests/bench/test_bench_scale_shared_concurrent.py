@@ -1,5 +1,5 @@
-"""``hybridkv bench scale --axis shared`` and ``--axis concurrent`` at CI size, run as a user would: the
-reports' shape and outcomes (never their timings)."""
+"""``hybridkv bench scale --axis shared``, ``--axis mooncake-shared`` and ``--axis concurrent`` at CI size, run as a
+user would: the reports' shape and outcomes (never their timings)."""
 
 from __future__ import annotations
 
@@ -60,3 +60,47 @@ def test_concurrent_axis_reports_every_concurrency(
     assert targets["failed loads (every run)"]["met"] is True
     assert not [path for path in tmp_path.iterdir() if path.name.startswith("hybridkv-scale-concurrent")]
     assert "targets:" in capsys.readouterr().out
+
+
+@pytest.mark.mooncake
+def test_mooncake_shared_axis_reports_every_engine_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridkv_dev.bench.scale_shared_mooncake import MOONCAKE_SHARED_COLUMNS
+    from support.mooncake import assert_loopback_only_namespace
+
+    assert_loopback_only_namespace()  # the bench starts its own master and storage node, on 127.0.0.1 only
+    rounds, blocks = 4, 2
+    argv = ["bench", "scale", "--axis", "mooncake-shared", "--sizes", "2", "--repeats", "1"]
+    argv += [
+        "--rounds",
+        str(rounds),
+        "--blocks",
+        str(blocks),
+        "--value-kib",
+        "1024",
+        "--dir",
+        str(tmp_path / "logs"),
+    ]
+    report = _run(argv, tmp_path / "mooncake-shared.json")
+    assert (report["bench"], report["axis"], report["store"]) == ("scale", "mooncake-shared", "mooncake")
+    assert len(report["load_average_before"]) == 3 and len(report["load_average_after"]) == 3  # type: ignore[arg-type]
+    rows = report["rows"]
+    assert isinstance(rows, list) and [row["engines"] for row in rows] == [2]
+    [row] = rows
+    assert set(MOONCAKE_SHARED_COLUMNS) <= set(row)
+    expected = row["engines"] * rounds * blocks
+    assert row["loads"] == row["puts"] == expected
+    outcomes = ("hits", "misses", "wrong_bytes", "corrupt", "other_failures")
+    assert sum(row[name] for name in outcomes) == expected
+    assert row["wrong_bytes"] == row["corrupt"] == 0
+    assert row["puts_refused"] + row["put_failures"] <= expected
+    assert 0 < row["usage_end_max"] <= 1 and row["bytes_over_capacity"] <= 0
+    [run] = row["runs"]
+    assert len(run["engines"]) == 2 and all(e["store_calls"] >= 2 * rounds for e in run["engines"])
+    targets = {target["target"]: target for target in report["targets"]}  # type: ignore[attr-defined]
+    assert targets["wrong bytes loaded (every run)"]["met"] is True
+    assert targets["corrupt loads (every run)"]["met"] is True
+    assert targets["pool bytes over capacity at the end (max)"]["met"] is True
+    printed = capsys.readouterr().out
+    assert "targets:" in printed and "load average" in printed

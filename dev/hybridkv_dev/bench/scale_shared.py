@@ -50,8 +50,12 @@ __all__ = [
     "SHARED_COLUMNS",
     "engine_main",
     "format_shared_table",
+    "key_of",
+    "load_keys_of",
     "plot_shared_report",
+    "run_engine_processes",
     "run_shared_axis",
+    "value_of",
 ]
 
 DEFAULT_ENGINES = (1, 2, 3, 4)
@@ -97,6 +101,14 @@ def value_of(key: str, num_bytes: int) -> bytes:
     return (digest * (num_bytes // len(digest) + 1))[:num_bytes]
 
 
+def load_keys_of(peer: int, round_index: int, batch: int, window: int) -> list[str]:
+    """The ``batch`` keys an engine loads in round ``round_index``: spread over ``peer``'s last ``window`` keys,
+    counting the peer about as far as the loader (``batch`` keys saved per round)."""
+    newest = (round_index + 1) * batch
+    first = max(0, newest - window)
+    return [key_of(peer, first + (round_index * 7919 + i * 104729) % (newest - first)) for i in range(batch)]
+
+
 def engine_main() -> None:
     """An engine process (``python -c``): its parameters are ``sys.argv[1]`` (JSON); prints its report (JSON)."""
     params = json.loads(sys.argv[1])
@@ -135,11 +147,7 @@ def run_engine(
         keys = [key_of(engine, round_index * batch + i) for i in range(batch)]
         statuses = store.put(keys, [value_of(key, value_bytes) for key in keys])
         num_saved_bytes += value_bytes * sum(status.is_ok for status in statuses)
-        newest = (round_index + 1) * batch  # the peer is about as far as this engine
-        first = max(0, newest - window)
-        load_keys = [
-            key_of(peer, first + (round_index * 7919 + i * 104729) % (newest - first)) for i in range(batch)
-        ]
+        load_keys = load_keys_of(peer, round_index, batch, window)
         inodes = [_inode(layout.path_of(key)) for key in load_keys]
         statuses = store.get_into(load_keys, destinations)
         for key, inode, status, destination in zip(load_keys, inodes, statuses, destinations, strict=True):
@@ -187,6 +195,47 @@ def _inode(path: str) -> tuple[int, int] | None:
     return info.st_ino, info.st_dev
 
 
+def run_engine_processes(
+    directory: Path, params: Sequence[dict[str, Any]], module: str
+) -> list[dict[str, Any]]:
+    """One process per ``params`` entry, each ``module.engine_main()`` with that entry (plus its ``go_file`` and
+    ``ready_file`` under ``directory``) as JSON in ``sys.argv[1]``; each touches its ready file once its store is
+    open and starts when ``directory / "go"`` exists, created once all are ready. Returns their reports (each
+    one's last line of output, JSON), in order."""
+    go_file = directory / "go"
+    ready_files = [directory / f"ready-{index}" for index in range(len(params))]
+    code = f"from {module} import engine_main; engine_main()"
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                code,
+                json.dumps({**entry, "go_file": str(go_file), "ready_file": str(ready)}),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for entry, ready in zip(params, ready_files, strict=True)
+    ]
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(ready.exists() for ready in ready_files):
+            assert time.monotonic() < deadline, f"{len(params)} engines did not start"
+            assert all(child.poll() is None for child in children), "an engine exited before starting"
+            time.sleep(0.01)
+        go_file.touch()
+        outputs = [child.communicate(timeout=_RUN_TIMEOUT_S)[0] for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    for index, child in enumerate(children):
+        assert child.returncode == 0, f"engine {index} of {len(params)} exited {child.returncode}"
+    return [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+
+
 def _run_once(root: Path, num_engines: int, *, rounds: int, batch: int, value_bytes: int) -> dict[str, Any]:
     """One run of ``num_engines`` engines on a fresh store; the engines' reports and the store's end state."""
     directory = root / f"shared-{num_engines}"
@@ -197,10 +246,8 @@ def _run_once(root: Path, num_engines: int, *, rounds: int, batch: int, value_by
     url = f"file://{directory / 'store'}?capacity={capacity}"
     # Loads pick among the peer's last keys that the store may still hold (its share of the capacity).
     window = max(batch, capacity // value_bytes // num_engines)
-    go_file = directory / "go"
-    children = []
-    for engine in range(num_engines):
-        params = {
+    params = [
+        {
             "url": url,
             "engine": engine,
             "num_engines": num_engines,
@@ -208,31 +255,10 @@ def _run_once(root: Path, num_engines: int, *, rounds: int, batch: int, value_by
             "batch": batch,
             "window": window,
             "value_bytes": value_bytes,
-            "go_file": str(go_file),
-            "ready_file": str(directory / f"ready-{engine}"),
         }
-        code = "from hybridkv_dev.bench.scale_shared import engine_main; engine_main()"
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(params)], stdout=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not all((directory / f"ready-{engine}").exists() for engine in range(num_engines)):
-            assert time.monotonic() < deadline, f"{num_engines} engines did not start"
-            assert all(child.poll() is None for child in children), "an engine exited before starting"
-            time.sleep(0.01)
-        go_file.touch()
-        outputs = [child.communicate(timeout=_RUN_TIMEOUT_S)[0] for child in children]
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    for engine, child in enumerate(children):
-        assert child.returncode == 0, f"engine {engine} of {num_engines} exited {child.returncode}"
-    engines = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+        for engine in range(num_engines)
+    ]
+    engines = run_engine_processes(directory, params, "hybridkv_dev.bench.scale_shared")
     store = open_store(url)
     try:
         stats = store.stats()

@@ -35,7 +35,8 @@ def register(
         choices=["entries", *_AXIS_HANDLERS],
         help="the axis (%(default)s); mooncake-entries: the same costs on a real mooncake_master "
         "(run it under scripts/netns-run); prompt-length: the external hit's load job at 1K-64K tokens "
-        "against one memcpy of its bytes",
+        "against one memcpy of its bytes; shared / mooncake-shared: 1-4 engine processes saving and loading on one "
+        "file store / one Mooncake cluster (mooncake-shared under scripts/netns-run)",
     )
     scale.add_argument(
         "--sizes",
@@ -52,15 +53,20 @@ def register(
     )
     scale.add_argument("--keep", action="store_true", help="leave the stores on disk")
     scale.add_argument(
-        "--value-kib", type=int, default=None, help="shared/concurrent: KiB per block (256; 1024)"
+        "--value-kib",
+        type=int,
+        default=None,
+        help="shared, mooncake-shared / concurrent: KiB per block (256 / 1024)",
     )
     scale.add_argument(
         "--blocks",
         type=int,
         default=None,
-        help="shared: blocks per save and load (8); concurrent: per hit (64)",
+        help="shared, mooncake-shared: blocks per save and load (8); concurrent: per hit (64)",
     )
-    scale.add_argument("--rounds", type=int, default=None, help="shared: save+load rounds per engine (40)")
+    scale.add_argument(
+        "--rounds", type=int, default=None, help="shared, mooncake-shared: save+load rounds per engine (40)"
+    )
     add_report_arguments(scale, "bench-scale.json")
     scale.set_defaults(func=handle_scale)
 
@@ -257,5 +263,46 @@ def handle_concurrent(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def handle_mooncake_shared(args: argparse.Namespace) -> int:
+    """``--axis mooncake-shared``: 1 -> 4 engine processes on one Mooncake cluster
+    (``hybridkv_dev.bench.scale_shared_mooncake``)."""
+    from hybridkv.bench.report import format_targets, save_report
+
+    from hybridkv_dev.bench.scale_mooncake import namespace_problem
+    from hybridkv_dev.bench.scale_shared_mooncake import (
+        format_mooncake_shared_table,
+        plot_mooncake_shared_report,
+        run_mooncake_shared_axis,
+    )
+
+    engines = _parse_sizes(args.sizes or "1,2,3,4")
+    if not engines or min(engines) < 1 or args.repeats < 1:
+        print("error: --sizes must be engine counts >= 1 and --repeats >= 1", flush=True)
+        return ExitCode.USAGE
+    problem = namespace_problem()
+    if problem is not None:
+        print(f"error: {problem}", flush=True)
+        return ExitCode.USAGE
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hybridkv-scale-mooncake-shared-"))
+    value_bytes = (args.value_kib or 256) << 10
+    report = run_mooncake_shared_axis(
+        root,
+        engines,
+        repeats=args.repeats,
+        rounds=args.rounds or 40,
+        batch=args.blocks or 8,
+        value_bytes=value_bytes,
+        progress=lambda line: print(line, flush=True),
+    )
+    if not args.keep and not args.dir:
+        shutil.rmtree(root, ignore_errors=True)  # the folder this command made (the processes' logs)
+    _print_load(report, f"one Mooncake cluster shared by engine processes, {value_bytes >> 10} KiB blocks")
+    print(format_mooncake_shared_table(report))
+    print(format_targets(report["targets"]))
+    save_report(report, args.out, plot_mooncake_shared_report, no_plot=args.no_plot)
+    return ExitCode.OK
+
+
 _AXIS_HANDLERS["shared"] = handle_shared
+_AXIS_HANDLERS["mooncake-shared"] = handle_mooncake_shared
 _AXIS_HANDLERS["concurrent"] = handle_concurrent
