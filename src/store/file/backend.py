@@ -239,7 +239,7 @@ class FileBackend:
                         StoreLogEvent.FILE_SIZE_MISMATCH, key=key, size=info.st_size, expected=expected
                     )
                     continue
-                num_read = read_all(fd, frame)
+                num_read = read_all(fd, frame, expected)
                 read_at = clock()
                 intact = num_read == expected and (verify is None or verify(index))
                 verified_at = clock()

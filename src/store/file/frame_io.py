@@ -36,16 +36,20 @@ def write_all(fd: int, parts: Sequence[memoryview], offset: int) -> None:
         _advance(pending, num_written)
 
 
-def read_all(fd: int, parts: Sequence[memoryview]) -> int:
-    """Fill ``parts`` from the start of ``fd``; returns bytes read (short only at end of file)."""
-    pending = [part for part in parts if part.nbytes]
+def read_all(fd: int, parts: Sequence[memoryview], expected: int | None = None) -> int:
+    """Fill ``parts`` from the start of ``fd``; returns bytes read (short only at end of file).
+    ``expected``: the parts' total size where the caller has it already (else it is added up here)."""
+    if expected is None:
+        expected = sum(part.nbytes for part in parts)
+    pending = list(parts)
     total = 0
-    while pending:
+    while total < expected:
         num_read = os.readv(fd, pending[:_IOV_MAX])
         if num_read == 0:
             break
         total += num_read
-        _advance(pending, num_read)
+        if total < expected:  # the usual read fills every part at once: nothing to walk then
+            _advance(pending, num_read)
     return total
 
 

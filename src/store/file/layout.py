@@ -347,7 +347,6 @@ class FileLayout:
                 except BlockingIOError:
                     os.close(fd)
                     return None  # a writer is recycling this inode: the value it held is gone
-                info = os.fstat(fd)
                 try:
                     named = os.stat(path)
                 except FileNotFoundError:
@@ -355,6 +354,9 @@ class FileLayout:
                 if named is None or (named.st_ino, named.st_dev) != (info.st_ino, info.st_dev):
                     os.close(fd)
                     return None  # removed (and maybe recycled) between our open and our lock
+                # The locked inode as it is now (a writer may have rewritten it before our lock, and none
+                # can while we hold it): the same answer as an fstat, one syscall fewer.
+                info = named
         except BaseException:
             os.close(fd)
             raise
