@@ -54,6 +54,10 @@ Keys (all optional):
                     never hold the interpreter lock vLLM's scheduler needs
                     (``hybridkv.connector.scheduler.lookup_process``). Needs a store other processes can open
                     (``file://``, ``mooncake://``); ``memory://`` is refused.
+``step_trace``      (bool, default false) log one DEBUG event per scheduler step (``hybridkv step``: the
+                    requests it asked again, answered, sent loads for, saw loads finish for and scheduled,
+                    with ``time.monotonic()``, the audit log's clock), to trace where a hit's time to first
+                    token goes (``hybridkv.connector.scheduler.step_trace``).
 ==================  =====================================================================================
 
 An unknown key or a bad value raises ``ValueError`` naming the key and the value.
@@ -106,6 +110,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "weights_version_file",
     "divergent_local_hits",
     "lookup_process",
+    "step_trace",
 )
 
 #: values of ``load_mode``
@@ -231,6 +236,7 @@ class ConnectorConfig:
     weights_version_file: str | None = None
     divergent_local_hits: bool = False
     lookup_process: bool = False
+    step_trace: bool = False
 
     @property
     def layerwise(self) -> bool:
@@ -292,6 +298,7 @@ class ConnectorConfig:
         verify = _flag(extra, "verify_checksums", default=True)
         divergent_local_hits = _flag(extra, "divergent_local_hits", default=False)
         lookup_process = _flag(extra, "lookup_process", default=False)
+        step_trace = _flag(extra, "step_trace", default=False)
         if lookup_process and store_kind(store).process_local:
             raise ValueError(
                 f"kv_connector_extra_config['lookup_process']: {lookup_process!r} needs a store another process can open "
@@ -335,6 +342,7 @@ class ConnectorConfig:
             weights_version_file=weights_version_file,
             divergent_local_hits=divergent_local_hits,
             lookup_process=lookup_process,
+            step_trace=step_trace,
         )
 
 

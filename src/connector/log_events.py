@@ -54,4 +54,6 @@ class ConnectorLogEvent(enum.StrEnum):
     LAYERWISE_LOAD_RAISED = "hybridkv layer-wise load raised"
     LAYERWISE_GET_RAISED = "hybridkv layer-wise get raised"
     LAYERWISE_OVER_BUDGET = "hybridkv: layer-wise loads over their wait budget; recomputed"
+    #: ``step_trace: true``, DEBUG: one per scheduler step (``connector/scheduler/step_trace.py``)
+    STEP = "hybridkv step"
     LAYERWISE_UNWAITED = "hybridkv: layers never waited for their loads; recomputed"

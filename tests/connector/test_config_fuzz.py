@@ -113,6 +113,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "verify_checksums": st.booleans(),
     "divergent_local_hits": st.booleans(),
     "lookup_process": st.booleans(),
+    "step_trace": st.booleans(),
     "load_mode": st.sampled_from([*LOAD_MODES, "Async", "LAYERWISE", "sync"]),
     "cuda_copy": st.sampled_from([*CUDA_COPY_DIRECTIONS, "Auto", "cuda"]),
     "weights_version": _NAME | st.sampled_from(["v1\n", "v1/step", ""]),
@@ -169,6 +170,7 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert type(cfg.verify_checksums) is bool
     assert type(cfg.divergent_local_hits) is bool
     assert type(cfg.lookup_process) is bool
+    assert type(cfg.step_trace) is bool
     assert not (cfg.lookup_process and store_kind(cfg.store).process_local), cfg.store
     assert cfg.load_mode in LOAD_MODES and cfg.cuda_copy in CUDA_COPY_DIRECTIONS
     assert isinstance(cfg.weights_version, str)

@@ -39,7 +39,7 @@ def test_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
             assert actual is None and shown == "none", cell
         elif key == "put_wave_bytes":
             assert parse_size(key, shown) == actual, cell
-        elif key in ("verify_checksums", "divergent_local_hits", "lookup_process"):
+        elif key in ("verify_checksums", "divergent_local_hits", "lookup_process", "step_trace"):
             assert json.loads(shown) is actual, cell
         elif key in ("load_mode", "cuda_copy"):
             assert shown == actual, cell

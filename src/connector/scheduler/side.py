@@ -72,6 +72,7 @@ from hybridkv.connector.scheduler.namespace_gate import NamespaceGate
 from hybridkv.connector.scheduler.request_state import RequestState
 from hybridkv.connector.scheduler.save_planner import RequestSaves, SavePlanner
 from hybridkv.connector.scheduler.sessions import RequestSession, SessionRetention
+from hybridkv.connector.scheduler.step_trace import StepTrace
 from hybridkv.connector.scheduler.store_events import StoreEvents
 from hybridkv.connector.scheduler.store_upkeep import StoreUpkeep
 from hybridkv.connector.scheduler.vllm_blocks import PrefixCacheGuard
@@ -167,6 +168,8 @@ class SchedulerSide:
         #: layer-wise mode: hits are withheld for a while after a load missed its deadline (``layerwise.py``)
         self.layerwise_breaker = LayerwiseBreaker(self.stats)
         self.reset_wait_s = RESET_WAIT_S
+        #: ``step_trace: true``: one DEBUG event per scheduler step (``connector/scheduler/step_trace.py``)
+        self.step_trace: StepTrace | None = StepTrace() if cfg.step_trace else None
         # Off the scheduler thread: engine start never waits on the store.
         self.upkeep.submit(lambda: self.geo.publish_manifest(self.store, self.scheme), lambda _fut: None)
         self.can_save, self.can_load, loads_off = connector_roles(vllm_config)
@@ -241,7 +244,9 @@ class SchedulerSide:
             # Its load would stall the whole step again on a store that just missed the deadline.
             r.lc.decline(LAYERWISE_PAUSED)
             self.stats.add("layerwise_hits_withheld")
-            return 0, False
+            num_external, load_async = 0, False
+        if self.step_trace is not None:
+            self.step_trace.answered(request.request_id, num_external)
         return num_external, load_async
 
     # ------------------------------------------------------------------ allocation
@@ -267,8 +272,15 @@ class SchedulerSide:
         those created between steps (finish-time tails) plus, when this half saves and no namespace
         reset is unfinished, one job per scheduled request whose step completes blocks to save (see
         :meth:`SavePlanner.step_job`). Every save job's source blocks are pinned from here until every
-        rank reported it.
+        rank reported it. With ``step_trace``, logs the step's event once the message is built.
         """
+        meta = self._build_meta(so)
+        if self.step_trace is not None:
+            self.step_trace.emit(so, meta)
+        return meta
+
+    def _build_meta(self, so: SchedulerOutput) -> HybridStoreMetadata:
+        """``build_meta``'s message (see there)."""
         if so.total_num_scheduled_tokens == 0:
             # Nothing to compute: let lookups in flight run instead of the engine loop's empty steps
             # (``LookupService.wait_for_progress``); a step with work never waits here.
@@ -322,11 +334,15 @@ class SchedulerSide:
         ranks = self._all_ranks
         if self.cfg.layerwise:  # every job's results, tracked or not: a missed deadline stalled the step
             self.layerwise_breaker.on_load_results(wm.loads.values())
+        judged: list[str] = []
         for rid, load_results in wm.loads.items():
             r = self._reqs.get(rid)
             if r is not None and r.load is not None and r.collect(load_results, ranks):
                 self.loads.judge(r)
+                judged.append(rid)
         self.saves.on_results(wm)
+        if self.step_trace is not None:
+            self.step_trace.output(judged)
 
     def wait_maintenance(self, timeout: float) -> bool:
         """Wait until every store maintenance call queued so far returned (tests, shutdown)."""
