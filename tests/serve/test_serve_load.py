@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv_dev.bench.serve import LoadResult, divergence, run_load
+from hybridkv_dev.bench.serve.trace import STAGES, audit_times, hit_trace
 from hybridkv_dev.bench.soak import SeriesBound, analyze_series, settle, take_sample
 from hybridkv_dev.devkit.openai_server import OpenAIServer, metric, metrics_samples, vllm_bench_serve_command
 from support.serve import WORKLOAD, assert_clean_after, assert_no_errors, make_server
@@ -99,7 +101,9 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         tmp_path, None, None, max_num_seqs=1, kv_cache_bytes=64 << 20, name="reference"
     )
     audit = tmp_path / "audit.jsonl"
-    server = make_server(tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3)
+    server = make_server(
+        tmp_path, f"file://{tmp_path}/store?capacity=256MiB", audit, max_num_seqs=3, step_trace=True
+    )
     try:
         try:
             reference_server.wait_healthy()
@@ -164,6 +168,34 @@ def test_multi_turn_load_external_hits_exact_tokens_nothing_pinned(tmp_path: Pat
         assert_clean_after(server, audit)
     finally:
         server.stop()
+    assert_hits_traced(server, audit, first)
+
+
+def assert_hits_traced(server: OpenAIServer, audit: Path, load: LoadResult) -> None:
+    """``step_trace``: every resent turn of ``load`` (concurrency 1, each a hit) follows its way through the
+    scheduler's steps in order: first asked, answered, its load sent, reported by every rank, scheduled, its
+    first token; and the audit's own times agree (lookup started <= answered <= load planned <= verified)."""
+    trace = hit_trace(server.log_text(), audit, load.records)
+    assert trace["num_step_events"] > 0, "no hybridkv step event with step_trace on"
+    # Every resent turn whose load the audit verified is traced (the turns' external hits are checked above).
+    times = audit_times(audit)
+    loaded = {
+        rid
+        for r in load.records
+        if r.phase == "turn" and r.turn >= 1
+        for rid, triggers in times.items()
+        if rid.startswith(r.response_id) and "load_verified" in triggers
+    }
+    assert loaded and {hit["request_id"] for hit in trace["hits"]} == loaded, (trace["hits"], loaded)
+    for hit in trace["hits"]:
+        ms, steps, audited = hit["ms"], hit["step"], hit["audit_ms"]
+        assert [ms[stage] for stage in STAGES] == sorted(ms[stage] for stage in STAGES), hit
+        assert list(steps.values()) == sorted(steps.values()), hit
+        assert steps["load_start"] == steps["answered"], hit  # the load is planned with the answer
+        order = [audited[t] for t in ("start_lookup", "lookup_hit", "start_load", "load_verified")]
+        assert order == sorted(order), hit
+        assert audited["load_verified"] <= ms["load_done"] <= ms["scheduled"], hit
+    assert set(trace["medians"]) >= {f"{stage}_ms" for stage in STAGES}, trace["medians"]
 
 
 def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) -> None:
@@ -231,3 +263,5 @@ def test_multi_turn_load_chaos_store_smaller_than_working_set(tmp_path: Path) ->
         assert_clean_after(server, audit)
     finally:
         server.stop()
+    # step_trace is off: the scheduler logs no step event
+    assert ConnectorLogEvent.STEP.value not in server.log_text()

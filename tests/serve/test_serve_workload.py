@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,62 @@ def test_summary_of_runs_takes_ratios_per_run_then_medians(
     assert "0.700 [0.500, 1.000]" in capsys.readouterr().out
     assert json.loads(out.read_text())["ratios"] == json.loads(json.dumps(summary["ratios"]))
     assert main(["bench", "serve", "--summarize", str(tmp_path / "missing.json")]) == EXIT_USAGE
+
+
+def test_step_events_join_the_audit_and_the_client_into_each_hits_way(tmp_path: Path) -> None:
+    """``--trace``'s join, without a server: the scheduler's step events as the server's log prints them
+    (structlog's console renderer), the audit log and the client's record of one hit."""
+    import structlog
+    from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob
+    from hybridkv.connector.scheduler.step_trace import StepTrace
+    from hybridkv_dev.bench.serve.trace import STAGES, format_traces, hit_trace
+
+    class _Output:  # the fields of vLLM's SchedulerOutput the trace reads
+        def __init__(self, tokens: int, new: list[str]) -> None:
+            self.total_num_scheduled_tokens = tokens
+            self.scheduled_new_reqs = [type("New", (), {"req_id": rid})() for rid in new]
+
+    rid = "chatcmpl-abc-0123"
+    trace = StepTrace()
+    render = structlog.dev.ConsoleRenderer(colors=False)
+    config = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            trace.answered(rid, None)  # step 0: asked, "ask again"
+            trace.emit(_Output(2048, []), HybridStoreMetadata(scheme=None))  # type: ignore[arg-type]
+            trace.answered(rid, 256)  # step 1: answered, its load sent
+            trace.emit(_Output(2048, []), HybridStoreMetadata(scheme=None, loads=[LoadJob(rid, 256, ())]))  # type: ignore[arg-type]
+            trace.output([rid])  # step 1's output: every rank reported the load
+            trace.emit(_Output(64, [rid]), HybridStoreMetadata(scheme=None))  # type: ignore[arg-type]  # step 2
+    finally:
+        structlog.configure(**config)
+    assert [entry["step"] for entry in logs] == [0, 1, 2] and logs[0]["log_level"] == "debug"
+    server_log = "\n".join(
+        "2026-12-06 15:20:17 " + render(None, "debug", {"level": "debug", **entry}) for entry in logs
+    )
+    start = logs[0]["monotonic"] - 0.05
+    audit = tmp_path / "audit.jsonl"
+    audit.write_text(
+        "\n".join(
+            json.dumps({"request_id": rid, "trigger": trigger, "monotonic": when})
+            for trigger, when in (
+                ("start_lookup", start + 0.001),
+                ("lookup_hit", logs[1]["monotonic"]),
+                ("start_load", logs[1]["monotonic"]),
+                ("load_verified", logs[2]["output_monotonic"]),
+            )
+        )
+    )
+    record = _record(0, 1, [1], [])
+    record.response_id, record.start_monotonic, record.ttft_s = "chatcmpl-abc", start, 1.0
+    traced = hit_trace(server_log, audit, [record])
+    assert traced["num_step_events"] == 3
+    (hit,) = traced["hits"]
+    assert hit["step"] == {"first_ask": 0, "answered": 1, "load_start": 1, "load_done": 2, "scheduled": 2}
+    assert hit["asked_again"] == 1 and hit["boundaries"] == {"answered": 1, "load_done": 1, "scheduled": 0}
+    assert [hit["ms"][stage] for stage in STAGES] == sorted(hit["ms"][stage] for stage in STAGES)
+    assert [step["tokens"] for step in hit["stage_steps"]["load_done"]] == [2048]
+    # A record that is not a resent turn, or whose id the audit does not know, is not traced.
+    assert hit_trace(server_log, audit, [_record(0, 0, [1], [])])["hits"] == []
+    assert "1 hits traced over 3 steps" in format_traces({"hybridkv-file": traced})

@@ -39,11 +39,15 @@ def make_server(
     max_num_seqs: int,
     kv_cache_bytes: int = KV_CACHE_BYTES,
     name: str = "server",
+    step_trace: bool = False,
 ) -> OpenAIServer:
+    """The load tests' server: ``store`` None runs no connector; ``step_trace`` logs the connector's
+    ``hybridkv step`` events (``hybridkv_dev.bench.serve.trace``)."""
     model = build_tiny_model("qwen3_next", DEFAULT_MODELS_DIR)
     kv = None
     if store is not None:
-        kv = hybridkv_transfer_config(store, namespace="serve-load", audit_log=str(audit))
+        trace = {"step_trace": True} if step_trace else {}
+        kv = hybridkv_transfer_config(store, namespace="serve-load", audit_log=str(audit), **trace)
     return OpenAIServer(
         model,
         tmp_path / f"{name}.log",

@@ -26,6 +26,8 @@ class RequestRecord:
     #: per generated token, the log-probability gap between the chosen token and the runner-up (greedy: how
     #: near a tie the choice was); empty when the load did not ask for log-probabilities
     top2_gaps: list[float] = field(default_factory=list)
+    #: ``time.monotonic()`` when it was sent (the clock of hybridkv's audit log and step trace); 0: unknown
+    start_monotonic: float = 0.0
 
 
 def request_record(phase: str, session: int, turn: int, result: StreamResult) -> RequestRecord:
@@ -44,4 +46,5 @@ def request_record(phase: str, session: int, turn: int, result: StreamResult) ->
         text=result.text,
         response_id=result.response_id,
         top2_gaps=[top[0][1] - top[1][1] for top in result.top_logprobs if len(top) >= 2],
+        start_monotonic=result.start_monotonic,
     )

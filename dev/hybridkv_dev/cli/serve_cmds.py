@@ -115,6 +115,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "with a no-connector server whose local cache holds it all: hybridkv's greedy tokens must be equal; "
         "0 skips it (%(default)s)",
     )
+    serve.add_argument(
+        "--trace",
+        action="store_true",
+        help="hybridkv servers log one event per scheduler step (step_trace); the report's 'trace' follows each "
+        "resent-turn hit through the steps (ms from its send to each event, step boundaries waited) and gives "
+        "every configuration's vLLM queue and prefill time on those turns",
+    )
     add_models_dir_argument(serve)
     add_workdir_argument(serve, "server logs, stores, audit logs")
     serve.add_argument(
@@ -227,6 +234,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         full_store_capacity=args.full_store_capacity,
         reserved_cpus=args.reserved_cpus,
+        step_trace=args.trace,
     )
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     model = build_tiny_model(args.family, models_dir, size=args.size)
@@ -300,6 +308,10 @@ def _one_run(
     close()
     report["workdir"] = str(workdir)
     print(format_serve_table(report))
+    if report.get("trace"):
+        from hybridkv_dev.bench.serve.trace import format_traces
+
+        print(format_traces(report["trace"]))
     save_report(report, out, plot_serve, no_plot=args.no_plot)
     failed = [
         row["config"]

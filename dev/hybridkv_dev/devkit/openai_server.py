@@ -268,6 +268,8 @@ class StreamResult:
     completion_tokens: int = 0
     #: the response's ``id`` (vLLM's request id is this plus a suffix)
     response_id: str = ""
+    #: ``time.monotonic()`` when the request was sent (the clock of hybridkv's audit log and step trace)
+    start_monotonic: float = 0.0
     #: per generated token, the top log-probabilities as ``(token, logprob)`` (token as ``token_id:N``), best
     #: first; empty unless the body asked for ``logprobs``
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
@@ -343,7 +345,7 @@ def stream_request(
     client = openai_client(base_url, timeout)
     create = client.chat.completions.create if chat else client.completions.create
     start = time.perf_counter()
-    result = StreamResult(ok=False)
+    result = StreamResult(ok=False, start_monotonic=time.monotonic())
     try:
         stream = create(stream=True, stream_options={"include_usage": True}, extra_body=extra_body, **kwargs)
         with stream:

@@ -38,6 +38,10 @@ rounds differently and may flip a tie.) Every server computes on the same CPU co
 Repeated runs (``summarize_runs``): configurations run in the order given, so repeated runs rotate it
 (``rotated``); the summary takes every ratio per run, then its median and [min, max], judges ``TARGETS`` at
 those medians, and breaks each turn's time down (client TTFT, vLLM's queue and prefill, hybridkv's load job).
+
+``--trace`` (``ServerShape.step_trace``): the hybridkv servers log one event per scheduler step, and the report's
+``trace`` follows each resent-turn hit from its send through the steps to its first token, with every
+configuration's vLLM queue and prefill time on those turns (``hybridkv_dev.bench.serve.trace``).
 """
 
 from __future__ import annotations

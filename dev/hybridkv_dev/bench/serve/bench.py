@@ -24,6 +24,7 @@ from hybridkv_dev.bench.serve.configuration import (
 )
 from hybridkv_dev.bench.serve.load import LoadResult, run_load
 from hybridkv_dev.bench.serve.servers import ServerShape, engine_core_ids, local_cache_tokens, server_for
+from hybridkv_dev.bench.serve.trace import hit_trace, resent_engine_times
 from hybridkv_dev.bench.serve.workload import CONFIGS, MOONCAKE_CONFIGS, Workload, system_prompt
 from hybridkv_dev.devkit.mooncake import MooncakeMaster
 from hybridkv_dev.devkit.net import NETNS_HINT, loopback_only_namespace
@@ -46,6 +47,8 @@ class ConfigRun:
     #: the concurrency-1 pass (``serial_workload``), every prefix then from this configuration's tier
     serial_records: list[RequestRecord] | None = None
     error: str | None = None
+    #: ``--trace``: each resent-turn hit's way through the scheduler's steps (``bench/serve/trace.py``)
+    trace: dict[str, Any] | None = None
 
 
 def run_config(
@@ -97,6 +100,12 @@ def run_config(
     after["exit_status"] = rc
     after["server_errors"] = len(re.findall(r" ERROR ", log.partition("shutdown triggered")[0]))
     after["engine_core_ids"] = engine_core_ids(log)
+    trace: dict[str, Any] | None = None
+    if shape.step_trace and audit is not None:
+        try:
+            trace = hit_trace(log, audit, load.records)
+        except (OSError, ValueError, KeyError) as error:  # the run's figures stand without their trace
+            trace = {"error": f"{type(error).__name__}: {error}"}
     return ConfigRun(
         config=config,
         summary=summarize(load),
@@ -106,6 +115,7 @@ def run_config(
         local_cache_tokens=local_cache_tokens(log),
         self_records=self_records,
         serial_records=serial_records,
+        trace=trace,
     )
 
 
@@ -324,6 +334,15 @@ def build_report(
                 }
             )
     core_ids = {config: run.after.get("engine_core_ids") for config, run in runs.items() if run.after}
+    traces = {
+        config: {
+            **resent_engine_times(run.per_turn),
+            "ttft_resent_mean_s": run.summary.get("ttft_resent_mean_s"),
+            **(run.trace or {}),
+        }
+        for config, run in runs.items()
+        if shape.step_trace
+    }
     return {
         "model": str(model),
         # the order the configurations ran in
@@ -338,6 +357,7 @@ def build_report(
         # The same OpenMP cores for every configuration, or the comparison is not like for like.
         "engine_core_ids": core_ids,
         "per_turn": {config: run.per_turn for config, run in runs.items()},
+        **({"trace": traces} if traces else {}),
         "ttfts": {
             config: [r.ttft_s for r in run.records if r.phase == "turn" and r.ttft_s is not None]
             for config, run in runs.items()

@@ -36,6 +36,8 @@ class ServerShape:
     reserved_cpus: int = 1
     #: the local cache of the serial pass's reference server: large enough for every prefix to stay local
     reference_kv_cache_bytes: int = 256 << 20
+    #: hybridkv servers log one ``hybridkv step`` event per scheduler step (``step_trace``; ``--trace``)
+    step_trace: bool = False
 
     @property
     def store_capacity_bytes(self) -> int:
@@ -79,7 +81,8 @@ def server_for(
             store = f"file://{store_dir}?capacity={shape.full_store_capacity}"
         else:
             store = f"file://{store_dir}?capacity={shape.store_capacity}"
-        kv = hybridkv_transfer_config(store, namespace=f"bench-{config}", audit_log=str(audit))
+        trace = {"step_trace": True} if shape.step_trace else {}
+        kv = hybridkv_transfer_config(store, namespace=f"bench-{config}", audit_log=str(audit), **trace)
     elif config == "mooncake-store":
         assert master is not None, "mooncake-store needs the mooncake master"
         mooncake_config = workdir / "mooncake-store.json"
