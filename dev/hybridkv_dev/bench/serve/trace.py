@@ -196,12 +196,12 @@ def hit_trace(
     if hits:
         for stage in STAGES:
             values = [h["ms"][stage] for h in hits if h["ms"][stage] is not None]
-            medians[f"{stage}_ms"] = statistics.median(values) if values else None
+            medians[f"{stage}_ms"] = round(statistics.median(values), 1) if values else None
         for stage in ("answered", "load_done", "scheduled"):
             medians[f"{stage}_boundaries"] = statistics.median(h["boundaries"][stage] for h in hits)
         for key in ("engine_queue_ms", "prefill_ms", "lookup_start_ms", "verified_ms"):
             values = [h[key] for h in hits if h[key] is not None]
-            medians[key] = statistics.median(values) if values else None
+            medians[key] = round(statistics.median(values), 1) if values else None
     busy = [e["ms"] for e in events if "ms" in e and e["tokens"] > 0]
     return {
         "num_step_events": len(events),
