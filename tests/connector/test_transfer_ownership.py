@@ -139,9 +139,9 @@ def test_hung_file_store_read_fails_the_load_within_its_deadline_and_holds_nothi
     release = threading.Event()
     real_read_all = file_module.read_all
 
-    def hung_read_all(fd: int, parts: Sequence[memoryview]) -> int:
+    def hung_read_all(fd: int, parts: Sequence[memoryview], expected: int | None = None) -> int:
         assert release.wait(30), "never released"
-        return real_read_all(fd, parts)
+        return real_read_all(fd, parts, expected)
 
     monkeypatch.setattr(file_module, "read_all", hung_read_all)
     try:
