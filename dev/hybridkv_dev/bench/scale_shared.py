@@ -50,12 +50,15 @@ __all__ = [
     "SHARED_COLUMNS",
     "engine_main",
     "format_shared_table",
+    "judge_load",
     "key_of",
     "load_keys_of",
     "plot_shared_report",
     "run_engine_processes",
     "run_shared_axis",
+    "serve_engine",
     "value_of",
+    "wait_for_go",
 ]
 
 DEFAULT_ENGINES = (1, 2, 3, 4)
@@ -109,10 +112,44 @@ def load_keys_of(peer: int, round_index: int, batch: int, window: int) -> list[s
     return [key_of(peer, first + (round_index * 7919 + i * 104729) % (newest - first)) for i in range(batch)]
 
 
-def engine_main() -> None:
-    """An engine process (``python -c``): its parameters are ``sys.argv[1]`` (JSON); prints its report (JSON)."""
+def serve_engine(run: Callable[..., dict[str, Any]]) -> None:
+    """An engine process (``python -c``) of either shared axis: ``run`` with the parameters in ``sys.argv[1]``
+    (JSON); prints its report (JSON)."""
     params = json.loads(sys.argv[1])
-    print(json.dumps(run_engine(**params)), flush=True)
+    print(json.dumps(run(**params)), flush=True)
+
+
+def engine_main() -> None:
+    """This axis's engine process (see :func:`serve_engine`)."""
+    serve_engine(run_engine)
+
+
+def wait_for_go(ready_file: str, go_file: str) -> None:
+    """Say this engine is ready (its store open) and wait until every engine is: the start of its rounds."""
+    Path(ready_file).touch()
+    while not os.path.exists(go_file):
+        time.sleep(0.005)
+
+
+def judge_load(
+    counts: dict[str, int], key: str, status: Status, loaded: bytes | bytearray, value_bytes: int
+) -> bool:
+    """Count one loaded key's outcome in ``counts`` (``loads`` and one of ``hits``, ``wrong_bytes``,
+    ``misses``, ``corrupt``, ``other_failures``); True for a hit whose bytes are what its writer wrote."""
+    counts["loads"] += 1
+    if status is Status.OK:
+        if loaded != value_of(key, value_bytes):
+            counts["wrong_bytes"] += 1
+            return False
+        counts["hits"] += 1
+        return True
+    if status is Status.NOT_FOUND:
+        counts["misses"] += 1
+    elif status is Status.CORRUPT:
+        counts["corrupt"] += 1
+    else:
+        counts["other_failures"] += 1
+    return False
 
 
 def run_engine(
@@ -132,9 +169,7 @@ def run_engine(
     backend = find_layer(store, FileBackend)
     assert backend is not None, f"{url} has no file backend"
     layout = backend.layout
-    Path(ready_file).touch()
-    while not os.path.exists(go_file):
-        time.sleep(0.005)
+    wait_for_go(ready_file, go_file)
     peer = (engine + 1) % num_engines
     destinations = [bytearray(value_bytes) for _ in range(batch)]
     counts = dict.fromkeys(
@@ -151,22 +186,11 @@ def run_engine(
         inodes = [_inode(layout.path_of(key)) for key in load_keys]
         statuses = store.get_into(load_keys, destinations)
         for key, inode, status, destination in zip(load_keys, inodes, statuses, destinations, strict=True):
-            counts["loads"] += 1
-            if status is Status.OK:
-                if destination != value_of(key, value_bytes):
-                    counts["wrong_bytes"] += 1
-                    continue
-                counts["hits"] += 1
+            if judge_load(counts, key, status, destination, value_bytes):
                 num_loaded_bytes += value_bytes
                 after = _inode(layout.path_of(key))
                 if after is None or (inode is not None and after != inode):
                     counts["removed_while_loading"] += 1
-            elif status is Status.NOT_FOUND:
-                counts["misses"] += 1
-            elif status is Status.CORRUPT:
-                counts["corrupt"] += 1
-            else:
-                counts["other_failures"] += 1
     elapsed = time.perf_counter() - started
     cpu_s = time.process_time() - cpu_started
     report = {

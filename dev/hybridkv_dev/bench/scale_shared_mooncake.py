@@ -39,10 +39,8 @@ loads, the pool within its capacity at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,7 +53,15 @@ from hybridkv.store.mooncake_node import DEFAULT_LEASE_TTL
 
 from hybridkv_dev.bench.scale import add_medians, growth_targets, medians_and_spreads
 from hybridkv_dev.bench.scale_mooncake_deploy import HIGH_WATERMARK, master_metrics, running_deployment
-from hybridkv_dev.bench.scale_shared import key_of, load_keys_of, run_engine_processes, value_of
+from hybridkv_dev.bench.scale_shared import (
+    judge_load,
+    key_of,
+    load_keys_of,
+    run_engine_processes,
+    serve_engine,
+    value_of,
+    wait_for_go,
+)
 from hybridkv_dev.devkit.net import LOOPBACK
 
 __all__ = [
@@ -107,9 +113,8 @@ _T = TypeVar("_T")
 
 
 def engine_main() -> None:
-    """An engine process (``python -c``): its parameters are ``sys.argv[1]`` (JSON); prints its report (JSON)."""
-    params = json.loads(sys.argv[1])
-    print(json.dumps(run_engine(**params)), flush=True)
+    """This axis's engine process (see :func:`~hybridkv_dev.bench.scale_shared.serve_engine`)."""
+    serve_engine(run_engine)
 
 
 def run_engine(
@@ -131,9 +136,7 @@ def run_engine(
     warm_key = key_of(engine, _WARM_INDEX)
     assert store.put([warm_key], [value_of(warm_key, value_bytes)]) == [Status.OK], "warm-up put"
     store.get_into([warm_key], [bytearray(value_bytes)])
-    Path(ready_file).touch()
-    while not os.path.exists(go_file):
-        time.sleep(0.005)
+    wait_for_go(ready_file, go_file)
     peer = (engine + 1) % num_engines
     destinations = [bytearray(value_bytes) for _ in range(batch)]
     counts = dict.fromkeys(_ENGINE_COUNTS, 0)
@@ -164,20 +167,9 @@ def run_engine(
         statuses = call(store.get_into, load_keys, destinations)
         hit_keys = []
         for key, status, destination in zip(load_keys, statuses, destinations, strict=True):
-            counts["loads"] += 1
-            if status is Status.OK:
-                if destination != value_of(key, value_bytes):
-                    counts["wrong_bytes"] += 1
-                    continue
-                counts["hits"] += 1
+            if judge_load(counts, key, status, destination, value_bytes):
                 num_loaded_bytes += value_bytes
                 hit_keys.append(key)
-            elif status is Status.NOT_FOUND:
-                counts["misses"] += 1
-            elif status is Status.CORRUPT:
-                counts["corrupt"] += 1
-            else:
-                counts["other_failures"] += 1
         if hit_keys:
             after = call(store.exists, hit_keys)
             counts["removed_while_loading"] += sum(status is Status.NOT_FOUND for status in after)

@@ -107,6 +107,16 @@ def handle_scale(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _counts_or_usage(args: argparse.Namespace, default: str, what: str) -> list[int] | None:
+    """``--sizes`` as counts of ``what`` (each at least 1), or None after printing the usage error (also for
+    ``--repeats`` below 1)."""
+    counts = _parse_sizes(args.sizes or default)
+    if not counts or min(counts) < 1 or args.repeats < 1:
+        print(f"error: --sizes must be {what} counts >= 1 and --repeats >= 1", flush=True)
+        return None
+    return counts
+
+
 def _parse_sizes(text: str) -> list[int] | None:
     """Comma-separated integers, or None (printed as a usage error) when malformed."""
     try:
@@ -204,9 +214,8 @@ def handle_shared(args: argparse.Namespace) -> int:
     from hybridkv_dev.bench.scale_concurrent import default_root
     from hybridkv_dev.bench.scale_shared import format_shared_table, plot_shared_report, run_shared_axis
 
-    engines = _parse_sizes(args.sizes or "1,2,3,4")
-    if not engines or min(engines) < 1 or args.repeats < 1:
-        print("error: --sizes must be engine counts >= 1 and --repeats >= 1", flush=True)
+    engines = _counts_or_usage(args, "1,2,3,4", "engine")
+    if engines is None:
         return ExitCode.USAGE
     root = (
         Path(args.dir)
@@ -244,9 +253,8 @@ def handle_concurrent(args: argparse.Namespace) -> int:
         run_concurrent_axis,
     )
 
-    counts = _parse_sizes(args.sizes or "1,2,4,8,16,32")
-    if not counts or min(counts) < 1 or args.repeats < 1:
-        print("error: --sizes must be request counts >= 1 and --repeats >= 1", flush=True)
+    counts = _counts_or_usage(args, "1,2,4,8,16,32", "request")
+    if counts is None:
         return ExitCode.USAGE
     report = run_concurrent_axis(
         Path(args.dir) if args.dir else default_root(),
@@ -275,9 +283,8 @@ def handle_mooncake_shared(args: argparse.Namespace) -> int:
         run_mooncake_shared_axis,
     )
 
-    engines = _parse_sizes(args.sizes or "1,2,3,4")
-    if not engines or min(engines) < 1 or args.repeats < 1:
-        print("error: --sizes must be engine counts >= 1 and --repeats >= 1", flush=True)
+    engines = _counts_or_usage(args, "1,2,3,4", "engine")
+    if engines is None:
         return ExitCode.USAGE
     problem = namespace_problem()
     if problem is not None:
