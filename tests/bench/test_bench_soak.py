@@ -169,5 +169,9 @@ def test_the_command_parses_its_flags() -> None:
     )
     assert (args.requests, args.sample_every, args.family, args.no_plot) == (50, 5, "llama", True)
     assert args.func.__name__ == "handle_soak"
+    assert args.dtype == "bfloat16"
+    assert build_parser().parse_args(["bench", "soak", "--dtype", "float32"]).dtype == "float32"
     with pytest.raises(ValueError, match="sample_every"):
         SoakPlan(sample_every=0)
+    with pytest.raises(ValueError, match="dtype must be one of bfloat16, float32, got 'half'"):
+        SoakPlan(dtype="half")

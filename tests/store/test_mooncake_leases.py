@@ -166,7 +166,9 @@ def test_a_lookup_flood_on_hot_entries_leaves_eviction_room(
     # first lookup leases them: the hot set is what the first lookup finds, and from then on it is leased.
     found = store.exists(hot)
     hot = [key for key, status in zip(hot, found, strict=True) if status is Status.OK]
-    assert len(hot) >= len(keys) // 4, f"eviction took {len(found) - len(hot)} of {len(found)} before any lookup"
+    assert len(hot) >= len(keys) // 4, (
+        f"eviction took {len(found) - len(hot)} of {len(found)} before any lookup"
+    )
     statuses = _puts_during(store, lambda: store.exists(hot), "new")
     assert set(statuses) <= {Status.OK, Status.NO_SPACE}, statuses
     num_ok = statuses.count(Status.OK)

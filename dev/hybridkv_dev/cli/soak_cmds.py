@@ -93,6 +93,13 @@ def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
         default=120.0,
         help="a request unanswered this long fails the run (a stranded request must not hang it) (%(default)s)",
     )
+    soak.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the engines' dtype; float32 on a CPU without AVX-512, where bfloat16 crawls, with --kv-cache-mib "
+        "and --store-capacity-mib doubled to hold the same tokens (%(default)s)",
+    )
     add_models_dir_argument(soak)
     add_workdir_argument(soak, "server log, store, audit log")
     add_report_arguments(soak, "bench-results/soak.json")
@@ -128,6 +135,7 @@ def handle_soak(args: argparse.Namespace) -> int:
             store_capacity_bytes=args.store_capacity_mib << 20,
             chaos=args.chaos if args.chaos is not None else DEFAULT_CHAOS,
             request_timeout_s=args.request_timeout_s,
+            dtype=args.dtype,
         )
     except ValueError as error:
         print(f"hybridkv bench soak: {error}", file=sys.stderr)

@@ -44,6 +44,10 @@ SOAK_WORKLOAD = Workload(
 )
 
 
+#: The engine dtypes the soak takes (``SoakPlan.dtype``).
+SOAK_DTYPES = ("bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class SoakPlan:
     """What the soak sends, to which server. Prompt sizes are in words (about 3.3 tokens each)."""
@@ -70,6 +74,9 @@ class SoakPlan:
     chaos: str = DEFAULT_CHAOS
     #: CPU cores vLLM's CPU backend leaves to other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``)
     reserved_cpus: int = 1
+    #: the engines' ``--dtype``: ``bfloat16`` crawls on a CPU without AVX-512 (bf16 is emulated there), where
+    #: ``float32`` serves several times the requests per minute; a leak is per request either way
+    dtype: str = "bfloat16"
     #: a request still unanswered after this long fails (a stranded request must not hang the soak); the
     #: tiny models answer in well under a second
     request_timeout_s: float = 120.0
@@ -84,6 +91,8 @@ class SoakPlan:
         for name in ("abort_every", "reset_every", "serial_sessions", "reserved_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SoakPlan.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in SOAK_DTYPES:
+            raise ValueError(f"SoakPlan.dtype must be one of {', '.join(SOAK_DTYPES)}, got {self.dtype!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"SoakPlan.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not 0.0 <= self.warmup_fraction < 1.0:

@@ -50,6 +50,7 @@ def start_server(
         max_num_seqs=plan.workload.concurrency,
         max_num_batched_tokens=plan.max_model_len,
         kv_cache_memory_bytes=plan.kv_cache_bytes,
+        dtype=plan.dtype,
         extra_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(plan.reserved_cpus)},
     )
     return server, store_dir, audit
