@@ -88,6 +88,14 @@ class _Subscriber:
         self._sock.close(linger=0)
 
 
+def _write_atomically(path: Path, command: dict[str, Any]) -> None:
+    """Write a command file whole: the engine polls for the name and reads it at once, so it must never see a
+    half-written file (a temp name renamed into place)."""
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(command))
+    temp.rename(path)
+
+
 class _Engines:
     """The engine processes and their command files (see ``kv_events_engine.py``)."""
 
@@ -132,7 +140,7 @@ class _Engines:
         n = self.num_commands
         for name in ENGINES:
             command = commands.get(name, {"op": "churn", "prompts": []})
-            (self.control / f"{name}.cmd.{n}").write_text(json.dumps(command))
+            _write_atomically(self.control / f"{name}.cmd.{n}", command)
         self._wait(n, ENGINES)
         deadline = time.monotonic() + WAIT_S
         while any(len(self.sub.batches[name]) < self.results[name]["batches"] for name in ENGINES):
@@ -142,7 +150,7 @@ class _Engines:
     def exit(self) -> None:
         self.num_commands += 1
         for name in ENGINES:
-            (self.control / f"{name}.cmd.{self.num_commands}").write_text(json.dumps({"op": "exit"}))
+            _write_atomically(self.control / f"{name}.cmd.{self.num_commands}", {"op": "exit"})
         for name, proc in self.procs.items():
             assert proc.wait(WAIT_S) == 0, self.log(name)
 
