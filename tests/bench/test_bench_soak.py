@@ -25,6 +25,7 @@ from hybridkv_dev.bench.soak import (
     series_bounds,
     store_files_sample,
 )
+from hybridkv_dev.bench.soak.plan import sized_for_dtype
 
 
 def _samples(series: str, values: list[float], every: int = 10) -> list[dict[str, Any]]:
@@ -175,3 +176,5 @@ def test_the_command_parses_its_flags() -> None:
         SoakPlan(sample_every=0)
     with pytest.raises(ValueError, match="dtype must be one of bfloat16, float32, got 'half'"):
         SoakPlan(dtype="half")
+    assert sized_for_dtype(SoakPlan.kv_cache_bytes, "float32") == 2 * SoakPlan.kv_cache_bytes
+    assert sized_for_dtype(SoakPlan.kv_cache_bytes, "bfloat16") == SoakPlan.kv_cache_bytes

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from support.paths import write_json_whole
+
 #: The drain running when the flush starts (it may predate the last evictions), one after it, one step
 #: to publish that one's events.
 FLUSH_ROUNDS = 3
@@ -39,12 +41,6 @@ def _command(path: Path) -> dict[str, Any]:
         time.sleep(0.05)
     command: dict[str, Any] = json.loads(path.read_text())
     return command
-
-
-def _answer(path: Path, result: dict[str, Any]) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(json.dumps(result))
-    temp.rename(path)
 
 
 def main(spec_path: str) -> None:
@@ -86,7 +82,7 @@ def main(spec_path: str) -> None:
                 "unsure": events.num_unsure,
             }
 
-        _answer(control / f"{name}.done.0", result())
+        write_json_whole(control / f"{name}.done.0", result())
         for n in range(1, 1000):
             command = _command(control / f"{name}.cmd.{n}")
             if command["op"] == "exit":
@@ -100,7 +96,7 @@ def main(spec_path: str) -> None:
                 for _ in range(FLUSH_ROUNDS):
                     assert side.wait_maintenance(60), "the maintenance thread did not finish"
                     llm.generate([{"prompt_token_ids": PUMP_PROMPT}], params, use_tqdm=False)
-            _answer(control / f"{name}.done.{n}", result())
+            write_json_whole(control / f"{name}.done.{n}", result())
 
 
 if __name__ == "__main__":

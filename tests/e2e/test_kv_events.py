@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from hybridkv.demo.tiny_models import DEFAULT_MODELS_DIR, build_tiny_model
+from support.paths import subprocess_env, write_json_whole
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -88,14 +89,6 @@ class _Subscriber:
         self._sock.close(linger=0)
 
 
-def _write_atomically(path: Path, command: dict[str, Any]) -> None:
-    """Write a command file whole: the engine polls for the name and reads it at once, so it must never see a
-    half-written file (a temp name renamed into place)."""
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(json.dumps(command))
-    temp.rename(path)
-
-
 class _Engines:
     """The engine processes and their command files (see ``kv_events_engine.py``)."""
 
@@ -106,7 +99,9 @@ class _Engines:
         self.control.mkdir()
         self.num_commands = 0
         self.results: dict[str, dict[str, Any]] = {}
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = subprocess_env(
+            dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        )  # the script imports support
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name in ENGINES:
             spec_path = tmp_path / f"{name}.json"
@@ -140,7 +135,7 @@ class _Engines:
         n = self.num_commands
         for name in ENGINES:
             command = commands.get(name, {"op": "churn", "prompts": []})
-            _write_atomically(self.control / f"{name}.cmd.{n}", command)
+            write_json_whole(self.control / f"{name}.cmd.{n}", command)
         self._wait(n, ENGINES)
         deadline = time.monotonic() + WAIT_S
         while any(len(self.sub.batches[name]) < self.results[name]["batches"] for name in ENGINES):
@@ -150,7 +145,7 @@ class _Engines:
     def exit(self) -> None:
         self.num_commands += 1
         for name in ENGINES:
-            _write_atomically(self.control / f"{name}.cmd.{self.num_commands}", {"op": "exit"})
+            write_json_whole(self.control / f"{name}.cmd.{self.num_commands}", {"op": "exit"})
         for name, proc in self.procs.items():
             assert proc.wait(WAIT_S) == 0, self.log(name)
 

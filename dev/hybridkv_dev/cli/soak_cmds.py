@@ -22,6 +22,8 @@ from hybridkv.cli.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXI
 #: ``--family`` choices (``hybridkv.demo.tiny_models.FAMILIES``, repeated so that building the parser loads
 #: no tooling).
 _FAMILIES = ("llama", "gemma3", "qwen3_next", "lfm2")
+#: ``--dtype`` choices (``hybridkv_dev.bench.soak.plan.SOAK_DTYPES``, repeated for the same reason).
+_DTYPES = ("bfloat16", "float32")
 
 
 def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -76,10 +78,16 @@ def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
         help="share of the samples before the warm-up cut (%(default)s)",
     )
     soak.add_argument(
-        "--kv-cache-mib", type=int, default=6, help="the server's local KV cache, MiB (%(default)s)"
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="the server's local KV cache, MiB (6 in bfloat16, 12 in float32: the same tokens)",
     )
     soak.add_argument(
-        "--store-capacity-mib", type=int, default=6, help="the file store's capacity, MiB (%(default)s)"
+        "--store-capacity-mib",
+        type=int,
+        default=None,
+        help="the file store's capacity, MiB (6 in bfloat16, 12 in float32: the same tokens)",
     )
     soak.add_argument(
         "--chaos",
@@ -95,15 +103,21 @@ def register_bench(bench_subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     soak.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
+        choices=_DTYPES,
         default="bfloat16",
-        help="the engines' dtype; float32 on a CPU without AVX-512, where bfloat16 crawls, with --kv-cache-mib "
-        "and --store-capacity-mib doubled to hold the same tokens (%(default)s)",
+        help="the engines' dtype; float32 on a CPU without AVX-512, where bfloat16 crawls (%(default)s)",
     )
     add_models_dir_argument(soak)
     add_workdir_argument(soak, "server log, store, audit log")
     add_report_arguments(soak, "bench-results/soak.json")
     soak.set_defaults(func=handle_soak)
+
+
+def _mib_or_default(mib: int | None, bfloat16_default_bytes: int, dtype: str) -> int:
+    """``mib`` in bytes as given, else the plan's bfloat16 default scaled to ``dtype`` (the same tokens)."""
+    from hybridkv_dev.bench.soak.plan import sized_for_dtype
+
+    return mib << 20 if mib is not None else sized_for_dtype(bfloat16_default_bytes, dtype)
 
 
 def handle_soak(args: argparse.Namespace) -> int:
@@ -131,8 +145,10 @@ def handle_soak(args: argparse.Namespace) -> int:
             reset_every=args.reset_every,
             serial_sessions=args.serial_sessions,
             warmup_fraction=args.warmup_fraction,
-            kv_cache_bytes=args.kv_cache_mib << 20,
-            store_capacity_bytes=args.store_capacity_mib << 20,
+            kv_cache_bytes=_mib_or_default(args.kv_cache_mib, SoakPlan.kv_cache_bytes, args.dtype),
+            store_capacity_bytes=_mib_or_default(
+                args.store_capacity_mib, SoakPlan.store_capacity_bytes, args.dtype
+            ),
             chaos=args.chaos if args.chaos is not None else DEFAULT_CHAOS,
             request_timeout_s=args.request_timeout_s,
             dtype=args.dtype,
@@ -140,7 +156,7 @@ def handle_soak(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hybridkv bench soak: {error}", file=sys.stderr)
         return EXIT_USAGE
-    if args.kv_cache_mib < 1 or args.store_capacity_mib < 1:
+    if plan.kv_cache_bytes < 1 << 20 or plan.store_capacity_bytes < 1 << 20:
         print("hybridkv bench soak: --kv-cache-mib and --store-capacity-mib must be >= 1", file=sys.stderr)
         return EXIT_USAGE
     # SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C, so the servers are stopped, not orphaned.

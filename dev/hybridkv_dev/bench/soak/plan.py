@@ -44,8 +44,14 @@ SOAK_WORKLOAD = Workload(
 )
 
 
-#: The engine dtypes the soak takes (``SoakPlan.dtype``).
-SOAK_DTYPES = ("bfloat16", "float32")
+#: Bytes per element of each engine dtype the soak takes (``SoakPlan.dtype``).
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+SOAK_DTYPES = tuple(DTYPE_BYTES)
+
+
+def sized_for_dtype(num_bytes: int, dtype: str) -> int:
+    """``num_bytes`` sized for bfloat16 (``SoakPlan``'s byte defaults), scaled to hold as many tokens in ``dtype``."""
+    return num_bytes * DTYPE_BYTES[dtype] // DTYPE_BYTES["bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,11 @@ class SoakPlan:
     #: sessions of the serial exactness pass (0: skip it)
     serial_sessions: int = 2
     warmup_fraction: float = 0.25
-    #: the server's local KV cache: about 12 blocks of 128 tokens of the tiny GDN hybrid, a third of what the
-    #: open sessions resend
+    #: the server's local KV cache: about 12 blocks of 128 tokens of the tiny GDN hybrid in bfloat16, a third of
+    #: what the open sessions resend (``sized_for_dtype`` for another dtype)
     kv_cache_bytes: int = 6 << 20
     max_model_len: int = 1024
-    #: the file store's capacity: about 10 entries of the tiny GDN hybrid, below what the sessions save
+    #: the file store's capacity: about 10 entries of the tiny GDN hybrid in bfloat16, below what the sessions save
     store_capacity_bytes: int = 6 << 20
     chaos: str = DEFAULT_CHAOS
     #: CPU cores vLLM's CPU backend leaves to other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``)
