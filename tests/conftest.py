@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Iterator
 
+import pytest
 import structlog
 from hypothesis import HealthCheck, settings
 
@@ -44,6 +47,20 @@ structlog.configure(
 # switch threads after every few bytecodes, so interleavings that a normal run almost never takes happen
 # all the time; run it with PYTHONDEVMODE=1 (the interpreter's own checks) and faulthandler's timeout.
 if os.environ.get("HYBRIDKV_SWITCH_INTERVAL"):
-    import sys
-
     sys.setswitchinterval(float(os.environ["HYBRIDKV_SWITCH_INTERVAL"]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_vllm_world_left_behind() -> Iterator[None]:
+    """After a module's tests (and its module fixtures: this autouse fixture is set up first, so torn down
+    last), vLLM's process-wide parallel state is torn down if an in-process engine left it initialized.
+
+    An in-process ``vllm.LLM`` initializes the world and model-parallel groups and its shutdown leaves them
+    in place; a later module in the same process that plays a TP worker by hand would then read the
+    leftover 1-rank group (``read_ranks`` trusts an initialized world group, as a real worker must)."""
+    yield
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    if parallel_state is None or getattr(parallel_state, "_WORLD", None) is None:
+        return
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()

@@ -14,9 +14,9 @@ Mooncake connector hangs in ``zmq.Context.term``). Every run must exit with stat
   store survive, this namespace's resend misses); ``get_external_cache_hit_sources`` reports ``disk``. The
   second engine starts while the first runs; its first request waits until the first exited.
 - tensor parallel 2 (vLLM's ``mp`` executor): every rank saves its shard, a fresh TP 2 engine loads them all;
-  when one rank's reads fail, the whole request is recomputed with the same tokens. Qwen3-Next (hybrid)
-  across three engine processes; Llama (full attention, 4 KV heads) in one engine process, its prefix
-  cache dropped between the cold run, the external hit and the faulty resend.
+  when one rank's reads fail, the whole request is recomputed with the same tokens. Qwen3-Next (hybrid) and
+  Llama (full attention, 4 KV heads), each in one engine process, its prefix cache dropped between the
+  cold run, the external hit and the faulty resend.
 """
 
 from __future__ import annotations
@@ -214,44 +214,72 @@ def test_in_process_reset_hygiene_and_namespaces(tmp_path: Path) -> None:
     )
 
 
-def test_tensor_parallel_engines_save_and_load_every_ranks_shard(
+def test_tensor_parallel_engine_saves_and_loads_every_ranks_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """TP 2 on real engines (vLLM's ``mp`` executor, one worker process per rank) with a hybrid model
+    """TP 2 on a real engine (vLLM's ``mp`` executor, one worker process per rank) with a hybrid model
     (Qwen3-Next: full attention with 4 KV heads and gated delta net with 2 key heads, both split over the
-    ranks; vLLM's block becomes 256 at TP 2): engine 1 stores every rank's shard of each block, engine 2 (a
-    fresh process, the same store) loads them back: the external hit covers the prompt's blocks and the
-    greedy tokens equal engine 1's. (Llama at TP 2: the next test.)"""
+    ranks; vLLM's block becomes 256 at TP 2), one engine process (a TP 2 start costs ~30 s here): the cold
+    run stores every rank's shard of each block (2 attention blocks and the GDN state at the boundary);
+    vLLM's prefix cache is dropped and the prompt sent again: the external hit covers the prompt's blocks
+    and the greedy tokens equal the cold run's; dropped and sent once more, rank 1's reads fail (its view
+    fails every ``get`` after the hit's: ``fail_after=1&fail_ops=get&fault_tp_rank=1``; rank 0 reads its
+    shards fine): the whole request is recomputed, on both ranks, never half-loaded. (Cross-process reuse:
+    ``test_two_multiprocess_engines_share_a_file_store``; Llama at TP 2: the next test.)"""
     from hybridkv.demo.tiny_models import build_tiny_model
 
-    family, hit = "qwen3_next", 512
+    family, hit, namespace = "qwen3_next", 512, "tp"
     model = str(build_tiny_model(family, MODELS_DIR, linear_num_key_heads=2, linear_num_value_heads=4))
     store = f"file://{tmp_path}/store"
     prompt = [random.Random(5).randrange(3, 500) for _ in range(600)]
+    keys_per_rank = (
+        5  # the entries of the 512-token hit on one rank, over vLLM's KV cache groups of this model
+    )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
-    spec = {"model": model, "prompt": prompt, "store": store, "namespace": "tp", "tensor_parallel_size": 2}
-    first = run_engine(tmp_path, "tp-engine1", multiprocess=True, teardown="shutdown", **spec)
-    assert first["cached"] == 0
-    keys = _keys(store, "hkv1/tp/")
-    ranks = {key.split("/")[4] for key in keys}
-    assert ranks == {"tp0", "tp1"}, f"entries of ranks {sorted(ranks)} only: {keys[:4]}"
-    per_rank = {rank: sum(1 for key in keys if f"/{rank}/" in key) for rank in ranks}
-    assert per_rank["tp0"] == per_rank["tp1"], per_rank  # every block has both shards
+    res = run_engine(
+        tmp_path,
+        "tp-engine",
+        multiprocess=True,
+        teardown="shutdown",
+        model=model,
+        prompt=prompt,
+        store=f"faulty+{store}?fail_after=1&fail_ops=get&fault_tp_rank=1",
+        namespace=namespace,
+        tensor_parallel_size=2,
+        resends=2,
+        keys_store=store,
+        keys_prefix=f"hkv1/{namespace}/",
+        expect_keys=2 * keys_per_rank,
+    )
+    assert res["cached"] == 0
+    keys = _keys(store, f"hkv1/{namespace}/")
+    # Every entry has both shards (the resends saved more states, at the boundaries they reached).
+    shards = {
+        rank: {key.replace(f"/{rank}/", "/") for key in keys if f"/{rank}/" in key} for rank in ("tp0", "tp1")
+    }
+    assert shards["tp0"] == shards["tp1"] and len(shards["tp0"]) >= keys_per_rank, keys
 
-    second = run_engine(tmp_path, "tp-engine2", multiprocess=True, teardown="shutdown", **spec)
-    assert second["cached"] == hit, f"{family}: {second['cached']} external tokens at TP 2, expected {hit}"
-    assert second["metrics"]["vllm:hybridkv_hit_tokens"] == hit
-    assert second["metrics"].get("vllm:hybridkv_truncations", 0) == 0
-    assert second["tokens"] == first["tokens"], f"{family}: tokens differ after a TP 2 external hit"
+    loaded, faulted = res["resends"]
+    m = loaded["metrics"]
+    assert loaded["reset_ok"] and loaded["cached"] == hit, (
+        f"{family}: {loaded['cached']} external tokens at TP 2"
+    )
+    assert m["vllm:hybridkv_hit_tokens"] == hit
+    assert (
+        m["vllm:hybridkv_load_keys"] == 2 * keys_per_rank and m.get("vllm:hybridkv_load_failed_keys", 0) == 0
+    ), m
+    assert m.get("vllm:hybridkv_truncations", 0) == 0
+    assert loaded["tokens"] == res["tokens"], f"{family}: tokens differ after a TP 2 external hit"
 
-    # One rank's reads fail (every get of rank 1's keys; rank 0 reads its shards fine): the whole request
-    # is recomputed, on both ranks, never half-loaded.
-    faulty = {**spec, "store": f"faulty+{store}?get_tail=1&fault_tp_rank=1"}
-    third = run_engine(tmp_path, "tp-engine3", multiprocess=True, teardown="shutdown", **faulty)
-    metrics = third["metrics"]
-    assert metrics.get("vllm:hybridkv_truncations", 0) >= 1, metrics
-    assert metrics.get("vllm:hybridkv_load_failed_keys", 0) > 0, metrics
-    assert third["tokens"] == first["tokens"], f"{family}: tokens differ after one rank's load failed"
+    f = faulted["metrics"]
+    assert faulted["reset_ok"]
+    assert f.get("vllm:hybridkv_truncations", 0) >= 1, f
+    assert f.get("vllm:hybridkv_load_failed_keys", 0) > 0, f
+    assert faulted["tokens"] == res["tokens"], f"{family}: tokens differ after one rank's load failed"
+    groups = sorted({key.split("/")[3] for key in keys})
+    print(
+        f"qwen3_next tp 2: {res['wall_s']:.1f}s (start {res['start_s']:.1f}s), hit {loaded['cached']}, {groups}"
+    )
 
 
 def test_llama_tensor_parallel_loads_every_ranks_keys_and_one_failing_rank_recomputes(
