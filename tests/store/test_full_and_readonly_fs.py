@@ -20,15 +20,25 @@ from pathlib import Path
 import pytest
 
 _CHILD = r"""
-import json, os, subprocess, sys
+import json, os, subprocess, sys, time
 root = sys.argv[1]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
 from hybridkv.store import Status, open_store
+from hybridkv.store.base import find_layer
+from hybridkv.store.file import FileBackend
 
 url = f"file://{root}/store?capacity=64MiB"
 values = {f"k{i:02d}": bytes([i]) * 65536 for i in range(40)}
 store = open_store(url)
-put = {key: store.put([key], [value])[0].value for key, value in values.items()}
+put = {}
+for key, value in values.items():
+    put[key] = store.put([key], [value])[0].value
+    # LRU goes by mtime, which the kernel stamps from a coarse clock (one tick: up to 10 ms): two puts in one
+    # tick tie, and either may go first. Puts a tick apart make "the newest values are kept" exact.
+    time.sleep(0.025)
+# The last puts woke the background top-up; the reads below touch each value they find (a use, for LRU), so a
+# top-up still running would rightly evict an older value that is not read yet before a newer one just read.
+assert find_layer(store, FileBackend).layout.evictor.wait_idle(60), "the background top-up did not finish"
 
 def read(s, key):
     buf = bytearray(len(values[key]))
