@@ -134,6 +134,9 @@ def test_bench_ttft_tiny_external_hit_loads_bytes(tmp_path: Path) -> None:
         assert profile["keys_read"] == row["loaded_keys"], (profile, row)
         for key in ("store_ms", "open_ms", "readv_ms", "verify_ms", "targets_commit_ms"):
             assert profile[key] > 0, (key, profile)
+        # CPU time: some, and never more than the phase's wall time (a thread's CPU time is within its wall)
+        for key in ("readv", "verify"):
+            assert 0 < profile[f"{key}_cpu_ms"] <= profile[f"{key}_ms"] * 1.01 + 0.1, (key, profile)
         assert profile["queue_ms"] >= 0 and profile["report_ms"] >= 0, profile
         assert profile["store_ms"] <= profile["load_job_ms"], profile
     # the targets: per hybridkv row, its floor ratio against 2x, and no peer in this run: not met

@@ -233,7 +233,9 @@ def test_split_read_puts_every_share_in_its_blocks_and_profiles_the_job(
         assert timings["jobs"] == 1 and timings["store_s"] > 0 and timings["queue_s"] >= 0, timings
         assert timings["report_s"] > 0, "the report phase ends when transfer_results hands the job over"
         reads = read_probe.totals()
-        assert reads["keys"] == 10 and reads["read_s"] > 0, reads
+        assert (
+            reads["keys"] == 10 and reads["read_s"] > 0 and 0 < reads["read_cpu_s"] <= reads["read_s"] + 1e-4
+        ), reads
     finally:
         ws.shutdown()
 

@@ -214,7 +214,8 @@ class FileBackend:
         now = time.time()
         probe = self.read_probe
         clock = _no_clock if probe is None else time.perf_counter
-        open_s = read_s = verify_s = close_s = 0.0
+        cpu_clock = _no_clock if probe is None else time.thread_time
+        open_s = read_s = verify_s = close_s = read_cpu_s = verify_cpu_s = 0.0
         for index, (key, frame) in enumerate(zip(keys, frames, strict=True)):
             started = clock()
             path = layout.path_of(key)
@@ -231,6 +232,7 @@ class FileBackend:
                 continue
             fd, info = opened
             read_at = verified_at = opened_at
+            opened_cpu = read_cpu = verified_cpu = cpu_clock()
             try:
                 expected = sum(part.nbytes for part in frame)
                 if info.st_size != expected:
@@ -240,9 +242,9 @@ class FileBackend:
                     )
                     continue
                 num_read = read_all(fd, frame, expected)
-                read_at = clock()
+                read_at, read_cpu = clock(), cpu_clock()
                 intact = num_read == expected and (verify is None or verify(index))
-                verified_at = clock()
+                verified_at, verified_cpu = clock(), cpu_clock()
                 if not intact:
                     results.append(Status.CORRUPT)
                     continue
@@ -255,8 +257,18 @@ class FileBackend:
                 read_s += read_at - opened_at
                 verify_s += verified_at - read_at
                 close_s += clock() - verified_at
+                read_cpu_s += read_cpu - opened_cpu
+                verify_cpu_s += verified_cpu - read_cpu
         if probe is not None:
-            probe.add_reads(len(keys), open_s=open_s, read_s=read_s, verify_s=verify_s, close_s=close_s)
+            probe.add_reads(
+                len(keys),
+                open_s=open_s,
+                read_s=read_s,
+                verify_s=verify_s,
+                close_s=close_s,
+                read_cpu_s=read_cpu_s,
+                verify_cpu_s=verify_cpu_s,
+            )
         return results
 
     def remove(self, keys: Sequence[str]) -> list[Status]:

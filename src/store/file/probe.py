@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 
-#: The keys of :meth:`ReadProbe.totals`: a count, then the phases of one key's read in time order.
-READ_PHASES = ("keys", "open_s", "read_s", "verify_s", "close_s")
+#: The keys of :meth:`ReadProbe.totals`: a count, the phases of one key's read in time order, then the CPU
+#: time of the two phases that move bytes.
+READ_PHASES = ("keys", "open_s", "read_s", "verify_s", "close_s", "read_cpu_s", "verify_cpu_s")
 
 
 class ReadProbe:
@@ -20,7 +21,10 @@ class ReadProbe:
     :meth:`totals` keys: ``keys`` the keys asked for; ``open_s`` open + shared lock + the name check;
     ``read_s`` the readv into the caller's buffers; ``verify_s`` the frame check; ``close_s`` the mtime
     touch and close. Seconds of ``time.perf_counter()``, summed over reader threads (thread time: with
-    several readers at once they add up to more than the wall time). Thread-safe.
+    several readers at once they add up to more than the wall time). ``read_cpu_s`` / ``verify_cpu_s``: the
+    same two phases in the reading thread's CPU time (``time.thread_time()``); a phase's wall time above its
+    CPU time is time the thread was runnable but not running (another thread had the core or the
+    interpreter lock) or waited on the disk. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -33,7 +37,15 @@ class ReadProbe:
             return dict(self._totals)
 
     def add_reads(
-        self, num_keys: int, *, open_s: float, read_s: float, verify_s: float, close_s: float
+        self,
+        num_keys: int,
+        *,
+        open_s: float,
+        read_s: float,
+        verify_s: float,
+        close_s: float,
+        read_cpu_s: float = 0.0,
+        verify_cpu_s: float = 0.0,
     ) -> None:
         """One get call's keys and phase times."""
         with self._lock:
@@ -43,3 +55,5 @@ class ReadProbe:
             totals["read_s"] += read_s
             totals["verify_s"] += verify_s
             totals["close_s"] += close_s
+            totals["read_cpu_s"] += read_cpu_s
+            totals["verify_cpu_s"] += verify_cpu_s
