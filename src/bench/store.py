@@ -45,9 +45,12 @@ def _buffers(value_size: int, num_values: int, seed: int) -> tuple[list[np.ndarr
     return sources, destinations
 
 
-def _as_values(arrays: list[np.ndarray]) -> list[Value]:
+def _as_values(arrays: list[np.ndarray], num_parts: int = 1) -> list[Value]:
     """numpy arrays as store values (and destinations). They are buffers; numpy's stubs declare the buffer
-    protocol only for Python >= 3.12, hence the cast."""
+    protocol only for Python >= 3.12, hence the cast. ``num_parts`` > 1: each value is that many contiguous
+    views of its array (a sequence of buffers, as a block's KV pages are: one per layer)."""
+    if num_parts > 1:
+        return cast("list[Value]", [np.array_split(array, num_parts) for array in arrays])
     return cast("list[Value]", arrays)
 
 
@@ -65,14 +68,21 @@ def measure_memcpy(value_size: int, num_values: int, *, repeats: int = 3) -> dic
 
 
 def measure_put_get(
-    store: Store, value_size: int, num_values: int, *, repeats: int = 5, floor_directory: Path | None = None
+    store: Store,
+    value_size: int,
+    num_values: int,
+    *,
+    repeats: int = 5,
+    floor_directory: Path | None = None,
+    num_parts: int = 1,
 ) -> dict[str, float]:
     """Throughput of one batched ``put`` and one batched ``get_into`` of ``num_values`` values, interleaved
     with a memcpy of the same bytes: medians over ``repeats`` rounds, and per-round ratios to the memcpy
     (median, min, max).
 
     Each round uses fresh keys (puts are insert-if-absent, so a repeated key would measure nothing), checks
-    every status and the bytes of the first and last value, then removes its keys. The memcpy copies the
+    every status and the bytes of the first and last value, then removes its keys. ``num_parts`` > 1: each
+    value is put from, and read into, that many parts (see ``_as_values``). The memcpy copies the
     sources into buffers of its own, so the get's byte check cannot pass on bytes the memcpy left behind.
 
     With ``floor_directory`` (a file store's directory), each round also overwrites ``num_values`` files
@@ -96,7 +106,7 @@ def measure_put_get(
                 for fd, source in zip(floor_fds, sources, strict=True):
                     os.pwrite(fd, cast(Buffer, source), 0)
                 page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
-            put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index)
+            put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index, num_parts)
             put_gbps.append(total / put_seconds / 1e9)
             get_gbps.append(total / get_seconds / 1e9)
     finally:
@@ -148,17 +158,22 @@ def _time_memcpy(sources: list[np.ndarray], copies: list[np.ndarray]) -> float:
 
 
 def _time_put_get(
-    store: Store, sources: list[np.ndarray], destinations: list[np.ndarray], round_index: int
+    store: Store,
+    sources: list[np.ndarray],
+    destinations: list[np.ndarray],
+    round_index: int,
+    num_parts: int = 1,
 ) -> tuple[float, float]:
     """Seconds of one checked batched put and get of fresh keys (removed afterwards)."""
     num_values = len(sources)
     keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
+    values, targets = _as_values(sources, num_parts), _as_values(destinations, num_parts)
     start = time.perf_counter()
-    put_statuses = store.put(keys, _as_values(sources))
+    put_statuses = store.put(keys, values)
     put_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
     start = time.perf_counter()
-    get_statuses = store.get_into(keys, _as_values(destinations))
+    get_statuses = store.get_into(keys, targets)
     get_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
     assert np.array_equal(sources[0], destinations[0]) and np.array_equal(sources[-1], destinations[-1]), (
@@ -241,9 +256,11 @@ def run_store_bench(
     bytes_per_round: int = DEFAULT_BYTES_PER_ROUND,
     repeats: int = 5,
     num_exists_calls: int = 1000,
+    num_parts: int = 1,
 ) -> dict[str, Any]:
     """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy
-    (medians over ``repeats`` interleaved rounds, and their spread)."""
+    (medians over ``repeats`` interleaved rounds, and their spread). ``num_parts`` > 1: every value is put
+    from and read into that many parts (as a block's KV pages are)."""
     rows: list[dict[str, Any]] = []
     for url in urls:
         store = open_store(url)
@@ -254,7 +271,12 @@ def run_store_bench(
             for size in value_sizes:
                 num_values = num_values_for(size, bytes_per_round)
                 result = measure_put_get(
-                    store, size, num_values, repeats=repeats, floor_directory=floor_directory
+                    store,
+                    size,
+                    num_values,
+                    repeats=repeats,
+                    floor_directory=floor_directory,
+                    num_parts=num_parts,
                 )
                 rows.append(
                     {
@@ -264,6 +286,7 @@ def run_store_bench(
                         "value_size": size,
                         "value_size_text": format_size(size),
                         "num_values": num_values,
+                        "num_parts": num_parts,
                         **result,
                         "put_ratio_spread": f"{result['put_ratio_min']:.2f}-{result['put_ratio_max']:.2f}",
                         "get_ratio_spread": f"{result['get_ratio_min']:.2f}-{result['get_ratio_max']:.2f}",
@@ -288,6 +311,7 @@ TABLE_COLUMNS = [
     "store",
     "value_size_text",
     "num_values",
+    "num_parts",
     "put_gbps",
     "get_gbps",
     "memcpy_gbps",

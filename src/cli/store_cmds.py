@@ -111,6 +111,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     bench.add_argument(
         "--exists-calls", type=int, default=1000, help="exists calls for latency (%(default)s)"
     )
+    bench.add_argument(
+        "--parts",
+        type=int,
+        default=1,
+        help="put every value from, and read it into, this many contiguous parts, as a block's KV pages "
+        "are (one per layer): 16 for a 2 MiB block of 16 layers (%(default)s)",
+    )
     add_report_arguments(bench, "bench-results/store.json")
     bench.set_defaults(func=handle_bench)
 
@@ -197,7 +204,8 @@ def handle_quota(args: argparse.Namespace) -> int:
 def _bench_sizes(
     args: argparse.Namespace, default_sizes: Sequence[int], default_bytes_per_round: int
 ) -> tuple[list[int], int]:
-    """``--sizes`` and ``--bytes-per-round`` of ``hybridkv store bench``; StoreError for bad arguments."""
+    """``--sizes`` and ``--bytes-per-round`` of ``hybridkv bench store`` (``--parts`` checked against the
+    sizes); StoreError for bad arguments."""
     size_texts = args.sizes.split(",") if args.sizes is not None else []
     sizes = [parse_size(text, what="value size") for text in size_texts if text.strip()]
     if args.sizes is None:
@@ -209,6 +217,8 @@ def _bench_sizes(
     )
     if not sizes or min(sizes) <= 0 or args.repeats < 1 or args.exists_calls < 2:
         raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
+    if not 1 <= args.parts <= min(sizes):
+        raise StoreError(f"--parts {args.parts}: need 1 to the smallest value size ({min(sizes)} bytes)")
     return sizes, bytes_per_round
 
 
@@ -234,6 +244,7 @@ def handle_bench(args: argparse.Namespace) -> int:
                 bytes_per_round=bytes_per_round,
                 repeats=args.repeats,
                 num_exists_calls=args.exists_calls,
+                num_parts=args.parts,
             )
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)

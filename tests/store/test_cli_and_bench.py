@@ -59,6 +59,20 @@ def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["bench", "store", "--sizes", "big", "--out", str(tmp_path / "x.json")]) == 2
     assert "value size" in capsys.readouterr().err
     assert main(["bench", "store", "--store", "nosuch://x", *TINY, "--out", str(tmp_path / "x.json")]) == 2
+    capsys.readouterr()
+    assert main(["bench", "store", *TINY, "--parts", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--parts 0" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_cli_values_in_parts(tmp_path: Path) -> None:
+    """``--parts 16``: every value is put from and read into 16 parts (a block's KV pages); the bench checks
+    the bytes read back, so a part written to or read from the wrong place fails it."""
+    out = tmp_path / "store.json"
+    assert main(["bench", "store", *TINY, "--parts", "16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and {row["num_parts"] for row in rows} == {16}
+    assert all(row["get_ratio"] > 0 and row["put_ratio"] > 0 for row in rows)
 
 
 def test_store_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,6 +105,8 @@ def test_bench_functions_with_tiny_sizes(memory_url: str) -> None:
     store = open_store(memory_url)
     result = measure_put_get(store, 1024, 8, repeats=1)
     assert result["put_gbps"] > 0 and result["get_gbps"] > 0
+    in_parts = measure_put_get(store, 1024, 8, repeats=1, num_parts=7)  # parts of unequal size
+    assert in_parts["put_gbps"] > 0 and in_parts["get_gbps"] > 0
     assert store.stats().num_keys == 0, "the bench must remove its keys"
 
 
