@@ -124,6 +124,30 @@ def run_engine(tmp_path: Path, name: str, *, multiprocess: bool, **spec: Any) ->
     return EngineProcess(tmp_path, name, multiprocess=multiprocess, **spec).finish()
 
 
+def run_tp2_hit_then_failing_rank(
+    tmp_path: Path, name: str, model: str, prompt: list[int], store: str, namespace: str, expect_keys: int
+) -> dict[str, Any]:
+    """One TP 2 engine process on ``store`` (a ``file://`` URL): the cold run; once ``expect_keys`` block
+    entries of ``namespace`` landed, vLLM's prefix cache dropped and the prompt sent again (the external hit),
+    then dropped and sent once more while rank 1's reads fail (its view fails every ``get`` after the hit's:
+    ``fail_after=1&fail_ops=get&fault_tp_rank=1``). The result's ``resends`` are (hit, faulty resend)."""
+    return run_engine(
+        tmp_path,
+        name,
+        multiprocess=True,
+        teardown="shutdown",
+        model=model,
+        prompt=prompt,
+        store=f"faulty+{store}?fail_after=1&fail_ops=get&fault_tp_rank=1",
+        namespace=namespace,
+        tensor_parallel_size=2,
+        resends=2,
+        keys_store=store,
+        keys_prefix=f"hkv1/{namespace}/",
+        expect_keys=expect_keys,
+    )
+
+
 def _keys(store: str, prefix: str) -> list[str]:
     """The block entries under ``prefix`` (each fingerprint's manifest is not one)."""
     from hybridkv.connector.identity import MANIFEST_NAME
@@ -236,20 +260,8 @@ def test_tensor_parallel_engine_saves_and_loads_every_ranks_shard(
         5  # the entries of the 512-token hit on one rank, over vLLM's KV cache groups of this model
     )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
-    res = run_engine(
-        tmp_path,
-        "tp-engine",
-        multiprocess=True,
-        teardown="shutdown",
-        model=model,
-        prompt=prompt,
-        store=f"faulty+{store}?fail_after=1&fail_ops=get&fault_tp_rank=1",
-        namespace=namespace,
-        tensor_parallel_size=2,
-        resends=2,
-        keys_store=store,
-        keys_prefix=f"hkv1/{namespace}/",
-        expect_keys=2 * keys_per_rank,
+    res = run_tp2_hit_then_failing_rank(
+        tmp_path, "tp-engine", model, prompt, store, namespace, 2 * keys_per_rank
     )
     assert res["cached"] == 0
     keys = _keys(store, f"hkv1/{namespace}/")
@@ -299,21 +311,7 @@ def test_llama_tensor_parallel_loads_every_ranks_keys_and_one_failing_rank_recom
     store = f"file://{tmp_path}/store"
     prompt = [random.Random(5).randrange(3, 500) for _ in range(600)]
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
-    res = run_engine(
-        tmp_path,
-        "tp-llama",
-        multiprocess=True,
-        teardown="shutdown",
-        model=model,
-        prompt=prompt,
-        store=f"faulty+{store}?fail_after=1&fail_ops=get&fault_tp_rank=1",
-        namespace=namespace,
-        tensor_parallel_size=2,
-        resends=2,
-        keys_store=store,
-        keys_prefix=f"hkv1/{namespace}/",
-        expect_keys=2 * blocks,
-    )
+    res = run_tp2_hit_then_failing_rank(tmp_path, "tp-llama", model, prompt, store, namespace, 2 * blocks)
     assert res["cached"] == 0
     keys = _keys(store, f"hkv1/{namespace}/")
     per_rank = {rank: sum(1 for key in keys if f"/{rank}/" in key) for rank in ("tp0", "tp1")}
