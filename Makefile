@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # `make test` runs the suite on this many pytest-xdist workers (0: one process). A file's tests stay together
 # on one worker, in order (`--dist loadfile`): module fixtures start once, and a file's engines never race
 # each other. Most engine tests leave a core idle (process starts, server warm-ups, fault waits), so two
-# workers on a 2-core host take about 0.6x the serial time.
+# workers on a 2-core host take about half the serial time.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 # vLLM 0.33 and 0.34 (CUDA builds only) layered over $(VENV): see scripts/setup-vllm03x.sh.
@@ -51,14 +51,14 @@ test: $(READY) $(READY033) $(READY034)
 	$(PY) -m pytest -m registry $(PYTEST_ARGS)
 
 # The scheduler-level tests against vLLM 0.33's and 0.34's Python code over the CPU torch. Both lanes stay in
-# `make test` (two workers on an idle 2-core host: 0.33 in 116 s, 0.34 in 97 s; the main suite 21.5 min, the
-# registry tests 2.4 min), and 0.33 is still in the supported range with its own differences
+# `make test` (two workers on an idle 2-core host: 0.33 in 89 s, 0.34 in 79 s; the main suite 17.7 min, the
+# registry tests 1.8 min), and 0.33 is still in the supported range with its own differences
 # (ModelRunnerOutput.req_id_to_index).
 test-vllm033: $(READY033)
-	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM_LANE_TESTS) $(PYTEST_ARGS)
+	scripts/netns-run $(VENV033)/bin/python -m pytest $(VLLM_LANE_TESTS) $(XDIST) $(PYTEST_ARGS)
 
 test-vllm034: $(READY034)
-	scripts/netns-run $(VENV034)/bin/python -m pytest $(VLLM_LANE_TESTS) $(PYTEST_ARGS)
+	scripts/netns-run $(VENV034)/bin/python -m pytest $(VLLM_LANE_TESTS) $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests.
 test-fast: $(READY)

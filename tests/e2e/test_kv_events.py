@@ -99,9 +99,8 @@ class _Engines:
         self.control.mkdir()
         self.num_commands = 0
         self.results: dict[str, dict[str, Any]] = {}
-        env = subprocess_env(
-            dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        )  # the script imports support
+        # The script imports support.
+        env = subprocess_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name in ENGINES:
             spec_path = tmp_path / f"{name}.json"

@@ -244,7 +244,7 @@ def test_tensor_parallel_engine_saves_and_loads_every_ranks_shard(
     """TP 2 on a real engine (vLLM's ``mp`` executor, one worker process per rank) with a hybrid model
     (Qwen3-Next: full attention with 4 KV heads and gated delta net with 2 key heads, both split over the
     ranks; vLLM's block becomes 256 at TP 2), one engine process (a TP 2 start costs ~30 s here): the cold
-    run stores every rank's shard of each block (2 attention blocks and the GDN state at the boundary);
+    run stores every rank's shard of each entry (both KV cache groups);
     vLLM's prefix cache is dropped and the prompt sent again: the external hit covers the prompt's blocks
     and the greedy tokens equal the cold run's; dropped and sent once more, rank 1's reads fail (its view
     fails every ``get`` after the hit's: ``fail_after=1&fail_ops=get&fault_tp_rank=1``; rank 0 reads its
@@ -256,9 +256,8 @@ def test_tensor_parallel_engine_saves_and_loads_every_ranks_shard(
     model = str(build_tiny_model(family, MODELS_DIR, linear_num_key_heads=2, linear_num_value_heads=4))
     store = f"file://{tmp_path}/store"
     prompt = [random.Random(5).randrange(3, 500) for _ in range(600)]
-    keys_per_rank = (
-        5  # the entries of the 512-token hit on one rank, over vLLM's KV cache groups of this model
-    )
+    # The entries of the 512-token hit on one rank, over vLLM's two KV cache groups of this model.
+    keys_per_rank = 5
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM-CPU binds one core per rank
     res = run_tp2_hit_then_failing_rank(
         tmp_path, "tp-engine", model, prompt, store, namespace, 2 * keys_per_rank

@@ -44,8 +44,8 @@ class ReadProbe:
         read_s: float,
         verify_s: float,
         close_s: float,
-        read_cpu_s: float = 0.0,
-        verify_cpu_s: float = 0.0,
+        read_cpu_s: float,
+        verify_cpu_s: float,
     ) -> None:
         """One get call's keys and phase times."""
         with self._lock:
