@@ -18,6 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -75,14 +76,18 @@ def measure_put_get(
     repeats: int = 5,
     floor_directory: Path | None = None,
     num_parts: int = 1,
+    num_readers: int = 1,
 ) -> dict[str, float]:
     """Throughput of one batched ``put`` and one batched ``get_into`` of ``num_values`` values, interleaved
     with a memcpy of the same bytes: medians over ``repeats`` rounds, and per-round ratios to the memcpy
     (median, min, max).
 
     Each round uses fresh keys (puts are insert-if-absent, so a repeated key would measure nothing), checks
-    every status and the bytes of the first and last value, then removes its keys. ``num_parts`` > 1: each
-    value is put from, and read into, that many parts (see ``_as_values``). The memcpy copies the
+    every status and the bytes of the first and last value of each reader's share, then removes its keys. ``num_parts`` > 1: each
+    value is put from, and read into, that many parts (see ``_as_values``). ``num_readers`` > 1: the get is
+    that many concurrent ``get_into`` calls, each on its own contiguous share of the keys (the calling
+    thread reads the first share, threads started before the rounds the others), as a load job's readers
+    read one batch; its time runs until the last share returned. The memcpy (one thread) copies the
     sources into buffers of its own, so the get's byte check cannot pass on bytes the memcpy left behind.
 
     With ``floor_directory`` (a file store's directory), each round also overwrites ``num_values`` files
@@ -98,6 +103,7 @@ def measure_put_get(
     put_gbps: list[float] = []
     get_gbps: list[float] = []
     page_write_gbps: list[float] = []
+    helpers = ThreadPoolExecutor(num_readers - 1, "hybridkv-bench-read") if num_readers > 1 else None
     try:
         for round_index in range(max(1, repeats)):
             memcpy_gbps.append(total / _time_memcpy(sources, copies) / 1e9)
@@ -106,10 +112,20 @@ def measure_put_get(
                 for fd, source in zip(floor_fds, sources, strict=True):
                     os.pwrite(fd, cast(Buffer, source), 0)
                 page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
-            put_seconds, get_seconds = _time_put_get(store, sources, destinations, round_index, num_parts)
+            put_seconds, get_seconds = _time_put_get(
+                store,
+                sources,
+                destinations,
+                round_index,
+                num_parts=num_parts,
+                helpers=helpers,
+                num_readers=num_readers,
+            )
             put_gbps.append(total / put_seconds / 1e9)
             get_gbps.append(total / get_seconds / 1e9)
     finally:
+        if helpers is not None:
+            helpers.shutdown()
         for fd in floor_fds:
             os.close(fd)
     put_ratios = [put / memcpy for put, memcpy in zip(put_gbps, memcpy_gbps, strict=True)]
@@ -130,6 +146,20 @@ def measure_put_get(
             [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps, strict=True)]
         )
     return result
+
+
+def share_bounds(num_values: int, num_shares: int) -> list[tuple[int, int]]:
+    """``[low, high)`` index ranges splitting ``num_values`` values into at most ``num_shares`` contiguous,
+    non-empty shares whose sizes differ by at most one, in order."""
+    num_shares = max(1, min(num_shares, num_values))
+    base, extra = divmod(num_values, num_shares)
+    bounds: list[tuple[int, int]] = []
+    low = 0
+    for index in range(num_shares):
+        high = low + base + (1 if index < extra else 0)
+        bounds.append((low, high))
+        low = high
+    return bounds
 
 
 def _open_floor_files(directory: Path, sources: list[np.ndarray]) -> list[int]:
@@ -162,9 +192,13 @@ def _time_put_get(
     sources: list[np.ndarray],
     destinations: list[np.ndarray],
     round_index: int,
+    *,
     num_parts: int = 1,
+    helpers: ThreadPoolExecutor | None = None,
+    num_readers: int = 1,
 ) -> tuple[float, float]:
-    """Seconds of one checked batched put and get of fresh keys (removed afterwards)."""
+    """Seconds of one checked batched put and get of fresh keys (removed afterwards); the get is split over
+    the calling thread and ``helpers`` into ``num_readers`` contiguous shares (see ``measure_put_get``)."""
     num_values = len(sources)
     keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
     values, targets = _as_values(sources, num_parts), _as_values(destinations, num_parts)
@@ -172,16 +206,25 @@ def _time_put_get(
     put_statuses = store.put(keys, values)
     put_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
+    bounds = share_bounds(num_values, num_readers if helpers is not None else 1)
     start = time.perf_counter()
-    get_statuses = store.get_into(keys, targets)
+    others = [
+        cast(ThreadPoolExecutor, helpers).submit(store.get_into, keys[low:high], targets[low:high])
+        for low, high in bounds[1:]
+    ]
+    low, high = bounds[0]
+    get_statuses = store.get_into(keys[low:high], targets[low:high])
+    for other in others:
+        get_statuses = [*get_statuses, *other.result()]
     get_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
-    assert np.array_equal(sources[0], destinations[0]) and np.array_equal(sources[-1], destinations[-1]), (
+    checked = sorted({index for low, high in bounds for index in (low, high - 1)})  # each share's ends
+    assert all(np.array_equal(sources[index], destinations[index]) for index in checked), (
         f"{store.url}: bench read back different bytes"
     )
     store.remove(keys)
-    for destination in destinations[:: max(1, len(destinations) - 1)]:
-        destination.fill(1)  # the next round's check must see that round's bytes, not these
+    for index in checked:
+        destinations[index].fill(1)  # the next round's check must see that round's bytes, not these
     return max(put_elapsed, 1e-9), max(get_elapsed, 1e-9)
 
 
@@ -257,10 +300,12 @@ def run_store_bench(
     repeats: int = 5,
     num_exists_calls: int = 1000,
     num_parts: int = 1,
+    num_readers: int = 1,
 ) -> dict[str, Any]:
     """Benchmark every store URL at every value size; one row per (store, size) with ratios to memcpy
     (medians over ``repeats`` interleaved rounds, and their spread). ``num_parts`` > 1: every value is put
-    from and read into that many parts (as a block's KV pages are)."""
+    from and read into that many parts (as a block's KV pages are); ``num_readers`` > 1: every get is
+    split over that many concurrent readers (as a load job's batch is)."""
     rows: list[dict[str, Any]] = []
     for url in urls:
         store = open_store(url)
@@ -277,6 +322,7 @@ def run_store_bench(
                     repeats=repeats,
                     floor_directory=floor_directory,
                     num_parts=num_parts,
+                    num_readers=num_readers,
                 )
                 rows.append(
                     {
@@ -287,6 +333,7 @@ def run_store_bench(
                         "value_size_text": format_size(size),
                         "num_values": num_values,
                         "num_parts": num_parts,
+                        "num_readers": num_readers,
                         **result,
                         "put_ratio_spread": f"{result['put_ratio_min']:.2f}-{result['put_ratio_max']:.2f}",
                         "get_ratio_spread": f"{result['get_ratio_min']:.2f}-{result['get_ratio_max']:.2f}",
@@ -312,6 +359,7 @@ TABLE_COLUMNS = [
     "value_size_text",
     "num_values",
     "num_parts",
+    "num_readers",
     "put_gbps",
     "get_gbps",
     "memcpy_gbps",

@@ -118,6 +118,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         help="put every value from, and read it into, this many contiguous parts, as a block's KV pages "
         "are (one per layer): 16 for a 2 MiB block of 16 layers (%(default)s)",
     )
+    bench.add_argument(
+        "--readers",
+        type=int,
+        default=1,
+        help="split every get over this many concurrent readers, each its own contiguous share of the "
+        "keys, as a load job's readers split a hit; the memcpy floor stays one thread (%(default)s)",
+    )
     add_report_arguments(bench, "bench-results/store.json")
     bench.set_defaults(func=handle_bench)
 
@@ -205,7 +212,7 @@ def _bench_sizes(
     args: argparse.Namespace, default_sizes: Sequence[int], default_bytes_per_round: int
 ) -> tuple[list[int], int]:
     """``--sizes`` and ``--bytes-per-round`` of ``hybridkv bench store`` (``--parts`` checked against the
-    sizes); StoreError for bad arguments."""
+    sizes, ``--readers`` against its range); StoreError for bad arguments."""
     size_texts = args.sizes.split(",") if args.sizes is not None else []
     sizes = [parse_size(text, what="value size") for text in size_texts if text.strip()]
     if args.sizes is None:
@@ -219,6 +226,8 @@ def _bench_sizes(
         raise StoreError("need at least one positive --sizes, --repeats >= 1 and --exists-calls >= 2")
     if not 1 <= args.parts <= min(sizes):
         raise StoreError(f"--parts {args.parts}: need 1 to the smallest value size ({min(sizes)} bytes)")
+    if not 1 <= args.readers <= 64:
+        raise StoreError(f"--readers {args.readers}: need 1 to 64")
     return sizes, bytes_per_round
 
 
@@ -245,6 +254,7 @@ def handle_bench(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 num_exists_calls=args.exists_calls,
                 num_parts=args.parts,
+                num_readers=args.readers,
             )
     except StoreError as error:
         print(f"error: {error}", file=sys.stderr)

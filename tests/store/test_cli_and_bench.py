@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from hybridkv.bench.store import filesystem_of, measure_put_get, run_store_bench
+from hybridkv.bench.store import filesystem_of, measure_put_get, run_store_bench, share_bounds
 from hybridkv.cli import main
 from hybridkv.store import Status, open_store
 from hybridkv_dev.devkit.mooncake import MooncakeMaster
@@ -62,6 +62,8 @@ def test_bench_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtu
     capsys.readouterr()
     assert main(["bench", "store", *TINY, "--parts", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "--parts 0" in capsys.readouterr().err
+    assert main(["bench", "store", *TINY, "--readers", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--readers 0" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -73,6 +75,32 @@ def test_bench_cli_values_in_parts(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and {row["num_parts"] for row in rows} == {16}
     assert all(row["get_ratio"] > 0 and row["put_ratio"] > 0 for row in rows)
+
+
+def test_bench_cli_reads_split_over_readers(tmp_path: Path) -> None:
+    """``--readers 2``: every get is two concurrent calls on the two halves of the keys; the bench checks
+    every status and the first and last value of each half read back."""
+    out = tmp_path / "store.json"
+    assert main(["bench", "store", *TINY, "--parts", "4", "--readers", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and {(row["num_parts"], row["num_readers"]) for row in rows} == {(4, 2)}
+    assert all(row["get_ratio"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("num_values", "num_shares", "expected"),
+    [
+        (10, 1, [(0, 10)]),
+        (10, 2, [(0, 5), (5, 10)]),
+        (31, 2, [(0, 16), (16, 31)]),
+        (7, 3, [(0, 3), (3, 5), (5, 7)]),
+        (2, 4, [(0, 1), (1, 2)]),
+    ],
+)
+def test_share_bounds_cover_every_value_once(
+    num_values: int, num_shares: int, expected: list[tuple[int, int]]
+) -> None:
+    assert share_bounds(num_values, num_shares) == expected
 
 
 def test_store_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +135,8 @@ def test_bench_functions_with_tiny_sizes(memory_url: str) -> None:
     assert result["put_gbps"] > 0 and result["get_gbps"] > 0
     in_parts = measure_put_get(store, 1024, 8, repeats=1, num_parts=7)  # parts of unequal size
     assert in_parts["put_gbps"] > 0 and in_parts["get_gbps"] > 0
+    split = measure_put_get(store, 1024, 9, repeats=2, num_readers=3)
+    assert split["get_gbps"] > 0
     assert store.stats().num_keys == 0, "the bench must remove its keys"
 
 
