@@ -54,6 +54,12 @@ Keys (all optional):
                     never hold the interpreter lock vLLM's scheduler needs
                     (``hybridkv.connector.scheduler.lookup_process``). Needs a store other processes can open
                     (``file://``, ``mooncake://``); ``memory://`` is refused.
+``worker_cpus``     the CPUs of the worker half's own threads (load, readers, save): ``"inherit"`` (default):
+                    where they start (on a CPU host whose vLLM binds OpenMP, the OpenMP main thread's
+                    core); ``"auto"``: there, the worker's CPUs outside that binding (the cores vLLM
+                    reserves, one per rank for a KV connector), else where they start; or a CPU list
+                    (``"14,15"``, ``"12-15"``) that the worker may use (checked at worker start). See
+                    ``hybridkv.connector.worker.cpus``.
 ``step_trace``      (bool, default false) log one DEBUG event per scheduler step (``hybridkv step``: the
                     requests it asked again, answered, sent loads for, saw loads finish for and scheduled,
                     with ``time.monotonic()``, the audit log's clock), to trace where a hit's time to first
@@ -111,6 +117,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "divergent_local_hits",
     "lookup_process",
     "step_trace",
+    "worker_cpus",
 )
 
 #: values of ``load_mode``
@@ -210,6 +217,49 @@ def _weights_version_file(value: object) -> str | None:
     return str(path)
 
 
+#: ``worker_cpus`` values that are not CPU lists
+WORKER_CPUS_MODES: tuple[str, ...] = ("auto", "inherit")
+#: the largest CPU id a list may name (Linux's largest ``NR_CPUS``)
+MAX_CPU_ID = 8191
+_CPU_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU ids of a list like ``"0,2,4-7"`` or ``"0 1 2"`` (also ``a-b:stride``); ``ValueError`` naming the
+    bad item, for an empty list, or for an id above :data:`MAX_CPU_ID`."""
+    cpus: set[int] = set()
+    for item in re.split(r"[\s,]+", text.strip()):
+        if not item:
+            continue
+        match = _CPU_RANGE_RE.match(item)
+        if match is None:
+            raise ValueError(f"{item!r} is not a CPU id or a range a-b")
+        low = int(match.group(1))
+        high = int(match.group(2)) if match.group(2) is not None else low
+        stride = int(match.group(3)) if match.group(3) is not None else 1
+        if high < low or stride < 1:
+            raise ValueError(f"{item!r} is an empty range")
+        if high > MAX_CPU_ID:
+            raise ValueError(f"{item!r} names a CPU above {MAX_CPU_ID}")
+        cpus.update(range(low, high + 1, stride))
+    if not cpus:
+        raise ValueError("no CPU named")
+    return frozenset(cpus)
+
+
+def _worker_cpus(value: object) -> str | frozenset[int]:
+    """``worker_cpus`` checked: a mode of ``WORKER_CPUS_MODES`` or a CPU list; raises ``ValueError`` naming it."""
+    if isinstance(value, str) and value in WORKER_CPUS_MODES:
+        return value
+    problem = f'expected one of {list(WORKER_CPUS_MODES)} or a CPU list like "14,15" or "12-15"'
+    if isinstance(value, str):
+        try:
+            return parse_cpu_list(value)
+        except ValueError as error:
+            problem += f" ({error})"
+    raise ValueError(f"kv_connector_extra_config['worker_cpus']: {problem}, got {value!r}")
+
+
 def _lookup_budget_ms(budget: object) -> float:
     """``lookup_budget_ms`` checked (a number in (0, ``MAX_DURATION_MS``]); raises ``ValueError`` naming it."""
     if isinstance(budget, (int, float)) and not isinstance(budget, bool) and 0 < budget <= MAX_DURATION_MS:
@@ -237,6 +287,8 @@ class ConnectorConfig:
     divergent_local_hits: bool = False
     lookup_process: bool = False
     step_trace: bool = False
+    #: ``"auto"``, ``"inherit"`` or the CPU ids of a list (``hybridkv.connector.worker.cpus``)
+    worker_cpus: str | frozenset[int] = "inherit"
 
     @property
     def layerwise(self) -> bool:
@@ -329,6 +381,8 @@ class ConnectorConfig:
 
         weights_version_file = _weights_version_file(extra.get("weights_version_file"))
 
+        worker_cpus = _worker_cpus(extra.get("worker_cpus", "inherit"))
+
         return cls(
             store=store,
             namespace=namespace,
@@ -343,6 +397,7 @@ class ConnectorConfig:
             divergent_local_hits=divergent_local_hits,
             lookup_process=lookup_process,
             step_trace=step_trace,
+            worker_cpus=worker_cpus,
         )
 
 

@@ -19,6 +19,7 @@ from hybridkv.connector.config import (
     CUDA_COPY_DIRECTIONS,
     KNOWN_KEYS,
     LOAD_MODES,
+    MAX_CPU_ID,
     MAX_PUT_WAVE_BYTES,
     ConnectorConfig,
 )
@@ -118,6 +119,30 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "cuda_copy": st.sampled_from([*CUDA_COPY_DIRECTIONS, "Auto", "cuda"]),
     "weights_version": _NAME | st.sampled_from(["v1\n", "v1/step", ""]),
     "weights_version_file": _AUDIT_LOG,  # a path whose directory exists, like the audit log's
+    "worker_cpus": st.sampled_from(
+        [
+            "auto",
+            "inherit",
+            "Auto",
+            "0",
+            "14,15",
+            "12-15",
+            "0 2 4",
+            "0-7:2",
+            "3-1",
+            "0-3:0",
+            "",
+            " ",
+            "1,,2",
+            "a",
+            "-1",
+            "8191",
+            "8192",
+            "0-99999",
+            "0x1",
+        ]
+    )
+    | st.lists(st.integers(0, 9), max_size=3),
 }
 assert set(_PLAUSIBLE) == set(KNOWN_KEYS), "a key ConnectorConfig knows has no plausible values here"
 #: keys whose values are refused only beside another key's: the message blames the first, and the pair
@@ -171,6 +196,9 @@ def _check_accepted(cfg: ConnectorConfig, extra: dict[Any, Any]) -> None:
     assert type(cfg.divergent_local_hits) is bool
     assert type(cfg.lookup_process) is bool
     assert type(cfg.step_trace) is bool
+    assert cfg.worker_cpus in ("auto", "inherit") or (
+        isinstance(cfg.worker_cpus, frozenset) and cfg.worker_cpus and max(cfg.worker_cpus) <= MAX_CPU_ID
+    ), cfg.worker_cpus
     assert not (cfg.lookup_process and store_kind(cfg.store).process_local), cfg.store
     assert cfg.load_mode in LOAD_MODES and cfg.cuda_copy in CUDA_COPY_DIRECTIONS
     assert isinstance(cfg.weights_version, str)

@@ -41,7 +41,7 @@ def test_config_table_matches_code(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
             assert parse_size(key, shown) == actual, cell
         elif key in ("verify_checksums", "divergent_local_hits", "lookup_process", "step_trace"):
             assert json.loads(shown) is actual, cell
-        elif key in ("load_mode", "cuda_copy"):
+        elif key in ("load_mode", "cuda_copy", "worker_cpus"):
             assert shown == actual, cell
         else:
             assert float(shown) == actual, f"{key}: configuration.md says {cell}, code {actual}"

@@ -24,6 +24,7 @@ from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult, SaveJob, SaveOutcome, SaveResult
 from hybridkv.connector.stats import StatsBox
 from hybridkv.connector.vllm_geometry import ConnectorGeometry
+from hybridkv.connector.worker.cpus import WorkerCpus
 from hybridkv.connector.worker.layerwise import LayerTensors
 from hybridkv.connector.worker.ownership import may_answer_late
 from hybridkv.lifecycle.keys import KeyScheme
@@ -57,6 +58,8 @@ class WorkerContext:
     group_to_mover: dict[int, BlockMover] = field(default_factory=dict)
     #: CUDA caches (or a staging context given to ``register_kv_caches``): the staged path's slabs; else None
     staging: StagingContext | None = None
+    #: where the pipelines' threads run (``worker_cpus``); the default leaves them where they start
+    cpus: WorkerCpus = field(default_factory=lambda: WorkerCpus(None, "not resolved"))
     #: host path: the pre-faulted private buffers of store calls that may answer late (see ``private_buffers``)
     host_buffers: HostBufferPool = field(init=False)
 

@@ -56,6 +56,7 @@ from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import HybridStoreMetadata, LoadJob, LoadResult
 from hybridkv.connector.outcomes import load_outcome
 from hybridkv.connector.stats import StatsBox
+from hybridkv.connector.worker.cpus import WorkerCpus
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
 from hybridkv.store.base import Status, Store, collect_late_calls
@@ -118,6 +119,7 @@ class LayerwiseLoads:
         store: Store,
         stats: StatsBox,
         tp_rank: Callable[[], int],
+        cpus: WorkerCpus,
         on_late_calls: Callable[[list[Future[object]], Callable[[], None]], None],
     ) -> None:
         self._store = store
@@ -129,7 +131,9 @@ class LayerwiseLoads:
         self._step: _Step | None = None
         self._cv = threading.Condition()
         self._queue: list[_Step | None] = []
-        self._thread = threading.Thread(target=self._loop, name="hybridkv-layerwise-load", daemon=True)
+        self._thread = threading.Thread(
+            target=cpus.run_pinned(self._loop), name="hybridkv-layerwise-load", daemon=True
+        )
         self._thread.start()
         self._copy_stream: torch.cuda.Stream | None = None
         #: load thread only: per group, the last step's host buffers (one per layer tensor), for reuse

@@ -36,6 +36,7 @@ from hybridkv.connector.log_events import ConnectorLogEvent
 from hybridkv.connector.metadata import BlockRef, LoadJob, LoadResult
 from hybridkv.connector.outcomes import load_outcome
 from hybridkv.connector.worker.context import WorkerContext, as_store_buffers
+from hybridkv.connector.worker.cpus import WorkerCpus
 from hybridkv.connector.worker.load_probe import LoadProbe
 from hybridkv.connector.worker.outbox import Outbox
 from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
@@ -69,10 +70,11 @@ class _Readers:
     Daemon threads: a store call that never returns must not hold up shutdown or interpreter exit (a
     ``ThreadPoolExecutor``'s workers are joined at exit)."""
 
-    def __init__(self, num_threads: int, name: str) -> None:
+    def __init__(self, num_threads: int, name: str, cpus: WorkerCpus) -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
+            threading.Thread(target=cpus.run_pinned(self._work), name=f"{name}-{i}", daemon=True)
+            for i in range(num_threads)
         ]
         for th in self._threads:
             th.start()
@@ -108,8 +110,10 @@ class LoadPipeline:
         #: the bench's load profile (``WorkerSide.install_load_probe``); None in production: nothing timed
         self.probe: LoadProbe | None = None
         self._queue: queue.Queue[_LoadItem] = queue.Queue()
-        self._readers = _Readers(LOAD_READERS - 1, "hybridkv-read")
-        self._thread = threading.Thread(target=self._loop, name="hybridkv-load", daemon=True)
+        self._readers = _Readers(LOAD_READERS - 1, "hybridkv-read", ctx.cpus)
+        self._thread = threading.Thread(
+            target=ctx.cpus.run_pinned(self._loop), name="hybridkv-load", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------------ engine thread

@@ -67,7 +67,9 @@ class SavePipeline:
         #: open full-attention tails copied at submit (host path)
         self.num_tail_snapshots = 0
         self._queue: queue.Queue[_SaveItem] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="hybridkv-save", daemon=True)
+        self._thread = threading.Thread(
+            target=ctx.cpus.run_pinned(self._loop), name="hybridkv-save", daemon=True
+        )
         self._thread.start()
 
     @property

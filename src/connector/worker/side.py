@@ -52,6 +52,7 @@ from hybridkv.connector.worker.context import (
     read_ranks,
     staging_for,
 )
+from hybridkv.connector.worker.cpus import worker_cpus_for
 from hybridkv.connector.worker.layerwise import LayerwiseLoads
 from hybridkv.connector.worker.load_pipeline import LoadPipeline
 from hybridkv.connector.worker.load_probe import LoadProbe
@@ -86,7 +87,11 @@ class WorkerSide:
         # Tagged as the scheduler's start scheme, so the geometry log line shows the fingerprint the keys
         # use (a reset's later tag reaches the workers in each step's ``meta.scheme``).
         geo = dataclasses.replace(geo, scheme=start_scheme(geo.scheme, cfg.weights_version))
-        self._ctx = WorkerContext(cfg=cfg, geo=geo, store=open_connector_store(cfg), stats=StatsBox())
+        # Before any thread starts: a CPU list this worker may not use stops the engine here, naming the key.
+        cpus = worker_cpus_for(cfg.worker_cpus)
+        self._ctx = WorkerContext(
+            cfg=cfg, geo=geo, store=open_connector_store(cfg), stats=StatsBox(), cpus=cpus
+        )
         self._suspended = False  # sleep mode: the KV cache memory is released
         self._outbox = Outbox()
         self._quarantine = Quarantine()
@@ -100,6 +105,7 @@ class WorkerSide:
                 store=self._ctx.store,
                 stats=self._ctx.stats,
                 tp_rank=lambda: self._ctx.tp_rank,
+                cpus=cpus,
                 # Layer-wise loads read into private buffers: a late call holds no report.
                 on_late_calls=lambda late, then: self._quarantine.hold_until_returned(
                     LateOwnership(calls=late), then
