@@ -4,9 +4,9 @@
 ids), ``out`` (result JSON path), ``teardown`` (``"del"``: ``del llm``; ``"shutdown"``: the engine core
 client's ``shutdown()`` first), ``reset_connector`` (bool: after the first request, reset with
 ``reset_connector=True`` and send the prompt again), ``tensor_parallel_size`` (> 1: vLLM's ``mp``
-executor, one worker process per rank), ``resends`` (a count: after the first request, wait until the
-store holds ``expect_keys`` block entries under ``keys_prefix`` of ``keys_store`` -- the first request's
-saves landed --, then that many times: reset vLLM's prefix cache (retried until it succeeds) and send the
+executor, one worker process per rank), ``resends`` (a count: after the first request, wait until its
+saves settled -- see ``_settle_saves``; the block entries then under ``keys_prefix`` of ``keys_store`` are
+``cold_keys`` --, then that many times: reset vLLM's prefix cache (retried until it succeeds) and send the
 prompt again; each resend's tokens, cached tokens and metrics go to ``resends``). Multiprocessing follows
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment (the caller sets it). ``wait_for`` (a path): the
 engine starts at once, its first request waits until that file exists (the caller starts the next engine
@@ -57,11 +57,28 @@ def _block_keys(url: str, prefix: str) -> list[str]:
         store.close()
 
 
-def _wait_for_keys(url: str, prefix: str, n: int, timeout_s: float = 60.0) -> None:
+def _settle_saves(llm: Any, url: str, prefix: str, timeout_s: float = 60.0) -> int:
+    """Step the engine with a prompt shorter than a block (no save of its own; every step's output brings
+    the connector's counters and gauges to this process) until the saves so far settled: no block pinned for
+    a save, and the store holds as many block entries under ``prefix`` as the workers' saves wrote (summed
+    over ranks). Returns that count. How many entries a prompt makes is vLLM's (its block size for a hybrid
+    model follows the host's page sizes), so the callers compare against it instead of a fixed number."""
+    from hybridkv.demo.vllm_harness import PUMP_PROMPT
+    from vllm import SamplingParams
+
     deadline = time.monotonic() + timeout_s
-    while len(keys := _block_keys(url, prefix)) < n:
-        assert time.monotonic() < deadline, f"{len(keys)} of {n} block entries stored after {timeout_s} s"
-        time.sleep(0.1)
+    while True:
+        llm.generate([{"prompt_token_ids": PUMP_PROMPT}], SamplingParams(max_tokens=1), use_tqdm=False)
+        time.sleep(0.2)
+        metrics = _metrics(llm)
+        saved = int(metrics.get("vllm:hybridkv_save_keys", 0))
+        pinned = int(metrics.get("vllm:hybridkv_pinned_blocks", 0))
+        stored = len(_block_keys(url, prefix))
+        if saved > 0 and pinned == 0 and stored == saved:
+            return stored
+        assert time.monotonic() < deadline, (
+            f"saves not settled after {timeout_s} s: {stored} block entries stored, {saved} saved, {pinned} pinned"
+        )
 
 
 def _wait_for_file(path: str, timeout_s: float = 600.0) -> None:
@@ -142,7 +159,7 @@ def main(spec_path: str) -> None:
     }
 
     if spec.get("resends"):
-        _wait_for_keys(spec["keys_store"], spec["keys_prefix"], spec["expect_keys"])
+        res["cold_keys"] = _settle_saves(llm, spec["keys_store"], spec["keys_prefix"])
         res["resends"] = []
         for _ in range(spec["resends"]):
             reset_ok = _reset_prefix_cache(llm)
