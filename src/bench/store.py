@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 from hybridkv.bench.report import pyplot_or_none, save_figure
-from hybridkv.store.base import Status, Store, Value, find_layer
+from hybridkv.store.base import Status, Store, Value, contiguous_shares, find_layer
 from hybridkv.store.file import FileBackend
 from hybridkv.store.params import format_size
 from hybridkv.store.url import open_store
@@ -103,7 +103,8 @@ def measure_put_get(
     put_gbps: list[float] = []
     get_gbps: list[float] = []
     page_write_gbps: list[float] = []
-    helpers = ThreadPoolExecutor(num_readers - 1, "hybridkv-bench-read") if num_readers > 1 else None
+    shares = contiguous_shares(num_values, num_readers)
+    helpers = ThreadPoolExecutor(len(shares) - 1, "hybridkv-bench-read") if len(shares) > 1 else None
     try:
         for round_index in range(max(1, repeats)):
             memcpy_gbps.append(total / _time_memcpy(sources, copies) / 1e9)
@@ -113,13 +114,7 @@ def measure_put_get(
                     os.pwrite(fd, cast(Buffer, source), 0)
                 page_write_gbps.append(total / max(time.perf_counter() - start, 1e-9) / 1e9)
             put_seconds, get_seconds = _time_put_get(
-                store,
-                sources,
-                destinations,
-                round_index,
-                num_parts=num_parts,
-                helpers=helpers,
-                num_readers=num_readers,
+                store, sources, destinations, round_index, num_parts=num_parts, shares=shares, helpers=helpers
             )
             put_gbps.append(total / put_seconds / 1e9)
             get_gbps.append(total / get_seconds / 1e9)
@@ -146,20 +141,6 @@ def measure_put_get(
             [page / memcpy for page, memcpy in zip(page_write_gbps, memcpy_gbps, strict=True)]
         )
     return result
-
-
-def share_bounds(num_values: int, num_shares: int) -> list[tuple[int, int]]:
-    """``[low, high)`` index ranges splitting ``num_values`` values into at most ``num_shares`` contiguous,
-    non-empty shares whose sizes differ by at most one, in order."""
-    num_shares = max(1, min(num_shares, num_values))
-    base, extra = divmod(num_values, num_shares)
-    bounds: list[tuple[int, int]] = []
-    low = 0
-    for index in range(num_shares):
-        high = low + base + (1 if index < extra else 0)
-        bounds.append((low, high))
-        low = high
-    return bounds
 
 
 def _open_floor_files(directory: Path, sources: list[np.ndarray]) -> list[int]:
@@ -193,12 +174,13 @@ def _time_put_get(
     destinations: list[np.ndarray],
     round_index: int,
     *,
-    num_parts: int = 1,
-    helpers: ThreadPoolExecutor | None = None,
-    num_readers: int = 1,
+    num_parts: int,
+    shares: list[tuple[int, int]],
+    helpers: ThreadPoolExecutor | None,
 ) -> tuple[float, float]:
-    """Seconds of one checked batched put and get of fresh keys (removed afterwards); the get is split over
-    the calling thread and ``helpers`` into ``num_readers`` contiguous shares (see ``measure_put_get``)."""
+    """Seconds of one checked batched put and get of fresh keys (removed afterwards); the get reads
+    ``shares`` at once, the first on the calling thread and the others on ``helpers`` (see
+    ``measure_put_get``)."""
     num_values = len(sources)
     keys = [f"hybridkv-bench/{uuid.uuid4().hex}/{round_index}/{i}" for i in range(num_values)]
     values, targets = _as_values(sources, num_parts), _as_values(destinations, num_parts)
@@ -206,19 +188,19 @@ def _time_put_get(
     put_statuses = store.put(keys, values)
     put_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in put_statuses), f"{store.url}: bench put failed: {set(put_statuses)}"
-    bounds = share_bounds(num_values, num_readers if helpers is not None else 1)
     start = time.perf_counter()
     others = [
-        cast(ThreadPoolExecutor, helpers).submit(store.get_into, keys[low:high], targets[low:high])
-        for low, high in bounds[1:]
+        helpers.submit(store.get_into, keys[low:high], targets[low:high])
+        for low, high in shares[1:]
+        if helpers is not None
     ]
-    low, high = bounds[0]
+    low, high = shares[0]
     get_statuses = store.get_into(keys[low:high], targets[low:high])
     for other in others:
         get_statuses = [*get_statuses, *other.result()]
     get_elapsed = time.perf_counter() - start
     assert all(s is Status.OK for s in get_statuses), f"{store.url}: bench get failed: {set(get_statuses)}"
-    checked = sorted({index for low, high in bounds for index in (low, high - 1)})  # each share's ends
+    checked = sorted({index for low, high in shares for index in (low, high - 1)})  # each share's ends
     assert all(np.array_equal(sources[index], destinations[index]) for index in checked), (
         f"{store.url}: bench read back different bytes"
     )

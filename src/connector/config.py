@@ -56,10 +56,10 @@ Keys (all optional):
                     (``file://``, ``mooncake://``); ``memory://`` is refused.
 ``worker_cpus``     the CPUs of the worker half's own threads (load, readers, save): ``"inherit"`` (default):
                     where they start (on a CPU host whose vLLM binds OpenMP, the OpenMP main thread's
-                    core); ``"auto"``: there, the worker's CPUs outside that binding (the cores vLLM
-                    reserves, one per rank for a KV connector), else where they start; or a CPU list
-                    (``"14,15"``, ``"12-15"``) that the worker may use (checked at worker start). See
-                    ``hybridkv.connector.worker.cpus``.
+                    core); ``"auto"``: where vLLM binds OpenMP, the worker's CPUs outside that binding
+                    (the cores vLLM reserves, one per rank for a KV connector), else where they start; or
+                    a CPU list (``"14,15"``, ``"12-15"``) that the worker may use (checked at worker
+                    start). See ``hybridkv.connector.worker.cpus``.
 ``step_trace``      (bool, default false) log one DEBUG event per scheduler step (``hybridkv step``: the
                     requests it asked again, answered, sent loads for, saw loads finish for and scheduled,
                     with ``time.monotonic()``, the audit log's clock), to trace where a hit's time to first

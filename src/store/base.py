@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -161,6 +162,15 @@ def find_layer(store: object, kind: type[_LayerT]) -> _LayerT | None:
             return current
         current = getattr(current, "backend", None) or getattr(current, "inner", None)
     return None
+
+
+def contiguous_shares(num_keys: int, num_shares: int) -> list[tuple[int, int]]:
+    """``[low, high)`` index ranges that split a batch of ``num_keys`` keys into ``min(num_shares, num_keys)``
+    contiguous shares, in order, whose sizes differ by at most one (non-empty, but for the one share of an
+    empty batch): how concurrent readers of one batch divide it, each with a store call of its own."""
+    num_shares = max(1, min(num_shares, num_keys))
+    bounds = [num_keys * share // num_shares for share in range(num_shares + 1)]
+    return list(itertools.pairwise(bounds))
 
 
 def with_extra(stats: StoreStats, extra: dict[str, object], *, url: str | None = None) -> StoreStats:

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import structlog
-from hybridkv.bench.store import filesystem_of, measure_put_get, run_store_bench, share_bounds
+from hybridkv.bench.store import filesystem_of, measure_put_get, run_store_bench
 from hybridkv.cli import main
 from hybridkv.store import Status, open_store
+from hybridkv.store.base import contiguous_shares
 from hybridkv_dev.devkit.mooncake import MooncakeMaster
 
 
@@ -92,15 +93,16 @@ def test_bench_cli_reads_split_over_readers(tmp_path: Path) -> None:
     [
         (10, 1, [(0, 10)]),
         (10, 2, [(0, 5), (5, 10)]),
-        (31, 2, [(0, 16), (16, 31)]),
-        (7, 3, [(0, 3), (3, 5), (5, 7)]),
+        (31, 2, [(0, 15), (15, 31)]),
+        (7, 3, [(0, 2), (2, 4), (4, 7)]),
         (2, 4, [(0, 1), (1, 2)]),
     ],
 )
-def test_share_bounds_cover_every_value_once(
+def test_contiguous_shares_cover_every_value_once(
     num_values: int, num_shares: int, expected: list[tuple[int, int]]
 ) -> None:
-    assert share_bounds(num_values, num_shares) == expected
+    """The split the load pipeline's readers and ``bench store --readers`` share."""
+    assert contiguous_shares(num_values, num_shares) == expected
 
 
 def test_store_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -133,23 +133,17 @@ def resolve_worker_cpus(
     return WorkerCpus(frozenset(spare), f"the CPUs outside the OpenMP binding {sorted(bound)}")
 
 
-def started_with_cpus() -> frozenset[int]:
-    """The CPUs the worker process was started with: its parent's (see the module docstring), or the
-    calling thread's own where the parent's cannot be read."""
-    own = frozenset(os.sched_getaffinity(0))
-    try:
-        return frozenset(os.sched_getaffinity(os.getppid()))
-    except OSError:
-        return own
-
-
 def worker_cpus_for(setting: str | frozenset[int]) -> WorkerCpus:
-    """:func:`resolve_worker_cpus` for this process, logged once (INFO) with what it chose and why."""
+    """:func:`resolve_worker_cpus` for this process, logged once (INFO) with what it chose and why. The
+    CPUs it was started with are its parent's (see the module docstring), or the calling thread's own where
+    the parent's cannot be read."""
+    allowed_now = frozenset(os.sched_getaffinity(0))
+    try:
+        started_with = frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        started_with = allowed_now
     resolved = resolve_worker_cpus(
-        setting,
-        environ=os.environ,
-        started_with=started_with_cpus(),
-        allowed_now=frozenset(os.sched_getaffinity(0)),
+        setting, environ=os.environ, started_with=started_with, allowed_now=allowed_now
     )
     log.info(
         "hybridkv: worker threads",

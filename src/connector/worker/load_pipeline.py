@@ -21,7 +21,6 @@ Contracts:
 from __future__ import annotations
 
 import functools
-import itertools
 import queue
 import threading
 import time
@@ -42,7 +41,7 @@ from hybridkv.connector.worker.outbox import Outbox
 from hybridkv.connector.worker.ownership import LateOwnership, Quarantine
 from hybridkv.lifecycle.keys import KeyScheme
 from hybridkv.lifecycle.load import LoadOutcome
-from hybridkv.store.base import Status, Value, collect_late_calls
+from hybridkv.store.base import Status, Value, collect_late_calls, contiguous_shares
 
 log = structlog.get_logger(__name__)
 
@@ -309,20 +308,20 @@ class LoadPipeline:
         share's call has returned; an exception of any share propagates (the job fails, the request
         recomputes), after ``late`` has every share's late calls.
         """
-        num_shares = min(LOAD_READERS, len(keys)) if nbytes >= SPLIT_READ_MIN_BYTES else 1
-        bounds = [len(keys) * share // num_shares for share in range(num_shares + 1)]
-        shares_late: list[list[Future[object]]] = [[] for _ in range(num_shares)]
+        shares = contiguous_shares(len(keys), LOAD_READERS if nbytes >= SPLIT_READ_MIN_BYTES else 1)
+        shares_late: list[list[Future[object]]] = [[] for _ in shares]
         helpers = [
             self._readers.submit(
                 functools.partial(
                     self._read_share, keys[a:b], destinations[a:b], shares_late[share], a, on_time
                 )
             )
-            for share, (a, b) in enumerate(itertools.pairwise(bounds[1:]), start=1)
+            for share, (a, b) in enumerate(shares[1:], start=1)
         ]
         try:
+            _, first_end = shares[0]
             statuses = self._read_share(
-                keys[: bounds[1]], destinations[: bounds[1]], shares_late[0], 0, on_time
+                keys[:first_end], destinations[:first_end], shares_late[0], 0, on_time
             )
         finally:
             # Never hand the destinations back while a helper may still write them; then every share's
